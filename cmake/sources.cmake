@@ -1,0 +1,17 @@
+# Every source of the library in one place. Each op family adds its api/cpu files and its CUDA files.
+set(LOGITLESS_CXX_SOURCES
+  src/common/error.cpp
+  src/common/layout.cpp
+  src/common/tensor.cpp
+  src/cross_entropy/api.cpp
+  src/cross_entropy/cpu.cpp
+)
+# Compiled only with the CUDA backend.
+set(LOGITLESS_CUDA_SOURCES
+  src/common/cuda/device_info.cu
+  src/cross_entropy/cuda/launch.cu
+)
+# Compiled only without it.
+set(LOGITLESS_NO_CUDA_SOURCES
+  src/common/no_cuda.cpp
+)

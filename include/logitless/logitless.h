@@ -1,0 +1,7 @@
+// logitless: fused LLM training-loss kernels. The umbrella header.
+#pragma once
+
+#include "logitless/cross_entropy.h"
+#include "logitless/error.h"
+#include "logitless/tensor.h"
+#include "logitless/version.h"

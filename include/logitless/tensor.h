@@ -1,0 +1,68 @@
+// logitless: the one tensor description every public function takes.
+//
+// A TensorView does not own memory. It is a data pointer plus dtype, device, sizes and strides (in
+// elements, as torch counts them), so any framework can hand its tensors over without a copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+
+namespace logitless {
+
+enum class DType : int32_t {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kFloat64 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kUInt8 = 6,
+  kBool = 7,
+};
+
+const char* dtype_name(DType dtype);
+int64_t dtype_size(DType dtype);  // bytes per element
+
+enum class DeviceType : int32_t { kCPU = 0, kCUDA = 1 };
+
+struct Device {
+  DeviceType type = DeviceType::kCPU;
+  int32_t index = 0;  // CUDA ordinal; 0 for the CPU
+};
+
+inline constexpr int kMaxDims = 8;
+
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  Device device{};
+  int32_t ndim = -1;  // -1: the tensor is absent (an optional argument that was not given)
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[kMaxDims] = {};  // in elements, may be 0 for broadcast dimensions of inputs
+
+  bool defined() const { return ndim >= 0; }
+  int64_t size(int d) const { return sizes[d < 0 ? d + ndim : d]; }
+  int64_t stride(int d) const { return strides[d < 0 ? d + ndim : d]; }
+  int64_t numel() const;
+  bool is_contiguous() const;
+  bool is_cuda() const { return device.type == DeviceType::kCUDA; }
+
+  // A view of `data` with the given sizes; contiguous (row-major) strides when `strides` is empty.
+  static TensorView make(void* data, DType dtype, Device device, std::initializer_list<int64_t> sizes,
+                         std::initializer_list<int64_t> strides = {});
+  static TensorView make(void* data, DType dtype, Device device, int32_t ndim, const int64_t* sizes,
+                         const int64_t* strides /* nullptr: contiguous */);
+};
+
+// Scratch memory the caller provides (see each op's *_workspace_bytes). On CUDA it must be device
+// memory on the op's device; it may be left uninitialized.
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// A CUDA stream as an opaque handle (a cudaStream_t); nullptr is the legacy default stream.
+using StreamHandle = void*;
+
+}  // namespace logitless

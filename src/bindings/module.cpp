@@ -1,0 +1,52 @@
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "bindings/common.h"
+
+namespace logitless::bindings {
+
+TensorView to_view(nb::handle obj) {
+  if (obj.is_none()) return TensorView{};
+  auto t = nb::cast<nb::tuple>(obj);
+  if (t.size() != 6) throw Error(Error::Kind::kInvalidArgument, "tensor descriptor: expected a 6-tuple");
+  const auto ptr = nb::cast<uintptr_t>(t[0]);
+  const auto dtype = static_cast<DType>(nb::cast<int32_t>(t[1]));
+  const Device dev{static_cast<DeviceType>(nb::cast<int32_t>(t[2])), nb::cast<int32_t>(t[3])};
+  const auto sizes = nb::cast<std::vector<int64_t>>(t[4]);
+  const auto strides = nb::cast<std::vector<int64_t>>(t[5]);
+  if (sizes.size() != strides.size() || sizes.size() > static_cast<size_t>(kMaxDims))
+    throw Error(Error::Kind::kInvalidArgument, "tensor descriptor: sizes and strides must match, at most 8 dims");
+  return TensorView::make(reinterpret_cast<void*>(ptr), dtype, dev, static_cast<int32_t>(sizes.size()),
+                          sizes.data(), strides.data());
+}
+
+Workspace to_workspace(nb::handle obj) {
+  if (obj.is_none()) return Workspace{};
+  auto t = nb::cast<nb::tuple>(obj);
+  return Workspace{reinterpret_cast<void*>(nb::cast<uintptr_t>(t[0])), nb::cast<size_t>(t[1])};
+}
+
+void bind_cross_entropy(nb::module_& m);
+
+}  // namespace logitless::bindings
+
+NB_MODULE(_C, m) {
+  namespace nb = nanobind;
+  using namespace logitless;
+  m.doc() = "logitless: fused LLM training-loss kernels (C++ core)";
+  // Bad arguments become ValueError, everything else RuntimeError.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(e.kind() == Error::Kind::kInvalidArgument ? PyExc_ValueError : PyExc_RuntimeError, e.what());
+    }
+  });
+  m.def("version", &version);
+  m.def("built_with_cuda", &built_with_cuda);
+  m.def("cuda_device_count", &cuda_device_count);
+  bindings::bind_cross_entropy(m);
+}

@@ -1,0 +1,59 @@
+// CUDA error checks: every runtime call and every launch is checked and turned into logitless::Error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/check.h"
+
+namespace logitless {
+
+[[noreturn]] inline void throw_cuda(cudaError_t err, const char* what, const char* file, int line) {
+  throw_runtime(str_cat("CUDA error in ", what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ") at ",
+                        file, ":", line));
+}
+
+#define LOGITLESS_CUDA_CHECK(expr)                                        \
+  do {                                                                    \
+    const cudaError_t err_ = (expr);                                      \
+    if (err_ != cudaSuccess) ::logitless::throw_cuda(err_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+// After a launch: catches bad configurations at once (asynchronous faults surface at the next sync).
+#define LOGITLESS_CUDA_CHECK_LAUNCH(name)                                 \
+  do {                                                                    \
+    const cudaError_t err_ = cudaGetLastError();                          \
+    if (err_ != cudaSuccess) ::logitless::throw_cuda(err_, "launch of " name, __FILE__, __LINE__); \
+  } while (0)
+
+// Makes `device` current for the scope of a call and restores the caller's device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    LOGITLESS_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device) LOGITLESS_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
+// Properties of a device the launchers need, read once per device and cached.
+struct DeviceInfo {
+  int sm_major = 0, sm_minor = 0;
+  int sm_count = 0;
+  int max_smem_per_block_optin = 0;  // bytes a block may use after opting in
+  int max_smem_per_sm = 0;
+  int l2_bytes = 0;
+};
+const DeviceInfo& device_info(int device);
+
+// True when `stream` is capturing a CUDA graph (no synchronization or host read-back allowed then).
+bool stream_is_capturing(cudaStream_t stream);
+
+}  // namespace logitless

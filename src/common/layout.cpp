@@ -1,0 +1,62 @@
+#include "common/layout.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "common/check.h"
+
+namespace logitless {
+
+std::vector<RowLayout> collapse_rows(const int64_t* sizes, int nd, const std::vector<const int64_t*>& strides,
+                                     const char* what) {
+  const size_t k = strides.size();
+  // Work innermost-first; drop size-1 dimensions (their strides are irrelevant).
+  std::vector<int64_t> sz;
+  std::vector<std::vector<int64_t>> st(k);
+  for (int d = nd - 1; d >= 0; --d) {
+    if (sizes[d] == 1) continue;
+    bool merge = !sz.empty();
+    for (size_t t = 0; merge && t < k; ++t) merge = strides[t][d] == st[t].back() * sz.back();
+    if (merge) {
+      sz.back() *= sizes[d];
+    } else {
+      sz.push_back(sizes[d]);
+      for (size_t t = 0; t < k; ++t) st[t].push_back(strides[t][d]);
+    }
+  }
+  if (static_cast<int>(sz.size()) > kMaxRowDims) {
+    throw_invalid(str_cat(what, ": expected leading dimensions that collapse to at most ", kMaxRowDims,
+                          " strided dimensions, got ", sz.size(), " (make the tensor contiguous first)"));
+  }
+  std::vector<RowLayout> out(k);
+  for (size_t t = 0; t < k; ++t) {
+    RowLayout& L = out[t];
+    if (sz.empty()) {  // zero leading dimensions, or all of size 1: one row
+      L.nd = 1;
+      L.sizes[0] = 1;
+      L.strides[0] = 0;
+      continue;
+    }
+    L.nd = static_cast<int32_t>(sz.size());
+    for (int d = 0; d < L.nd; ++d) {  // back to outermost-first
+      L.sizes[d] = sz[L.nd - 1 - d];
+      L.strides[d] = st[t][L.nd - 1 - d];
+    }
+  }
+  return out;
+}
+
+bool rows_disjoint(const RowLayout& layout, int64_t row_extent) {
+  std::vector<int> order(layout.nd);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return layout.strides[a] < layout.strides[b]; });
+  int64_t extent = row_extent;  // elements spanned by one step of the next-larger dimension must exceed this
+  for (int i : order) {
+    if (layout.sizes[i] <= 1) continue;
+    if (layout.strides[i] < extent) return false;
+    extent = layout.strides[i] * (layout.sizes[i] - 1) + extent;
+  }
+  return true;
+}
+
+}  // namespace logitless

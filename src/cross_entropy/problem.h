@@ -1,0 +1,58 @@
+// The validated, framework-free description of one cross-entropy call that every backend consumes.
+// api.cpp builds it (all argument checking happens there); cpu.cpp and cuda/ only compute.
+#pragma once
+
+#include <cstdint>
+
+#include "common/layout.h"
+#include "logitless/cross_entropy.h"
+
+namespace logitless::ce {
+
+enum class Mode { kForward, kForwardBackward, kBackward };
+
+struct Problem {
+  Mode mode = Mode::kForward;
+  int64_t n_rows = 0;
+  int64_t vocab = 0;
+  DType dtype = DType::kFloat32;  // logits and grad
+
+  const void* logits = nullptr;
+  RowLayout logits_rows;
+  const void* target = nullptr;
+  DType target_dtype = DType::kInt64;
+  RowLayout target_rows;
+  const float* weight = nullptr;  // [V] or nullptr
+  int64_t weight_stride = 1;
+
+  float* loss = nullptr;    // [] (sum/mean) or [N] contiguous (none); unused in kBackward
+  float* lse = nullptr;     // [N] contiguous, optional (forward modes)
+  float* z_loss = nullptr;  // [N] contiguous, optional (forward modes)
+  void* grad = nullptr;     // grad_logits (kForwardBackward, kBackward)
+  RowLayout grad_rows;
+  const float* lse_in = nullptr;      // [N] (kBackward)
+  const float* grad_scale = nullptr;  // [] or [N]; kForwardBackward: optional; kBackward: grad_loss
+  bool grad_scale_per_row = false;
+
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::kMean;
+  float label_smoothing = 0.f;
+  float z_loss_scale = 0.f;
+  float softcap = 0.f;
+  bool check_targets = true;
+  CrossEntropyAlgo algo = CrossEntropyAlgo::kAuto;
+  Device device;
+};
+
+void run_cpu(const Problem& p);
+void scale_rows_cpu(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab,
+                    const float* scale, bool per_row);
+
+#if defined(LOGITLESS_WITH_CUDA)
+size_t cuda_workspace_bytes(int64_t n_rows, int64_t vocab, bool has_weight, const CrossEntropyOptions& o);
+void run_cuda(const Problem& p, Workspace ws, StreamHandle stream);
+void scale_rows_cuda(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab,
+                     const float* scale, bool per_row, Device device, StreamHandle stream);
+#endif
+
+}  // namespace logitless::ce

@@ -1,0 +1,224 @@
+#include <algorithm>
+#include <sstream>
+
+#include "test_util.h"
+
+#if defined(LOGITLESS_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace logitless::test {
+
+bool has_gpu() {
+  static const bool gpu = logitless::cuda_device_count() > 0;
+  return gpu;
+}
+
+namespace {
+void check_cuda(int err, const char* what) {
+  if (err != 0) throw std::runtime_error(std::string("CUDA call failed in test harness: ") + what);
+}
+}  // namespace
+
+TestTensor::TestTensor(DType dtype, std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t offset)
+    : dtype_(dtype), sizes_(std::move(sizes)), strides_(std::move(strides)), offset_(offset) {
+  if (strides_.empty()) {
+    strides_.resize(sizes_.size());
+    int64_t s = 1;
+    for (int d = static_cast<int>(sizes_.size()) - 1; d >= 0; --d) {
+      strides_[d] = s;
+      s *= sizes_[d];
+    }
+  }
+  int64_t span = 1;  // elements spanned (max index + 1)
+  for (size_t d = 0; d < sizes_.size(); ++d) {
+    if (sizes_[d] == 0) span = 0;
+  }
+  if (span) {
+    for (size_t d = 0; d < sizes_.size(); ++d) span += (sizes_[d] - 1) * strides_[d];
+  }
+  host_.assign(static_cast<size_t>((offset_ + span) * dtype_size(dtype_)), 0);
+}
+
+int64_t TestTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : sizes_) n *= s;
+  return n;
+}
+
+int64_t TestTensor::storage_index(int64_t flat) const {
+  int64_t off = 0;
+  for (int d = static_cast<int>(sizes_.size()) - 1; d >= 0; --d) {
+    off += (flat % sizes_[d]) * strides_[d];
+    flat /= sizes_[d];
+  }
+  return off;
+}
+
+void TestTensor::set_index(int64_t flat, int64_t v) {
+  const int64_t i = storage_index(flat) + offset_;
+  if (dtype_ == DType::kInt32) {
+    reinterpret_cast<int32_t*>(host_.data())[i] = static_cast<int32_t>(v);
+  } else {
+    reinterpret_cast<int64_t*>(host_.data())[i] = v;
+  }
+}
+
+void TestTensor::fill_storage_bytes(uint8_t byte) { std::fill(host_.begin(), host_.end(), byte); }
+
+void TestTensor::fill_storage_nan() {
+  for (int64_t i = 0; i < storage_elems(); ++i) store_float(host_.data(), dtype_, i, NAN);
+}
+
+void TestTensor::to_device() {
+#if defined(LOGITLESS_WITH_CUDA)
+  if (!dev_ && !host_.empty()) check_cuda(cudaMalloc(&dev_, host_.size()), "cudaMalloc");
+  if (dev_) check_cuda(cudaMemcpy(dev_, host_.data(), host_.size(), cudaMemcpyHostToDevice), "upload");
+#else
+  throw std::runtime_error("built without CUDA");
+#endif
+}
+
+void TestTensor::to_host() {
+#if defined(LOGITLESS_WITH_CUDA)
+  if (dev_) check_cuda(cudaMemcpy(host_.data(), dev_, host_.size(), cudaMemcpyDeviceToHost), "download");
+#endif
+}
+
+TensorView TestTensor::view(bool device) const {
+  TensorView t;
+  uint8_t* base = device ? static_cast<uint8_t*>(dev_) : const_cast<uint8_t*>(host_.data());
+  t.data = base ? base + offset_ * dtype_size(dtype_) : nullptr;
+  t.dtype = dtype_;
+  t.device = device ? Device{DeviceType::kCUDA, 0} : Device{DeviceType::kCPU, 0};
+  t.ndim = static_cast<int32_t>(sizes_.size());
+  for (size_t d = 0; d < sizes_.size(); ++d) {
+    t.sizes[d] = sizes_[d];
+    t.strides[d] = strides_[d];
+  }
+  return t;
+}
+
+TestTensor::~TestTensor() {
+#if defined(LOGITLESS_WITH_CUDA)
+  if (dev_) cudaFree(dev_);
+#endif
+}
+
+TestTensor& TestTensor::operator=(TestTensor&& o) noexcept {
+  if (this != &o) {
+#if defined(LOGITLESS_WITH_CUDA)
+    if (dev_) cudaFree(dev_);
+#endif
+    dtype_ = o.dtype_;
+    sizes_ = std::move(o.sizes_);
+    strides_ = std::move(o.strides_);
+    offset_ = o.offset_;
+    host_ = std::move(o.host_);
+    dev_ = o.dev_;
+    o.dev_ = nullptr;
+  }
+  return *this;
+}
+
+DeviceScratch::DeviceScratch(size_t bytes) : bytes_(bytes) {
+#if defined(LOGITLESS_WITH_CUDA)
+  if (bytes) check_cuda(cudaMalloc(&ptr_, bytes), "cudaMalloc scratch");
+  // Poison: the library must not rely on zeroed scratch.
+  if (bytes) check_cuda(cudaMemset(ptr_, 0xA5, bytes), "memset scratch");
+#endif
+}
+
+DeviceScratch::~DeviceScratch() {
+#if defined(LOGITLESS_WITH_CUDA)
+  if (ptr_) cudaFree(ptr_);
+#endif
+}
+
+void device_synchronize() {
+#if defined(LOGITLESS_WITH_CUDA)
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+#endif
+}
+
+void test_copy_device_to_host(void* dst, const void* src, size_t bytes) {
+#if defined(LOGITLESS_WITH_CUDA)
+  check_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "download");
+#else
+  (void)dst, (void)src, (void)bytes;
+  throw std::runtime_error("built without CUDA");
+#endif
+}
+
+Tol tolerance(DType dtype, Quantity q) {
+  // Rows of the table: the output dtype bounds what any backend can match. The loss and lse are float32
+  // outputs computed from the same inputs, so they get tight tolerances whatever the logits dtype;
+  // gradients are stored in the logits dtype (bf16 keeps 8 mantissa bits: 2^-8 = 0.4%).
+  switch (q) {
+    case Quantity::kLoss: return {2e-5, 2e-5};
+    case Quantity::kLse: return {2e-6, 2e-5};
+    case Quantity::kGrad:
+      switch (dtype) {
+        case DType::kFloat32: return {1e-4, 1e-6};
+        case DType::kFloat16: return {2e-3, 1e-5, 6e-8};
+        case DType::kBFloat16: return {1.6e-2, 1e-4};
+        default: return {1e-4, 1e-6};
+      }
+  }
+  return {0, 0};
+}
+
+::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected, Tol tol,
+                                     double scale, const std::string& what) {
+  if (actual.size() != expected.size()) {
+    return ::testing::AssertionFailure() << what << ": size " << actual.size() << " vs " << expected.size();
+  }
+  int64_t bad = 0, worst = -1;
+  double worst_excess = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    const double a = actual[i], e = expected[i];
+    if (std::isnan(e) || std::isnan(a)) {
+      if (std::isnan(e) != std::isnan(a)) {
+        ++bad;
+        if (worst < 0) worst = static_cast<int64_t>(i), worst_excess = INFINITY;
+      }
+      continue;
+    }
+    if (std::isinf(e) || std::isinf(a)) {
+      if (a != e) {
+        ++bad;
+        worst = static_cast<int64_t>(i);
+        worst_excess = INFINITY;
+      }
+      continue;
+    }
+    const double lim = tol.floor + tol.atol * scale + tol.rtol * std::abs(e);
+    const double err = std::abs(a - e);
+    if (err > lim) {
+      ++bad;
+      if (err - lim > worst_excess || worst < 0) {
+        worst_excess = err - lim;
+        worst = static_cast<int64_t>(i);
+      }
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  std::ostringstream os;
+  os << what << ": " << bad << " of " << actual.size() << " elements differ; worst at " << worst << ": got "
+     << actual[worst] << ", expected " << expected[worst] << " (rtol " << tol.rtol << ", atol " << tol.atol
+     << " x scale " << scale << ")";
+  return ::testing::AssertionFailure() << os.str();
+}
+
+std::string dtype_tag(DType dt) {
+  switch (dt) {
+    case DType::kFloat32: return "f32";
+    case DType::kFloat16: return "f16";
+    case DType::kBFloat16: return "bf16";
+    case DType::kInt32: return "i32";
+    case DType::kInt64: return "i64";
+    default: return dtype_name(dt);
+  }
+}
+
+}  // namespace logitless::test

@@ -1,0 +1,660 @@
+// Cross-entropy: the CPU backend against a naive float64 reference, the CUDA kernels against the CPU
+// backend, over dtype x shape x layout x options x entry point; bad-input checks; the N*V > 2^31 case.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <random>
+#include <sstream>
+
+#include "test_util.h"
+
+namespace logitless::test {
+namespace {
+
+enum class Layout { kContiguous, kPadded, kShifted };
+enum class Preset { kPlain, kIgnore, kIgnoreInRange, kSmoothing, kWeights, kWeightsSmoothing, kZLoss, kSoftcap, kAll, kAllIgnored, kBadTargetNoCheck };
+
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::kContiguous: return "contig";
+    case Layout::kPadded: return "padded";
+    case Layout::kShifted: return "shifted";
+  }
+  return "?";
+}
+const char* preset_name(Preset p) {
+  switch (p) {
+    case Preset::kPlain: return "plain";
+    case Preset::kIgnore: return "ignore";
+    case Preset::kIgnoreInRange: return "ignore3";
+    case Preset::kSmoothing: return "smooth";
+    case Preset::kWeights: return "weights";
+    case Preset::kWeightsSmoothing: return "wsmooth";
+    case Preset::kZLoss: return "zloss";
+    case Preset::kSoftcap: return "softcap";
+    case Preset::kAll: return "all";
+    case Preset::kAllIgnored: return "allignored";
+    case Preset::kBadTargetNoCheck: return "badnocheck";
+  }
+  return "?";
+}
+const char* reduction_name(Reduction r) {
+  return r == Reduction::kNone ? "none" : r == Reduction::kSum ? "sum" : "mean";
+}
+
+struct CeCase {
+  int64_t n, v;
+  DType dtype;
+  DType tdtype;
+  Layout layout;
+  Preset preset;
+  Reduction reduction;
+};
+
+std::string case_name(const CeCase& c);
+void PrintTo(const CeCase& c, std::ostream* os) { *os << case_name(c); }
+
+std::string case_name(const CeCase& c) {
+  std::ostringstream os;
+  os << "N" << c.n << "_V" << c.v << "_" << dtype_tag(c.dtype) << "_" << dtype_tag(c.tdtype) << "_"
+     << layout_name(c.layout) << "_" << preset_name(c.preset) << "_" << reduction_name(c.reduction);
+  return os.str();
+}
+
+CrossEntropyOptions options_for(const CeCase& c) {
+  CrossEntropyOptions o;
+  o.reduction = c.reduction;
+  switch (c.preset) {
+    case Preset::kSmoothing: o.label_smoothing = 0.1; break;
+    case Preset::kWeightsSmoothing: o.label_smoothing = 0.2; break;
+    case Preset::kZLoss: o.z_loss = 1e-3; break;
+    case Preset::kSoftcap: o.softcap = 4.0; break;
+    case Preset::kAll:
+      o.label_smoothing = 0.05;
+      o.z_loss = 1e-2;
+      o.softcap = 8.0;
+      break;
+    case Preset::kIgnoreInRange: o.ignore_index = 2; break;
+    case Preset::kBadTargetNoCheck: o.check_targets = false; break;
+    default: break;
+  }
+  return o;
+}
+
+bool uses_weights(Preset p) { return p == Preset::kWeights || p == Preset::kWeightsSmoothing || p == Preset::kAll; }
+
+// The inputs of one case, on the host (and mirrored to the GPU on demand).
+struct CeInputs {
+  CeCase c;
+  CrossEntropyOptions opt;
+  TestTensor logits, target, weight;
+  std::vector<int64_t> lead;  // leading shape of logits
+  bool has_weight = false;
+
+  explicit CeInputs(const CeCase& cs, uint64_t seed) : c(cs), opt(options_for(cs)) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    const int64_t N = c.n, V = c.v;
+    switch (c.layout) {
+      case Layout::kContiguous:
+        lead = {N};
+        logits = TestTensor(c.dtype, {N, V});
+        target = TestTensor(c.tdtype, {N});
+        break;
+      case Layout::kPadded:  // row stride V + 3: rows start at odd element offsets (misaligned for 16-byte loads)
+        lead = {N};
+        logits = TestTensor(c.dtype, {N, V}, {V + 3, 1}, /*offset=*/1);
+        target = TestTensor(c.tdtype, {N}, {2});
+        break;
+      case Layout::kShifted: {  // [B, T+1, V] storage viewed as [B, T, V] (the causal-LM shift), T = N / B
+        const int64_t B = N % 2 == 0 && N > 0 ? 2 : 1, T = N / B;
+        lead = {B, T};
+        logits = TestTensor(c.dtype, {B, T, V}, {(T + 1) * V, V, 1});
+        target = TestTensor(c.tdtype, {B, T}, {T + 1, 1}, /*offset=*/1);
+        break;
+      }
+    }
+    // Poison all storage (padding too), then write the viewed elements.
+    logits.fill_storage_nan();
+    target.fill_storage_bytes(0x7F);
+    const float spread = c.preset == Preset::kSoftcap || c.preset == Preset::kAll ? 6.f : 2.f;
+    for (int64_t i = 0; i < logits.numel(); ++i) logits.set(i, spread * normal(rng));
+    std::uniform_int_distribution<int64_t> tdist(0, V - 1);
+    for (int64_t i = 0; i < N; ++i) {
+      int64_t t = tdist(rng);
+      const bool ignore_some = c.preset != Preset::kPlain && c.preset != Preset::kSoftcap;
+      if (ignore_some && i % 3 == 1) t = opt.ignore_index;
+      if (c.preset == Preset::kAllIgnored) t = opt.ignore_index;
+      if (c.preset == Preset::kBadTargetNoCheck && i % 4 == 2) t = (i % 8 == 2) ? V + 5 : -7;
+      target.set_index(i, t);
+    }
+    if (uses_weights(c.preset)) {
+      has_weight = true;
+      weight = TestTensor(DType::kFloat32, {V});
+      std::uniform_real_distribution<float> u(0.25f, 2.f);
+      for (int64_t j = 0; j < V; ++j) weight.set(j, u(rng));
+    }
+  }
+  int64_t n() const { return c.n; }
+  TensorView wv(bool dev) const { return has_weight ? weight.view(dev) : TensorView{}; }
+};
+
+// ---- float64 reference: textbook formulas over log-probabilities ------------------------------------
+struct RefOut {
+  std::vector<double> loss_rows, lse, z, grad;  // grad: [N*V], upstream factor applied
+  double loss_reduced = 0;
+};
+
+RefOut reference(const CeInputs& in, const std::vector<double>& upstream /* [1] or [N] */) {
+  const int64_t N = in.c.n, V = in.c.v;
+  const auto& o = in.opt;
+  RefOut r;
+  r.loss_rows.assign(N, 0);
+  r.lse.assign(N, 0);
+  r.z.assign(N, 0);
+  r.grad.assign(N * V, 0);
+  auto w = [&](int64_t j) { return in.has_weight ? static_cast<double>(in.weight.get(j)) : 1.0; };
+  double denom = 0, total = 0;
+  std::vector<double> x(V), logp(V);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = in.target.get_index(i);
+    if (t == o.ignore_index) continue;
+    if (t < 0 || t >= V) {
+      r.loss_rows[i] = r.lse[i] = r.z[i] = NAN;
+      for (int64_t j = 0; j < V; ++j) r.grad[i * V + j] = NAN;
+      total += NAN;
+      continue;
+    }
+    denom += w(t);
+    double m = -INFINITY;
+    for (int64_t j = 0; j < V; ++j) {
+      const double y = in.logits.get(i * V + j);
+      x[j] = o.softcap > 0 ? o.softcap * std::tanh(y / o.softcap) : y;
+      m = std::max(m, x[j]);
+    }
+    double s = 0;
+    for (int64_t j = 0; j < V; ++j) s += std::exp(x[j] - m);
+    const double lse = m + std::log(s);
+    for (int64_t j = 0; j < V; ++j) logp[j] = x[j] - lse;
+    double smooth = 0;
+    for (int64_t j = 0; j < V; ++j) smooth -= w(j) * logp[j];
+    const double eps = o.label_smoothing;
+    const double loss = -(1 - eps) * w(t) * logp[t] + eps / V * smooth + o.z_loss * lse * lse;
+    r.loss_rows[i] = loss;
+    r.lse[i] = lse;
+    r.z[i] = o.z_loss * lse * lse;
+    total += loss;
+  }
+  const double inv = o.reduction == Reduction::kMean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
+  r.loss_reduced = total * inv;
+  // Gradient: d/dx_j of each term, written term by term (p = exp(logp)).
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = in.target.get_index(i);
+    if (t == o.ignore_index || t < 0 || t >= V) continue;
+    const double g = upstream[upstream.size() == 1 ? 0 : i] * inv;
+    const double lse = r.lse[i];
+    double W = 0;
+    for (int64_t j = 0; j < V; ++j) W += w(j);
+    for (int64_t j = 0; j < V; ++j) {
+      const double y = in.logits.get(i * V + j);
+      const double xj = o.softcap > 0 ? o.softcap * std::tanh(y / o.softcap) : y;
+      const double p = std::exp(xj - lse);
+      const double eps = o.label_smoothing;
+      double d = (1 - eps) * w(t) * (p - (j == t ? 1.0 : 0.0));  // -(1-eps) w_t dlogp_t/dx_j
+      d += eps / V * (W * p - w(j));                              // smoothing term
+      d += 2 * o.z_loss * lse * p;                                // z-loss: d(lse^2) = 2 lse p_j
+      if (o.softcap > 0) d *= 1 - (xj / o.softcap) * (xj / o.softcap);
+      r.grad[i * V + j] = g * d;
+    }
+  }
+  return r;
+}
+
+// ---- running a backend -----------------------------------------------------------------------------
+enum class Entry { kForward, kForwardBackward, kForwardBackwardInPlace, kBackward };
+const char* entry_name(Entry e) {
+  switch (e) {
+    case Entry::kForward: return "forward";
+    case Entry::kForwardBackward: return "forward_backward";
+    case Entry::kForwardBackwardInPlace: return "forward_backward(in place)";
+    case Entry::kBackward: return "backward";
+  }
+  return "?";
+}
+
+struct Outputs {
+  std::vector<double> loss, lse, z, grad;
+};
+
+std::vector<int64_t> with_v(std::vector<int64_t> lead, int64_t V) {
+  lead.push_back(V);
+  return lead;
+}
+
+// Runs one entry point on the CPU (dev=false) or the GPU; outputs are poisoned before the call.
+Outputs run_backend(CeInputs& in, Entry e, bool dev, const std::vector<double>& upstream,
+                    const std::vector<float>* lse_for_backward) {
+  const int64_t N = in.c.n, V = in.c.v;
+  const bool none = in.opt.reduction == Reduction::kNone;
+  TestTensor loss(DType::kFloat32, none ? in.lead : std::vector<int64_t>{});
+  TestTensor lse(DType::kFloat32, in.lead), z(DType::kFloat32, in.lead);
+  TestTensor grad(in.c.dtype, with_v(in.lead, V));
+  TestTensor gscale(DType::kFloat32, {static_cast<int64_t>(upstream.size())});
+  for (size_t i = 0; i < upstream.size(); ++i) gscale.set(static_cast<int64_t>(i), static_cast<float>(upstream[i]));
+  TestTensor lse_in(DType::kFloat32, {N});
+  if (lse_for_backward)
+    for (int64_t i = 0; i < N; ++i) lse_in.set(i, (*lse_for_backward)[i]);
+  loss.fill_storage_nan();
+  lse.fill_storage_nan();
+  z.fill_storage_nan();
+  grad.fill_storage_nan();
+
+  // In place: the gradient goes into a copy of the logits with the logits' own layout.
+  std::optional<TestTensor> inplace;
+  if (e == Entry::kForwardBackwardInPlace) {
+    inplace.emplace(in.c.dtype, in.logits.sizes(), in.logits.strides());
+    // same storage layout as logits: copy element by element
+    for (int64_t i = 0; i < in.logits.numel(); ++i) inplace->set(i, in.logits.get(i));
+  }
+  if (dev) {
+    in.logits.to_device();
+    in.target.to_device();
+    if (in.has_weight) in.weight.to_device();
+    for (TestTensor* t : {&loss, &lse, &z, &grad, &gscale, &lse_in}) t->to_device();
+    if (inplace) inplace->to_device();
+  }
+  const TensorView lv = inplace ? inplace->view(dev) : in.logits.view(dev);
+  const size_t ws_bytes = cross_entropy_workspace_bytes(lv, in.target.view(dev), in.wv(dev), in.opt);
+  DeviceScratch ws(dev ? ws_bytes : 0);
+  switch (e) {
+    case Entry::kForward:
+      cross_entropy_forward(lv, in.target.view(dev), in.wv(dev), in.opt, loss.view(dev), lse.view(dev), z.view(dev),
+                            ws.ws(), nullptr);
+      break;
+    case Entry::kForwardBackward:
+      cross_entropy_forward_backward(lv, in.target.view(dev), in.wv(dev), in.opt, loss.view(dev), lse.view(dev),
+                                     z.view(dev), grad.view(dev), gscale.view(dev), ws.ws(), nullptr);
+      break;
+    case Entry::kForwardBackwardInPlace:
+      cross_entropy_forward_backward(lv, in.target.view(dev), in.wv(dev), in.opt, loss.view(dev), lse.view(dev),
+                                     z.view(dev), lv, gscale.view(dev), ws.ws(), nullptr);
+      break;
+    case Entry::kBackward:
+      cross_entropy_backward(lv, in.target.view(dev), in.wv(dev), lse_in.view(dev), gscale.view(dev), in.opt,
+                             grad.view(dev), ws.ws(), nullptr);
+      break;
+  }
+  if (dev) {
+    device_synchronize();
+    for (TestTensor* t : {&loss, &lse, &z, &grad}) t->to_host();
+    if (inplace) inplace->to_host();
+  }
+  Outputs out;
+  if (e != Entry::kBackward) {
+    for (int64_t i = 0; i < loss.numel(); ++i) out.loss.push_back(loss.get(i));
+    for (int64_t i = 0; i < N; ++i) out.lse.push_back(lse.get(i));
+    for (int64_t i = 0; i < N; ++i) out.z.push_back(z.get(i));
+  }
+  if (e != Entry::kForward) {
+    const TestTensor& g = inplace ? *inplace : grad;
+    for (int64_t i = 0; i < N * V; ++i) out.grad.push_back(g.get(i));
+  }
+  return out;
+}
+
+std::vector<double> upstream_for(const CeInputs& in, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  std::vector<double> up(in.opt.reduction == Reduction::kNone ? std::max<int64_t>(in.c.n, 0) : 1);
+  for (auto& v : up) v = static_cast<float>(u(rng));  // representable in float32 exactly
+  return up;
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v)
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  return m;
+}
+
+// Compares a backend's outputs with expected ones (from the reference or the CPU backend).
+void expect_outputs(const CeInputs& in, Entry e, const Outputs& got, const Outputs& want, const std::string& who) {
+  const DType dt = in.c.dtype;
+  const std::string tag = who + " " + entry_name(e);
+  if (e != Entry::kBackward) {
+    EXPECT_TRUE(all_close(got.loss, want.loss, tolerance(dt, Quantity::kLoss), std::max(1.0, max_abs(want.loss)),
+                          tag + " loss"));
+    EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), std::max(1.0, max_abs(want.lse)),
+                          tag + " lse"));
+    EXPECT_TRUE(all_close(got.z, want.z, tolerance(dt, Quantity::kLoss), std::max(1.0, max_abs(want.z)),
+                          tag + " z_loss"));
+  }
+  if (e != Entry::kForward) {
+    // The natural size of a gradient element is 1/N (mean) to 1 (sum): never compare with a zero scale.
+    const double scale = std::max(max_abs(want.grad), 1.0 / std::max<int64_t>(in.c.n, 1));
+    EXPECT_TRUE(all_close(got.grad, want.grad, tolerance(dt, Quantity::kGrad), scale, tag + " grad"));
+  }
+}
+
+Outputs from_reference(const RefOut& r, const CeInputs& in, bool with_upstream_entry) {
+  (void)with_upstream_entry;
+  Outputs o;
+  if (in.opt.reduction == Reduction::kNone) {
+    o.loss = r.loss_rows;
+  } else {
+    o.loss = {r.loss_reduced};
+  }
+  o.lse = r.lse;
+  o.z = r.z;
+  o.grad = r.grad;
+  return o;
+}
+
+std::vector<float> to_float(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
+
+// ---- the case list -----------------------------------------------------------------------------------
+std::vector<CeCase> make_cases(bool gpu_suite) {
+  std::vector<CeCase> cases;
+  const std::vector<int64_t> Ns = {0, 1, 7, 4096};
+  const std::vector<int64_t> Vs = {1, 3, 1000, 32003, 128256};
+  const std::vector<DType> dts = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  for (int64_t N : Ns) {
+    for (int64_t V : Vs) {
+      const double elems = static_cast<double>(N) * V;
+      // The float64 reference is slow: the CPU suite stays under ~4M elements per case; the GPU suite takes
+      // every shape (its expectation is the CPU backend, multithreaded).
+      if (!gpu_suite && elems > 4.2e6) continue;
+      for (DType dt : dts) {
+        const DType tdt = (V % 2 == 0) ? DType::kInt64 : DType::kInt32;
+        const bool huge = elems > 6e7;
+        cases.push_back({N, V, dt, tdt, Layout::kContiguous, Preset::kPlain, Reduction::kMean});
+        cases.push_back({N, V, dt, tdt, Layout::kPadded, Preset::kIgnore, Reduction::kSum});
+        if (huge && dt != DType::kBFloat16) continue;
+        cases.push_back({N, V, dt, tdt, Layout::kShifted, Preset::kAll, Reduction::kNone});
+        if (huge) continue;
+        cases.push_back({N, V, dt, tdt, Layout::kContiguous, Preset::kSmoothing, Reduction::kMean});
+        cases.push_back({N, V, dt, tdt, Layout::kContiguous, Preset::kWeights, Reduction::kMean});
+        cases.push_back({N, V, dt, tdt, Layout::kPadded, Preset::kWeightsSmoothing, Reduction::kNone});
+        cases.push_back({N, V, dt, tdt, Layout::kContiguous, Preset::kZLoss, Reduction::kSum});
+        cases.push_back({N, V, dt, tdt, Layout::kShifted, Preset::kSoftcap, Reduction::kMean});
+        cases.push_back({N, V, dt, tdt, Layout::kContiguous, Preset::kIgnoreInRange, Reduction::kMean});
+        cases.push_back({N, V, dt, tdt, Layout::kContiguous, Preset::kAllIgnored, Reduction::kMean});
+        cases.push_back({N, V, dt, tdt, Layout::kPadded, Preset::kBadTargetNoCheck, Reduction::kNone});
+      }
+    }
+  }
+  return cases;
+}
+
+uint64_t seed_of(const CeCase& c) { return std::hash<std::string>{}(case_name(c)); }
+
+class CrossEntropyCpu : public ::testing::TestWithParam<CeCase> {};
+class CrossEntropyCuda : public ::testing::TestWithParam<CeCase> {};
+
+const Entry kEntries[] = {Entry::kForward, Entry::kForwardBackward, Entry::kForwardBackwardInPlace, Entry::kBackward};
+
+TEST_P(CrossEntropyCpu, MatchesFloat64Reference) {
+  CeInputs in(GetParam(), seed_of(GetParam()));
+  const auto up = upstream_for(in, seed_of(GetParam()) + 1);
+  const RefOut ref = reference(in, up);
+  const Outputs want = from_reference(ref, in, true);
+  const auto ref_lse = to_float(ref.lse);
+  for (Entry e : kEntries) {
+    SCOPED_TRACE(entry_name(e));
+    const Outputs got = run_backend(in, e, /*dev=*/false, up, &ref_lse);
+    expect_outputs(in, e, got, want, "cpu");
+  }
+}
+
+TEST_P(CrossEntropyCuda, MatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  CeInputs in(GetParam(), seed_of(GetParam()));
+  const auto up = upstream_for(in, seed_of(GetParam()) + 1);
+  const Outputs cpu_fwd = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+  const auto cpu_lse = to_float(cpu_fwd.lse);
+  for (Entry e : kEntries) {
+    SCOPED_TRACE(entry_name(e));
+    Outputs want = e == Entry::kForwardBackward ? cpu_fwd : run_backend(in, e, false, up, &cpu_lse);
+    const Outputs got = run_backend(in, e, /*dev=*/true, up, &cpu_lse);
+    expect_outputs(in, e, got, want, "cuda");
+  }
+}
+
+// Every CUDA algorithm must agree with the CPU, not only the one kAuto picks.
+TEST_P(CrossEntropyCuda, StreamingAlgoMatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  CeCase c = GetParam();
+  if (static_cast<double>(c.n) * c.v > 6e7) GTEST_SKIP() << "covered by the default algorithm at this size";
+  CeInputs in(c, seed_of(c) + 7);
+  in.opt.algo = CrossEntropyAlgo::kStreaming;
+  const auto up = upstream_for(in, seed_of(c) + 8);
+  const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+  const Outputs got = run_backend(in, Entry::kForwardBackward, true, up, nullptr);
+  expect_outputs(in, Entry::kForwardBackward, got, want, "cuda streaming");
+}
+
+std::string param_name(const ::testing::TestParamInfo<CeCase>& info) { return case_name(info.param); }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CrossEntropyCpu, ::testing::ValuesIn(make_cases(false)), param_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, CrossEntropyCuda, ::testing::ValuesIn(make_cases(true)), param_name);
+
+// ---- the reference itself: its gradient against central differences ----------------------------------
+TEST(CrossEntropyReference, GradientMatchesFiniteDifferences) {
+  for (Preset p : {Preset::kPlain, Preset::kAll, Preset::kWeightsSmoothing}) {
+    CeCase c{3, 7, DType::kFloat32, DType::kInt64, Layout::kContiguous, p, Reduction::kSum};
+    CeInputs in(c, 99);
+    const RefOut r = reference(in, {1.0});
+    const double h = 1e-3;
+    for (int64_t k = 0; k < c.n * c.v; ++k) {
+      const float x0 = in.logits.get(k);
+      in.logits.set(k, x0 + static_cast<float>(h));
+      const double fp = reference(in, {1.0}).loss_reduced;
+      in.logits.set(k, x0 - static_cast<float>(h));
+      const double fm = reference(in, {1.0}).loss_reduced;
+      in.logits.set(k, x0);
+      // float32 storage of x0 +- h: use the actually stored step
+      EXPECT_NEAR(r.grad[k], (fp - fm) / (2 * h), 2e-3) << preset_name(p) << " element " << k;
+    }
+  }
+}
+
+// ---- bad input --------------------------------------------------------------------------------------
+struct SmallProblem {
+  TestTensor logits{DType::kFloat32, {4, 5}}, target{DType::kInt64, {4}}, loss{DType::kFloat32, {}},
+      grad{DType::kFloat32, {4, 5}};
+  SmallProblem() {
+    for (int64_t i = 0; i < 20; ++i) logits.set(i, 0.1f * static_cast<float>(i % 7));
+    for (int64_t i = 0; i < 4; ++i) target.set_index(i, i);
+  }
+};
+
+std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (kind) *kind = e.kind();
+    return e.what();
+  }
+  return "";
+}
+
+TEST(CrossEntropyErrors, BadTargetNamesFirstRow) {
+  SmallProblem s;
+  s.target.set_index(2, 5);
+  s.target.set_index(3, -1);
+  Error::Kind kind{};
+  const std::string msg = error_of(
+      [&] {
+        cross_entropy_forward(s.logits.host_view(), s.target.host_view(), {}, {}, s.loss.host_view(), {}, {}, {},
+                              nullptr);
+      },
+      &kind);
+  EXPECT_NE(msg.find("target"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("row 2"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("got 5"), std::string::npos) << msg;
+  EXPECT_EQ(kind, Error::Kind::kInvalidArgument);
+  // Nothing was written.
+  EXPECT_EQ(s.loss.get(0), 0.f);
+}
+
+TEST(CrossEntropyErrors, ShapeDtypeDevice) {
+  SmallProblem s;
+  const auto fwd = [&](const TensorView& l, const TensorView& t, const TensorView& w, const TensorView& loss,
+                       CrossEntropyOptions o = {}) {
+    return error_of([&] { cross_entropy_forward(l, t, w, o, loss, {}, {}, {}, nullptr); });
+  };
+  TestTensor t3(DType::kInt64, {3});
+  EXPECT_NE(fwd(s.logits.host_view(), t3.host_view(), {}, s.loss.host_view()).find("target: expected shape [4]"),
+            std::string::npos);
+  TestTensor tf(DType::kFloat32, {4});
+  EXPECT_NE(fwd(s.logits.host_view(), tf.host_view(), {}, s.loss.host_view()).find("target: expected dtype int32 or int64, got float32"),
+            std::string::npos);
+  TestTensor li(DType::kInt32, {4, 5});
+  EXPECT_NE(fwd(li.host_view(), s.target.host_view(), {}, s.loss.host_view()).find("logits: expected dtype float32, float16 or bfloat16"),
+            std::string::npos);
+  TestTensor w4(DType::kFloat32, {4});
+  EXPECT_NE(fwd(s.logits.host_view(), s.target.host_view(), w4.host_view(), s.loss.host_view()).find("weight: expected shape [5]"),
+            std::string::npos);
+  TestTensor lossv(DType::kFloat32, {4});
+  EXPECT_NE(fwd(s.logits.host_view(), s.target.host_view(), {}, lossv.host_view()).find("loss: expected 1 elements"),
+            std::string::npos);
+  TensorView cuda_target = s.target.host_view();
+  cuda_target.device = {DeviceType::kCUDA, 0};
+  EXPECT_NE(fwd(s.logits.host_view(), cuda_target, {}, s.loss.host_view()).find("target: expected device cpu, got cuda:0"),
+            std::string::npos);
+  CrossEntropyOptions bad;
+  bad.label_smoothing = 1.5;
+  EXPECT_NE(fwd(s.logits.host_view(), s.target.host_view(), {}, s.loss.host_view(), bad).find("label_smoothing"),
+            std::string::npos);
+  bad = {};
+  bad.softcap = -1;
+  EXPECT_NE(fwd(s.logits.host_view(), s.target.host_view(), {}, s.loss.host_view(), bad).find("softcap"),
+            std::string::npos);
+  TensorView strided = s.logits.host_view();
+  strided.strides[1] = 2;
+  EXPECT_NE(fwd(strided, s.target.host_view(), {}, s.loss.host_view()).find("stride 1"), std::string::npos);
+}
+
+TEST(CrossEntropyErrors, GradientBufferMustNotPartiallyOverlap) {
+  SmallProblem s;
+  TensorView g = s.logits.host_view();
+  g.data = static_cast<float*>(g.data) + 1;  // shifted by one element: overlaps but is not in place
+  TestTensor gs(DType::kFloat32, {});
+  gs.set(0, 1.f);
+  const std::string msg = error_of([&] {
+    cross_entropy_forward_backward(s.logits.host_view(), s.target.host_view(), {}, {}, s.loss.host_view(), {}, {}, g,
+                                   {}, {}, nullptr);
+  });
+  EXPECT_NE(msg.find("grad_logits"), std::string::npos) << msg;
+}
+
+TEST(CrossEntropyErrors, WorkspaceTooSmallOnCuda) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  SmallProblem s;
+  s.logits.to_device();
+  s.target.to_device();
+  s.loss.to_device();
+  const std::string msg = error_of([&] {
+    cross_entropy_forward(s.logits.view(true), s.target.view(true), {}, {}, s.loss.view(true), {}, {}, {}, nullptr);
+  });
+  EXPECT_NE(msg.find("workspace: expected >="), std::string::npos) << msg;
+}
+
+TEST(CrossEntropyCudaErrors, BadTargetNamesFirstRowOnGpu) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  SmallProblem s;
+  s.target.set_index(1, 9);
+  s.target.set_index(3, 11);
+  s.logits.to_device();
+  s.target.to_device();
+  s.loss.to_device();
+  DeviceScratch ws(cross_entropy_workspace_bytes(s.logits.view(true), s.target.view(true), {}, {}));
+  const std::string msg = error_of([&] {
+    cross_entropy_forward(s.logits.view(true), s.target.view(true), {}, {}, s.loss.view(true), {}, {}, ws.ws(),
+                          nullptr);
+  });
+  EXPECT_NE(msg.find("row 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("got 9"), std::string::npos) << msg;
+}
+
+TEST(CrossEntropyNumerics, NanAndInfStayInTheirRow) {
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    CeCase c{4, 1000, DType::kBFloat16, DType::kInt64, Layout::kContiguous, Preset::kPlain, Reduction::kNone};
+    CeInputs in(c, 5);
+    in.logits.set(1 * 1000 + 17, NAN);
+    in.logits.set(2 * 1000 + 500, INFINITY);
+    const Outputs o = run_backend(in, Entry::kForwardBackward, dev, std::vector<double>(4, 1.0), nullptr);
+    EXPECT_TRUE(std::isfinite(o.loss[0]) && std::isfinite(o.loss[3])) << dev;
+    EXPECT_TRUE(std::isnan(o.loss[1]) && std::isnan(o.loss[2])) << dev;
+    for (int64_t j = 0; j < 1000; ++j) {
+      ASSERT_TRUE(std::isfinite(o.grad[j]) && std::isfinite(o.grad[3000 + j])) << dev << " " << j;
+      ASSERT_TRUE(std::isnan(o.grad[1000 + j])) << dev << " " << j;
+    }
+  }
+}
+
+// N * V > 2^31: offsets past int32 range. GPU only (4.3 GB of bf16 logits); compared row by row with the
+// CPU backend on the first and last rows, whose element offsets straddle 2^31.
+TEST(CrossEntropyLarge, BeyondInt32Offsets) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const int64_t V = 128256, N = 16800;  // N * V = 2.155e9 > 2^31
+  CeCase c{N, V, DType::kBFloat16, DType::kInt64, Layout::kContiguous, Preset::kPlain, Reduction::kNone};
+  TestTensor logits(DType::kBFloat16, {N, V}), target(DType::kInt64, {N});
+  std::mt19937_64 rng(1234);
+  std::normal_distribution<float> normal(0.f, 2.f);
+  // Random rows are expensive to draw one by one at this size: a 1 MB random pool, sliced at varying offsets.
+  std::vector<float> pool(1 << 19);
+  for (auto& v : pool) v = normal(rng);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < V; ++j) logits.set(i * V + j, pool[(i * 7919 + j) % pool.size()]);
+  std::uniform_int_distribution<int64_t> td(0, V - 1);
+  for (int64_t i = 0; i < N; ++i) target.set_index(i, i % 5 == 3 ? -100 : td(rng));
+  CrossEntropyOptions o;
+  o.reduction = Reduction::kNone;
+  TestTensor loss(DType::kFloat32, {N}), lse(DType::kFloat32, {N});
+  loss.fill_storage_nan();
+  logits.to_device();
+  target.to_device();
+  loss.to_device();
+  lse.to_device();
+  DeviceScratch ws(cross_entropy_workspace_bytes(logits.view(true), target.view(true), {}, o));
+  // In place: the gradient overwrites the device logits.
+  cross_entropy_forward_backward(logits.view(true), target.view(true), {}, o, loss.view(true), lse.view(true), {},
+                                 logits.view(true), {}, ws.ws(), nullptr);
+  device_synchronize();
+  loss.to_host();
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < 48; ++i) rows.push_back(i);
+  for (int64_t i = N - 48; i < N; ++i) rows.push_back(i);
+  for (int64_t i = 0; i < N; i += 331) rows.push_back(i);
+  // Download only the checked rows of the gradient (the host copy keeps the logits).
+  const int64_t es = 2;
+  std::vector<uint16_t> grow(V);
+  for (int64_t i : rows) {
+    TestTensor row_l(DType::kBFloat16, {1, V}), row_t(DType::kInt64, {1}), row_loss(DType::kFloat32, {1}),
+        row_g(DType::kBFloat16, {1, V});
+    for (int64_t j = 0; j < V; ++j) row_l.set(j, logits.get(i * V + j));
+    row_t.set_index(0, target.get_index(i));
+    cross_entropy_forward_backward(row_l.host_view(), row_t.host_view(), {}, o, row_loss.host_view(), {}, {},
+                                   row_g.host_view(), {}, {}, nullptr);
+    ASSERT_TRUE(all_close({loss.get(i)}, {row_loss.get(0)}, tolerance(DType::kBFloat16, Quantity::kLoss), 1.0,
+                          "loss row " + std::to_string(i)));
+    const char* dev_row = static_cast<const char*>(logits.view(true).data) + i * V * es;
+    test_copy_device_to_host(grow.data(), dev_row, V * es);
+    std::vector<double> g(V), w(V);
+    double scale = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      g[j] = bf16_bits_to_float(grow[j]);
+      w[j] = row_g.get(j);
+      scale = std::max(scale, std::abs(w[j]));
+    }
+    ASSERT_TRUE(all_close(g, w, tolerance(DType::kBFloat16, Quantity::kGrad), scale, "grad row " + std::to_string(i)));
+  }
+}
+
+}  // namespace
+}  // namespace logitless::test

@@ -1,0 +1,103 @@
+// Shared test machinery: tensors that live on the host or a GPU, random fills, poison, the tolerance
+// table (one place for every op), and the GPU skip.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/host_float.h"
+#include "logitless/logitless.h"
+
+namespace logitless::test {
+
+bool has_gpu();
+
+#define LOGITLESS_SKIP_WITHOUT_GPU() \
+  do {                               \
+    if (!::logitless::test::has_gpu()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+// A tensor with host storage, mirrored to a GPU on request. Sizes/strides in elements; the storage holds
+// `storage_elems` elements starting at element `offset` (so views with padding or offsets are testable).
+class TestTensor {
+ public:
+  TestTensor() = default;
+  TestTensor(DType dtype, std::vector<int64_t> sizes, std::vector<int64_t> strides = {}, int64_t offset = 0);
+
+  DType dtype() const { return dtype_; }
+  const std::vector<int64_t>& sizes() const { return sizes_; }
+  const std::vector<int64_t>& strides() const { return strides_; }
+  int64_t numel() const;
+  int64_t storage_elems() const { return static_cast<int64_t>(host_.size() / dtype_size(dtype_)); }
+
+  // Element offset (into storage) of the multi-index `idx` (row-major over sizes).
+  int64_t storage_index(int64_t flat) const;
+
+  float get(int64_t flat) const { return load_float(host_.data(), dtype_, storage_index(flat) + offset_); }
+  void set(int64_t flat, float v) { store_float(host_.data(), dtype_, storage_index(flat) + offset_, v); }
+  int64_t get_index(int64_t flat) const { return load_index(host_.data(), dtype_, storage_index(flat) + offset_); }
+  void set_index(int64_t flat, int64_t v);
+
+  void fill_storage_bytes(uint8_t byte);  // the whole storage, padding included
+  void fill_storage_nan();                // float tensors: every storage element NaN (poison)
+
+  // Device mirror. to_device() allocates (once) and uploads; to_host() downloads.
+  void to_device();
+  void to_host();
+  bool on_device() const { return dev_ != nullptr; }
+
+  TensorView view(bool device) const;
+  TensorView host_view() const { return view(false); }
+
+  ~TestTensor();
+  TestTensor(TestTensor&& o) noexcept { *this = std::move(o); }
+  TestTensor& operator=(TestTensor&& o) noexcept;
+  TestTensor(const TestTensor&) = delete;
+  TestTensor& operator=(const TestTensor&) = delete;
+
+ private:
+  DType dtype_ = DType::kFloat32;
+  std::vector<int64_t> sizes_, strides_;
+  int64_t offset_ = 0;
+  std::vector<uint8_t> host_;
+  void* dev_ = nullptr;
+};
+
+// Device scratch of `bytes` (nullptr for 0), freed with the object.
+class DeviceScratch {
+ public:
+  explicit DeviceScratch(size_t bytes);
+  ~DeviceScratch();
+  Workspace ws() const { return {ptr_, bytes_}; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+void device_synchronize();
+void test_copy_device_to_host(void* dst, const void* src, size_t bytes);
+
+// --- tolerances: one table for the whole suite ------------------------------------------------------
+struct Tol {
+  double rtol, atol;
+  double floor = 0;  // absolute slack independent of scale (float16 subnormals are 6e-8 apart)
+};
+enum class Quantity { kLoss, kLse, kGrad };
+// Tolerance of a backend's output in `dtype` (the logits dtype) against a more exact reference.
+Tol tolerance(DType dtype, Quantity q);
+
+// |a - b| <= floor + atol * scale + rtol * |b| elementwise (NaN must match NaN); reports the worst element.
+::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected,
+                                     Tol tol, double scale, const std::string& what);
+
+std::string dtype_tag(DType dt);
+
+}  // namespace logitless::test
