@@ -5,11 +5,14 @@ set(LOGITLESS_CXX_SOURCES
   src/common/tensor.cpp
   src/cross_entropy/api.cpp
   src/cross_entropy/cpu.cpp
+  src/cross_entropy/cuda/plan.cpp
 )
 # Compiled only with the CUDA backend.
 set(LOGITLESS_CUDA_SOURCES
   src/common/cuda/device_info.cu
   src/cross_entropy/cuda/launch.cu
+  src/cross_entropy/cuda/row_resident.cu
+  src/cross_entropy/cuda/streaming.cu
 )
 # Compiled only without it.
 set(LOGITLESS_NO_CUDA_SOURCES

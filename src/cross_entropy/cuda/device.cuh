@@ -1,0 +1,262 @@
+// Device-side building blocks shared by the cross-entropy kernels: dtype traits for 16-byte chunks, the
+// chunk geometry of an arbitrarily aligned row, fast exp2, block reductions, and per-row bookkeeping.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cross_entropy/cuda/params.h"
+#include "cross_entropy/math.h"
+
+namespace logitless::ce {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 16 bytes of T <-> kVec floats.
+template <typename T>
+struct Vec;
+
+template <>
+struct Vec<float> {
+  static constexpr int kN = 4;
+  __device__ static void unpack(const uint4& u, float* f) {
+    f[0] = __uint_as_float(u.x), f[1] = __uint_as_float(u.y), f[2] = __uint_as_float(u.z), f[3] = __uint_as_float(u.w);
+  }
+  __device__ static uint4 pack(const float* f) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+  __device__ static float load1(const void* p) { return *static_cast<const float*>(p); }
+  __device__ static void store1(void* p, float v) { *static_cast<float*>(p) = v; }
+};
+
+template <>
+struct Vec<__nv_bfloat16> {
+  static constexpr int kN = 8;
+  __device__ static void unpack(const uint4& u, float* f) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // a bf16 is the top half of a float
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  }
+  __device__ static uint4 pack(const float* f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+      w[i] = *reinterpret_cast<uint32_t*>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  __device__ static float load1(const void* p) { return __bfloat162float(*static_cast<const __nv_bfloat16*>(p)); }
+  __device__ static void store1(void* p, float v) { *static_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Vec<__half> {
+  static constexpr int kN = 8;
+  __device__ static void unpack(const uint4& u, float* f) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  __device__ static uint4 pack(const float* f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+      w[i] = *reinterpret_cast<uint32_t*>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  __device__ static float load1(const void* p) { return __half2float(*static_cast<const __half*>(p)); }
+  __device__ static void store1(void* p, float v) { *static_cast<__half*>(p) = __float2half_rn(v); }
+};
+
+// A span of `len` elements starting at byte address `start`, cut into the 16-byte chunks of the address
+// space: chunk q covers bytes [base + 16q, base + 16q + 16) with base = start rounded down to 16. Interior
+// chunks are read and written with one 16-byte access; the first and last may be partial (misaligned rows,
+// odd V) and are handled element by element. Elements are naturally aligned, so `mis` is a multiple of the
+// element size.
+template <typename T>
+struct ChunkSpan {
+  static constexpr int kVec = Vec<T>::kN;
+  const char* base;
+  int mis;           // start - base, bytes
+  int64_t end;       // mis + len * sizeof(T), bytes from base
+  int64_t nchunks;
+
+  __device__ ChunkSpan(const void* start, int64_t len) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(start);
+    mis = static_cast<int>(a & 15u);
+    base = reinterpret_cast<const char*>(a - mis);
+    end = mis + len * static_cast<int64_t>(sizeof(T));
+    nchunks = len > 0 ? (end + 15) / 16 : 0;
+  }
+  __device__ bool full(int64_t q) const { return 16 * q >= mis && 16 * q + 16 <= end; }
+  // Element index (within the span) of slot k of chunk q; may be outside [0, len) for partial chunks.
+  __device__ int64_t elem(int64_t q, int k) const {
+    return (16 * q - mis) / static_cast<int64_t>(sizeof(T)) + k;
+  }
+  __device__ bool valid(int64_t q, int k) const {
+    const int64_t b = 16 * q + k * static_cast<int64_t>(sizeof(T));
+    return b >= mis && b < end;
+  }
+  __device__ const char* chunk_ptr(int64_t q) const { return base + 16 * q; }
+};
+
+// Loads chunk q of `span` as floats and returns the mask of slots inside the span (the others hold 0).
+// `full_src` is where a full chunk's 16 bytes live (global memory, or the shared-memory copy of the span);
+// partial chunks are read element by element from global memory.
+template <typename T>
+__device__ __forceinline__ uint32_t load_chunk(const ChunkSpan<T>& span, int64_t q, const char* full_src, float* v) {
+  constexpr int kN = Vec<T>::kN;
+  if (span.full(q)) {
+    Vec<T>::unpack(*reinterpret_cast<const uint4*>(full_src), v);
+    return (1u << kN) - 1;
+  }
+  uint32_t mask = 0;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const bool ok = span.valid(q, k);
+    v[k] = ok ? Vec<T>::load1(span.chunk_ptr(q) + k * sizeof(T)) : 0.f;
+    mask |= ok ? (1u << k) : 0u;
+  }
+  return mask;
+}
+
+// Stores kN floats as chunk q of the span `dst` (same geometry as the span the values came from when
+// `vector_ok`): one 16-byte store for a full chunk, element stores otherwise.
+template <typename T>
+__device__ __forceinline__ void store_chunk(const ChunkSpan<T>& span, int64_t q, char* dst_elem0, bool vector_ok,
+                                            const float* v) {
+  constexpr int kN = Vec<T>::kN;
+  if (vector_ok && span.full(q)) {
+    *reinterpret_cast<uint4*>(dst_elem0 - span.mis + 16 * q) = Vec<T>::pack(v);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kN; ++k)
+    if (span.valid(q, k)) Vec<T>::store1(dst_elem0 + span.elem(q, k) * static_cast<int64_t>(sizeof(T)), v[k]);
+}
+
+// max that propagates NaN (fmaxf drops it): a NaN logit must make its row's loss NaN, even when every other
+// logit of a slice is -inf.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+// Block-wide reductions; `scratch` holds 32 floats. Every thread gets the result. Two barriers: the
+// second keeps a following reduction from overwriting scratch before everyone has read it.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = lane < nwarps ? scratch[lane] : -INFINITY;
+  r = warp_max(r);
+  __syncthreads();
+  return r;
+}
+__device__ __forceinline__ float2 block_sum2(float2 v, float2* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v.x = warp_sum(v.x);
+  v.y = warp_sum(v.y);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float2 r = lane < nwarps ? scratch[lane] : make_float2(0.f, 0.f);
+  r.x = warp_sum(r.x);
+  r.y = warp_sum(r.y);
+  __syncthreads();
+  return r;
+}
+
+// --- per-row bookkeeping shared by the kernels ------------------------------------------------------------
+__device__ __forceinline__ int64_t load_target(const KernelParams& p, int64_t row) {
+  const int64_t off = p.target_rows.offset(row);
+  return p.target_is64 ? static_cast<const int64_t*>(p.target)[off]
+                       : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[off]);
+}
+
+enum class RowKind { kValid, kIgnored, kBad };
+__device__ __forceinline__ RowKind classify(const KernelParams& p, int64_t t) {
+  if (t == p.ignore_index) return RowKind::kIgnored;
+  return (t >= 0 && t < p.vocab) ? RowKind::kValid : RowKind::kBad;
+}
+
+__device__ __forceinline__ float capped(const KernelParams& p, float y) {
+  // Accurate tanh: the cap multiplies its error by softcap (a 1e-3 relative error at x = 30 would move the
+  // loss by 3e-2), so the approximate instruction is not good enough here.
+  return p.softcap > 0.f ? p.softcap * tanhf(y / p.softcap) : y;
+}
+
+__device__ __forceinline__ float class_weight(const KernelParams& p, int64_t j) {
+  return p.weight ? p.weight[j * p.weight_stride] : 1.f;
+}
+
+// The upstream factor of a row's gradient: 1/denominator for mean, times the incoming gradient if given.
+__device__ __forceinline__ float row_grad_scale(const KernelParams& p, int64_t row) {
+  float s = p.scalars->inv_denom;
+  if (p.grad_scale) s *= p.grad_scale[p.grad_scale_per_row ? row : 0];
+  return s;
+}
+
+// Writes the forward outputs of a row whose statistics are known (rank 0 / thread 0 only).
+__device__ __forceinline__ void write_row_outputs(const KernelParams& p, int64_t row, RowKind kind, const RowStats& st,
+                                                  int64_t t) {
+  float loss = 0.f, lse = 0.f, zt = 0.f;
+  if (kind == RowKind::kBad) {
+    loss = lse = zt = NAN;
+  } else if (kind == RowKind::kValid) {
+    const LossTerms lt = row_loss(st, class_weight(p, t), p.scalars->weight_sum, p.eps, p.inv_v, p.z);
+    loss = lt.loss;
+    zt = lt.z_term;
+    lse = st.lse;
+  }
+  if (p.row_loss) p.row_loss[row] = loss;
+  if (p.lse) p.lse[row] = lse;
+  if (p.z_loss) p.z_loss[row] = zt;
+}
+
+// d(loss)/d(logit) of one element with capped value x at class j of a row with target t.
+__device__ __forceinline__ float grad_elem(const KernelParams& p, const GradCoeffs& g, float lse_l2, float x,
+                                           int64_t j, int64_t t) {
+  // p_j = exp(x - lse) = 2^(x log2e - lse log2e)
+  float d = g.a * fast_exp2(fmaf(x, kLog2e, -lse_l2));
+  if (g.c != 0.f) d -= g.c * class_weight(p, j);
+  if (j == t) d -= g.b;
+  if (p.softcap > 0.f) {
+    const float u = x / p.softcap;
+    d *= 1.f - u * u;
+  }
+  return d;
+}
+
+}  // namespace logitless::ce

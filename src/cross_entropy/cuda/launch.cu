@@ -1,0 +1,184 @@
+// Cross-entropy on CUDA: the per-call sequence
+//   1. prepass (one CTA): mean denominator, sum of class weights, first out-of-range target;
+//   2. in eager mode, read back the first bad target and throw before anything is written;
+//   3. the row kernel (row-resident on Hopper, streaming elsewhere, streaming for the backward);
+//   4. for sum/mean, a deterministic one-CTA reduction of the per-row losses.
+// Nothing synchronizes with the host except step 2, which is skipped while a CUDA graph is being captured.
+#include <algorithm>
+
+#include "common/cuda/check.cuh"
+#include "cross_entropy/cuda/device.cuh"
+#include "cross_entropy/cuda/kernels.h"
+#include "cross_entropy/cuda/plan.h"
+#include "cross_entropy/problem.h"
+
+namespace logitless::ce {
+namespace {
+
+constexpr int kReduceThreads = 1024;
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+// Fixed thread count and fixed per-thread order: the sums come out bit-identical on every run.
+__global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const KernelParams p, Reduction reduction,
+                                                                 Scalars* out) {
+  __shared__ double sh_d[kReduceThreads / 32];
+  __shared__ long long sh_b[kReduceThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  double denom = 0;
+  long long bad = p.n_rows;
+  for (int64_t i = tid; i < p.n_rows; i += blockDim.x) {
+    const int64_t t = load_target(p, i);
+    const RowKind k = classify(p, t);
+    if (k == RowKind::kValid) denom += class_weight(p, t);
+    if (k == RowKind::kBad && i < bad) bad = i;
+  }
+  double wsum = static_cast<double>(p.vocab);
+  for (int o = 16; o > 0; o >>= 1) {
+    denom += __shfl_xor_sync(0xFFFFFFFFu, denom, o);
+    bad = min(bad, __shfl_xor_sync(0xFFFFFFFFu, bad, o));
+  }
+  if (lane == 0) sh_d[warp] = denom, sh_b[warp] = bad;
+  __syncthreads();
+  if (p.weight && p.eps != 0.f) {  // W is only used by label smoothing
+    double w = 0;
+    for (int64_t j = tid; j < p.vocab; j += blockDim.x) w += class_weight(p, j);
+    for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xFFFFFFFFu, w, o);
+    __shared__ double sh_w[kReduceThreads / 32];
+    if (lane == 0) sh_w[warp] = w;
+    __syncthreads();
+    if (tid == 0) {
+      wsum = 0;
+      for (int i = 0; i < kReduceThreads / 32; ++i) wsum += sh_w[i];
+    }
+  }
+  if (tid == 0) {
+    double d = 0;
+    long long b = p.n_rows;
+    for (int i = 0; i < kReduceThreads / 32; ++i) d += sh_d[i], b = min(b, sh_b[i]);
+    out->inv_denom = reduction == Reduction::kMean ? (d != 0 ? static_cast<float>(1.0 / d) : 0.f) : 1.f;
+    out->weight_sum = static_cast<float>(wsum);
+    out->first_bad = b;
+  }
+}
+
+__global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const float* row_loss, int64_t n_rows,
+                                                                  const Scalars* scalars, float* loss) {
+  __shared__ double sh[kReduceThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  double s = 0;
+  for (int64_t i = tid; i < n_rows; i += blockDim.x) s += row_loss[i];
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+  if (lane == 0) sh[warp] = s;
+  __syncthreads();
+  if (tid == 0) {
+    double total = 0;
+    for (int i = 0; i < kReduceThreads / 32; ++i) total += sh[i];
+    // No rows: the sum is 0 and so is the mean (the scalars were not computed).
+    loss[0] = n_rows > 0 ? static_cast<float>(total * scalars->inv_denom) : 0.f;
+  }
+}
+
+KernelParams make_params(const Problem& pr, Scalars* scalars, float* row_loss) {
+  KernelParams k;
+  k.logits = static_cast<const char*>(pr.logits);
+  k.logits_rows = pr.logits_rows;
+  k.target = pr.target;
+  k.target_is64 = pr.target_dtype == DType::kInt64;
+  k.target_rows = pr.target_rows;
+  k.weight = pr.weight;
+  k.weight_stride = pr.weight_stride;
+  k.row_loss = row_loss;
+  k.lse = pr.lse;
+  k.z_loss = pr.z_loss;
+  k.grad = static_cast<char*>(pr.grad);
+  k.grad_rows = pr.grad_rows;
+  k.lse_in = pr.lse_in;
+  k.grad_scale = pr.grad_scale;
+  k.grad_scale_per_row = pr.grad_scale_per_row;
+  k.scalars = scalars;
+  k.n_rows = pr.n_rows;
+  k.vocab = pr.vocab;
+  k.ignore_index = pr.ignore_index;
+  k.eps = pr.label_smoothing;
+  k.inv_v = 1.f / static_cast<float>(pr.vocab);
+  k.z = pr.z_loss_scale;
+  k.softcap = pr.softcap;
+  return k;
+}
+
+// Reads the first bad row back and throws; called only when it is safe to synchronize.
+void throw_if_bad_target(const Problem& pr, const Scalars* scalars, cudaStream_t stream) {
+  long long first_bad = 0;
+  LOGITLESS_CUDA_CHECK(cudaMemcpyAsync(&first_bad, &scalars->first_bad, sizeof(first_bad), cudaMemcpyDeviceToHost,
+                                       stream));
+  LOGITLESS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (first_bad >= pr.n_rows) return;
+  const int64_t es = dtype_size(pr.target_dtype);
+  int64_t value = 0;
+  const char* addr = static_cast<const char*>(pr.target) + pr.target_rows.offset(first_bad) * es;
+  LOGITLESS_CUDA_CHECK(cudaMemcpy(&value, addr, es, cudaMemcpyDeviceToHost));
+  if (es == 4) value = static_cast<int32_t>(value & 0xFFFFFFFF);
+  throw_invalid(str_cat("target: expected values in [0, ", pr.vocab, ") or ignore_index (", pr.ignore_index, "), got ",
+                        value, " at row ", first_bad, " (the first bad row)"));
+}
+
+}  // namespace
+
+size_t cuda_workspace_bytes(int64_t n_rows, int64_t vocab, bool has_weight, const CrossEntropyOptions& o) {
+  (void)vocab;
+  (void)has_weight;
+  (void)o;
+  // Scalars, then one float per row for the sum/mean partials.
+  return kScalarsBytes + align256(static_cast<size_t>(std::max<int64_t>(n_rows, 0)) * sizeof(float));
+}
+
+void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard(pr.device.index);
+  Scalars* scalars = static_cast<Scalars*>(ws.data);
+  float* partials = reinterpret_cast<float*>(static_cast<char*>(ws.data) + kScalarsBytes);
+  const bool forward = pr.mode != Mode::kBackward;
+  float* row_loss = forward ? (pr.reduction == Reduction::kNone ? pr.loss : partials) : nullptr;
+  const KernelParams kp = make_params(pr, scalars, row_loss);
+
+  if (pr.n_rows > 0) {
+    prepass_kernel<<<1, kReduceThreads, 0, stream>>>(kp, pr.reduction, scalars);
+    LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy prepass");
+    if (pr.check_targets && !stream_is_capturing(stream)) throw_if_bad_target(pr, scalars, stream);
+
+    const DeviceInfo& info = device_info(pr.device.index);
+    PlanInputs in;
+    in.vocab = pr.vocab;
+    in.elem_bytes = static_cast<int>(dtype_size(pr.dtype));
+    in.backward_only = pr.mode == Mode::kBackward;
+    in.row_resident_capable = row_resident_available(pr.device.index);
+    in.smem_per_block = info.max_smem_per_block_optin - 4096;  // room for the static shared memory (about 2 KB)
+    in.requested = pr.algo;
+    const Plan plan = plan_cross_entropy(in);
+    if (plan.algo == CrossEntropyAlgo::kAuto)
+      throw_invalid(str_cat("algo: expected an algorithm this GPU can run; row_resident needs a Hopper GPU (sm_90) "
+                            "and rows that fit a cluster's shared memory, got V=",
+                            pr.vocab, " on sm_", info.sm_major, info.sm_minor));
+    bool done = false;
+    if (plan.algo == CrossEntropyAlgo::kRowResident) {
+      done = launch_row_resident(pr.dtype, kp, plan, stream);
+      if (!done && pr.algo == CrossEntropyAlgo::kRowResident)
+        throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
+    }
+    if (!done) launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
+  }
+  if (forward && pr.reduction != Reduction::kNone) {
+    finalize_kernel<<<1, kReduceThreads, 0, stream>>>(partials, pr.n_rows, scalars, pr.loss);
+    LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy finalize");
+  }
+}
+
+void scale_rows_cuda(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab,
+                     const float* scale, bool per_row, Device device, StreamHandle stream) {
+  DeviceGuard guard(device.index);
+  launch_scale_rows(dtype, static_cast<char*>(grad), rows, n_rows, vocab, scale, per_row,
+                    device_info(device.index).sm_count, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace logitless::ce

@@ -1,0 +1,56 @@
+#include "cross_entropy/cuda/plan.h"
+
+namespace logitless::ce {
+
+namespace {
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+}  // namespace
+
+Plan plan_cross_entropy(const PlanInputs& in) {
+  Plan streaming;
+  streaming.algo = CrossEntropyAlgo::kStreaming;
+  if (in.requested == CrossEntropyAlgo::kStreaming || in.backward_only) return streaming;
+
+  const bool want_resident = in.requested == CrossEntropyAlgo::kRowResident;
+  if (!in.row_resident_capable || in.vocab <= 0) {
+    if (want_resident) {
+      Plan none;
+      none.algo = CrossEntropyAlgo::kAuto;
+      return none;
+    }
+    return streaming;
+  }
+  const int64_t vec = 16 / in.elem_bytes;  // elements per 16-byte chunk
+  for (int c = 1; c <= kMaxCluster; c *= 2) {
+    // Slices are whole 16-byte chunks so that every CTA's slice has the same alignment as the row start.
+    const int64_t slice = round_up(ceil_div(in.vocab, c), vec);
+    // +16: the slice lands at the row's misalignment inside the stage (at most 15 bytes of lead-in).
+    const int64_t stage = round_up(slice * in.elem_bytes + 16, 128);
+    const int64_t stages = stage > 0 ? in.smem_per_block / stage : 0;
+    // Two stages at least: the next row's load must overlap this row's math.
+    if (stages < 2) continue;
+    // A cluster wider than needed only adds barrier latency; a single CTA per row must also leave room for
+    // the slice to be read while the next one lands, which 2+ stages guarantee.
+    Plan p;
+    p.algo = CrossEntropyAlgo::kRowResident;
+    p.cluster = c;
+    p.slice = slice;
+    p.stage_bytes = static_cast<size_t>(stage);
+    p.stages = static_cast<int>(stages < kMaxStages ? stages : kMaxStages);
+    p.smem_bytes = p.stage_bytes * p.stages;
+    // Enough warps to keep shared-memory reads and the exp unit busy on long slices; small slices use small
+    // CTAs so that several share an SM.
+    const int64_t chunks = ceil_div(slice * in.elem_bytes, 16);
+    p.threads = chunks >= 2048 ? 512 : chunks >= 512 ? 256 : 128;
+    return p;
+  }
+  if (want_resident) {
+    Plan none;
+    none.algo = CrossEntropyAlgo::kAuto;
+    return none;
+  }
+  return streaming;  // rows too long for a cluster's shared memory
+}
+
+}  // namespace logitless::ce

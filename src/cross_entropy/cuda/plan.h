@@ -1,0 +1,41 @@
+// Tile choices for the cross-entropy kernels: one pure host function (no CUDA calls) so that a CPU test can
+// check every decision.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "logitless/cross_entropy.h"
+
+namespace logitless::ce {
+
+// The row-resident kernel keeps up to kMaxStages rows in flight per CTA; 3 stages of 64 KB already keep
+// ~128 KB of loads in flight per SM, 5x what the HBM latency needs, so more stages would only cost
+// occupancy on short rows.
+inline constexpr int kMaxStages = 4;
+inline constexpr int kMaxCluster = 16;  // 16 needs the non-portable cluster size (H100 allows it)
+inline constexpr int kStreamingThreads = 256;
+
+struct Plan {
+  CrossEntropyAlgo algo = CrossEntropyAlgo::kStreaming;
+  int cluster = 1;          // CTAs sharing one row (row-resident)
+  int stages = 0;           // shared-memory row slices in flight per CTA (row-resident)
+  int threads = kStreamingThreads;
+  int64_t slice = 0;        // elements of a row each CTA of the cluster owns (row-resident)
+  size_t stage_bytes = 0;   // shared memory per stage
+  size_t smem_bytes = 0;    // dynamic shared memory per CTA
+};
+
+struct PlanInputs {
+  int64_t vocab = 0;
+  int elem_bytes = 2;
+  bool backward_only = false;      // the gradient from a saved lse needs no row residency
+  bool row_resident_capable = false;  // the device and this build can run the Hopper kernel
+  int smem_per_block = 0;          // dynamic shared memory a CTA may opt into (bytes)
+  CrossEntropyAlgo requested = CrossEntropyAlgo::kAuto;
+};
+
+// Returns the plan; kRowResident requested where it cannot run yields algo == kAuto (the caller raises).
+Plan plan_cross_entropy(const PlanInputs& in);
+
+}  // namespace logitless::ce

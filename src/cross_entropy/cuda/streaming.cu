@@ -1,0 +1,155 @@
+// The portable cross-entropy kernels (any GPU from sm_80): one CTA per row, reading the row from global
+// memory with 16-byte loads. The fused forward+backward reads each row twice (the second read mostly hits
+// L2), which is why Hopper uses the row-resident kernel instead; this path serves other GPUs, rows too long
+// for a cluster's shared memory, and the backward from a saved lse (one read, one write: all it needs).
+#include "common/cuda/check.cuh"
+#include "cross_entropy/cuda/device.cuh"
+#include "cross_entropy/cuda/kernels.h"
+
+namespace logitless::ce {
+namespace {
+
+template <typename T, bool kWithLse>
+__global__ void __launch_bounds__(kStreamingThreads) streaming_kernel(const __grid_constant__ KernelParams p) {
+  constexpr int kVec = Vec<T>::kN;
+  constexpr int64_t kEs = sizeof(T);
+  __shared__ float red1[32];
+  __shared__ float2 red2[32];
+  const int tid = threadIdx.x;
+  const float W = p.scalars->weight_sum;
+
+  for (int64_t row = blockIdx.x; row < p.n_rows; row += gridDim.x) {
+    const int64_t t = load_target(p, row);
+    const RowKind kind = classify(p, t);
+    char* gdst = p.grad ? p.grad + p.grad_rows.offset(row) * kEs : nullptr;
+    if (kind != RowKind::kValid) {
+      if (!kWithLse && tid == 0) write_row_outputs(p, row, kind, RowStats{0.f, 0.f, 0.f}, t);
+      if (gdst) {
+        const ChunkSpan<T> gspan(gdst, p.vocab);
+        float v[kVec];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) v[i] = kind == RowKind::kBad ? NAN : 0.f;
+        for (int64_t q = tid; q < gspan.nchunks; q += blockDim.x) store_chunk(gspan, q, gdst, true, v);
+      }
+      continue;
+    }
+    const char* src = p.logits + p.logits_rows.offset(row) * kEs;
+    const ChunkSpan<T> span(src, p.vocab);
+    float lse;
+    if constexpr (kWithLse) {
+      lse = p.lse_in[row];
+    } else {
+      // Online softmax per thread, rescaling once per 16-byte chunk rather than per element.
+      float m = -INFINITY, se = 0.f, swx = 0.f;
+      for (int64_t q = tid; q < span.nchunks; q += blockDim.x) {
+        float v[kVec];
+        const uint32_t mask = load_chunk(span, q, span.chunk_ptr(q), v);
+        float cm = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          const bool ok = (mask >> i) & 1u;
+          v[i] = ok ? capped(p, v[i]) : -INFINITY;
+          cm = max_nan(cm, v[i]);
+          if (p.eps != 0.f && ok) swx += class_weight(p, span.elem(q, i)) * v[i];
+        }
+        if (cm == -INFINITY) continue;
+        if (!(cm <= m)) {  // a new max (or NaN, which then poisons the sum as it should)
+          se = m == -INFINITY ? 0.f : se * fast_exp2((m - cm) * kLog2e);
+          m = cm;
+        }
+        const float m_l2 = m * kLog2e;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) se += fast_exp2(fmaf(v[i], kLog2e, -m_l2));
+      }
+      const float M = block_max(m, red1);
+      const float se_adj = m == -INFINITY ? 0.f : se * fast_exp2((m - M) * kLog2e);
+      const float2 red = block_sum2(make_float2(se_adj, swx), red2);
+      lse = M == -INFINITY ? NAN : M + logf(red.x);
+      if (tid == 0) {
+        const float x_t = capped(p, Vec<T>::load1(src + t * kEs));
+        write_row_outputs(p, row, kind, RowStats{lse, x_t, red.y}, t);
+      }
+      // Everyone has read the row (pass 1, and thread 0's target logit) before anyone overwrites it in place.
+      __syncthreads();
+    }
+    if (gdst) {
+      const GradCoeffs g = row_grad_coeffs(lse, class_weight(p, t), W, p.eps, p.inv_v, p.z, row_grad_scale(p, row));
+      const float lse_l2 = lse * kLog2e;
+      const bool vec_ok = (reinterpret_cast<uintptr_t>(gdst) & 15u) == static_cast<uintptr_t>(span.mis);
+      for (int64_t q = tid; q < span.nchunks; q += blockDim.x) {
+        float v[kVec];
+        load_chunk(span, q, span.chunk_ptr(q), v);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) v[i] = grad_elem(p, g, lse_l2, capped(p, v[i]), span.elem(q, i), t);
+        store_chunk(span, q, gdst, vec_ok, v);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kStreamingThreads)
+    scale_rows_kernel(char* grad, const RowLayout rows, int64_t n_rows, int64_t vocab, const float* scale, int per_row) {
+  constexpr int kVec = Vec<T>::kN;
+  for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x) {
+    const float f = scale[per_row ? row : 0];
+    if (f == 1.f) continue;  // the common case (upstream gradient 1.0) costs nothing but this read
+    char* dst = grad + rows.offset(row) * static_cast<int64_t>(sizeof(T));
+    const ChunkSpan<T> span(dst, vocab);
+    for (int64_t q = threadIdx.x; q < span.nchunks; q += blockDim.x) {
+      float v[kVec];
+      load_chunk(span, q, span.chunk_ptr(q), v);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) v[i] *= f;
+      store_chunk(span, q, dst, true, v);
+    }
+  }
+}
+
+int grid_for(int64_t n_rows, int sm_count) {
+  // Enough CTAs for 8 per SM (2048 threads), each looping over rows.
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_rows, static_cast<int64_t>(sm_count) * 8)));
+}
+
+template <typename T>
+void streaming_typed(const KernelParams& p, bool with_lse, int sm_count, cudaStream_t stream) {
+  const int grid = grid_for(p.n_rows, sm_count);
+  if (with_lse) {
+    streaming_kernel<T, true><<<grid, kStreamingThreads, 0, stream>>>(p);
+  } else {
+    streaming_kernel<T, false><<<grid, kStreamingThreads, 0, stream>>>(p);
+  }
+  LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy streaming kernel");
+}
+
+}  // namespace
+
+void launch_streaming(DType dtype, const KernelParams& p, bool with_lse, int sm_count, cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kFloat32: return streaming_typed<float>(p, with_lse, sm_count, stream);
+    case DType::kFloat16: return streaming_typed<__half>(p, with_lse, sm_count, stream);
+    case DType::kBFloat16: return streaming_typed<__nv_bfloat16>(p, with_lse, sm_count, stream);
+    default: throw_invalid("logits: unsupported dtype");
+  }
+}
+
+void launch_scale_rows(DType dtype, char* grad, const RowLayout& rows, int64_t n_rows, int64_t vocab,
+                       const float* scale, bool per_row, int sm_count, cudaStream_t stream) {
+  const int grid = grid_for(n_rows, sm_count);
+  switch (dtype) {
+    case DType::kFloat32:
+      scale_rows_kernel<float><<<grid, kStreamingThreads, 0, stream>>>(grad, rows, n_rows, vocab, scale, per_row);
+      break;
+    case DType::kFloat16:
+      scale_rows_kernel<__half><<<grid, kStreamingThreads, 0, stream>>>(grad, rows, n_rows, vocab, scale, per_row);
+      break;
+    case DType::kBFloat16:
+      scale_rows_kernel<__nv_bfloat16><<<grid, kStreamingThreads, 0, stream>>>(grad, rows, n_rows, vocab, scale,
+                                                                               per_row);
+      break;
+    default: throw_invalid("grad: unsupported dtype");
+  }
+  LOGITLESS_CUDA_CHECK_LAUNCH("scale_rows kernel");
+}
+
+}  // namespace logitless::ce

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The whole GPU round in one command: build (Hopper only, all cores), C++ tests, compute-sanitizer on the
+# GPU suite's small shapes, the kernel micro-benchmark, the Python tests and the peer benchmark. Logs go to
+# $OUT (or ./device-out); a short summary is printed last.
+#   tools/device-check.sh [steps...]   steps: build cpp sanitize cppbench py bench (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build cpp sanitize cppbench py bench)
+has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+BUILD=${BUILD:-build/gpu}
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+export PYTHONUNBUFFERED=1
+
+# Wheels carried in .whl (e.g. liger-kernel) go to a private site dir.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+note "gpu: $(head -1 "$OUT/gpu.txt")"
+
+if has build; then
+  t0=$(date +%s)
+  if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90a} -DLOGITLESS_PYTHON=${PY:-ON} \
+       -DLOGITLESS_TESTS=ON > "$OUT/configure.log" 2>&1 && cmake --build "$BUILD" -j "$(nproc)" > "$OUT/build.log" 2>&1; then
+    note "build: ok ($(( $(date +%s) - t0 )) s)"
+  else
+    note "build: FAILED (see build.log)"; tail -40 "$OUT/build.log"
+    printf '%s\n' "${summary[@]}"; exit 1
+  fi
+fi
+TESTS=$BUILD/tests/cpp/logitless_tests
+
+if has cpp; then
+  t0=$(date +%s)
+  timeout ${CPP_TIMEOUT:-420} "$TESTS" --gtest_brief=1 ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$OUT/gtest.log" 2>&1
+  rc=$?
+  note "c++ tests: rc=$rc, $(grep -E '^\[  PASSED  \]' "$OUT/gtest.log") $(grep -E '^\[  FAILED  \] [0-9]+' "$OUT/gtest.log") $(grep -E '^\[  SKIPPED \] [0-9]+' "$OUT/gtest.log") ($(( $(date +%s) - t0 )) s)"
+  grep -E '^\[  FAILED  \]' "$OUT/gtest.log" | head -20
+fi
+
+if has sanitize; then
+  t0=$(date +%s)
+  filter=${SANITIZE_FILTER:-'Shapes/CrossEntropyCuda.*N7_V*:Shapes/CrossEntropyCuda.*N1_V*:CrossEntropyCudaErrors.*:CrossEntropyNumerics.*'}
+  timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 9 "$TESTS" --gtest_brief=1 --gtest_filter="$filter" > "$OUT/memcheck.log" 2>&1
+  rc=$?
+  note "memcheck: rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
+  t0=$(date +%s)
+  timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool racecheck --error-exitcode 9 "$TESTS" --gtest_brief=1 \
+    --gtest_filter='Shapes/CrossEntropyCuda.MatchesCpuBackend/N7_V32003*:Shapes/CrossEntropyCuda.MatchesCpuBackend/N7_V1000_*' > "$OUT/racecheck.log" 2>&1
+  rc=$?
+  note "racecheck: rc=$rc, $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
+fi
+
+if has cppbench; then
+  timeout 120 "$BUILD/bench_cross_entropy" > "$OUT/cppbench.txt" 2>&1
+  note "kernel bench: rc=$?"
+  cat "$OUT/cppbench.txt"
+fi
+
+export PYTHONPATH=$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}
+if has py && [ -d tests/python ]; then
+  t0=$(date +%s)
+  timeout ${PY_TIMEOUT:-420} python3 -m pytest -q tests/python > "$OUT/pytest.log" 2>&1
+  note "pytest: rc=$?, $(tail -1 "$OUT/pytest.log") ($(( $(date +%s) - t0 )) s)"
+fi
+
+if has bench && [ -f bench/bench.py ]; then
+  timeout ${BENCH_TIMEOUT:-420} python3 bench/bench.py --seed-dir "${SEED_DIR:-.seeds}" --out "$OUT/bench.md" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  note "bench: rc=$?"
+  tail -40 "$OUT/bench.log"
+fi
+
+echo
+echo "==== summary ===="
+printf '%s\n' "${summary[@]}"
