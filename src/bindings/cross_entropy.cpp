@@ -17,6 +17,8 @@ CrossEntropyOptions make_options(int64_t ignore_index, int reduction, double lab
 }
 }  // namespace
 
+// Every tensor argument is declared .none(): nanobind rejects None for a plain handle otherwise, and None is
+// how Python says "absent" (an optional tensor, or a required one missing, which C++ then reports by name).
 void bind_cross_entropy(nb::module_& m) {
   using namespace nb::literals;
   m.def(
@@ -27,8 +29,8 @@ void bind_cross_entropy(nb::module_& m) {
             to_view(logits), to_view(target), to_view(weight),
             make_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo));
       },
-      "logits"_a, "target"_a, "weight"_a, "ignore_index"_a, "reduction"_a, "label_smoothing"_a, "z_loss"_a,
-      "softcap"_a, "check_targets"_a, "algo"_a);
+      "logits"_a.none(), "target"_a.none(), "weight"_a.none(), "ignore_index"_a, "reduction"_a,
+      "label_smoothing"_a, "z_loss"_a, "softcap"_a, "check_targets"_a, "algo"_a);
   m.def(
       "cross_entropy_forward",
       [](nb::handle logits, nb::handle target, nb::handle weight, int64_t ignore_index, int reduction,
@@ -41,8 +43,9 @@ void bind_cross_entropy(nb::module_& m) {
         nb::gil_scoped_release release;
         cross_entropy_forward(l, t, w, o, lo, ls, z, ws, to_stream(stream));
       },
-      "logits"_a, "target"_a, "weight"_a, "ignore_index"_a, "reduction"_a, "label_smoothing"_a, "z_loss"_a,
-      "softcap"_a, "check_targets"_a, "algo"_a, "loss"_a, "lse"_a, "z_loss_out"_a, "workspace"_a, "stream"_a);
+      "logits"_a.none(), "target"_a.none(), "weight"_a.none(), "ignore_index"_a, "reduction"_a,
+      "label_smoothing"_a, "z_loss"_a, "softcap"_a, "check_targets"_a, "algo"_a, "loss"_a.none(), "lse"_a.none(),
+      "z_loss_out"_a.none(), "workspace"_a.none(), "stream"_a);
   m.def(
       "cross_entropy_forward_backward",
       [](nb::handle logits, nb::handle target, nb::handle weight, int64_t ignore_index, int reduction,
@@ -56,9 +59,9 @@ void bind_cross_entropy(nb::module_& m) {
         nb::gil_scoped_release release;
         cross_entropy_forward_backward(l, t, w, o, lo, ls, z, g, gs, ws, to_stream(stream));
       },
-      "logits"_a, "target"_a, "weight"_a, "ignore_index"_a, "reduction"_a, "label_smoothing"_a, "z_loss"_a,
-      "softcap"_a, "check_targets"_a, "algo"_a, "loss"_a, "lse"_a, "z_loss_out"_a, "grad_logits"_a,
-      "grad_scale"_a, "workspace"_a, "stream"_a);
+      "logits"_a.none(), "target"_a.none(), "weight"_a.none(), "ignore_index"_a, "reduction"_a,
+      "label_smoothing"_a, "z_loss"_a, "softcap"_a, "check_targets"_a, "algo"_a, "loss"_a.none(), "lse"_a.none(),
+      "z_loss_out"_a.none(), "grad_logits"_a.none(), "grad_scale"_a.none(), "workspace"_a.none(), "stream"_a);
   m.def(
       "cross_entropy_backward",
       [](nb::handle logits, nb::handle target, nb::handle weight, nb::handle lse, nb::handle grad_loss,
@@ -71,9 +74,9 @@ void bind_cross_entropy(nb::module_& m) {
         nb::gil_scoped_release release;
         cross_entropy_backward(l, t, w, ls, gl, o, g, ws, to_stream(stream));
       },
-      "logits"_a, "target"_a, "weight"_a, "lse"_a, "grad_loss"_a, "ignore_index"_a, "reduction"_a,
-      "label_smoothing"_a, "z_loss"_a, "softcap"_a, "check_targets"_a, "algo"_a, "grad_logits"_a, "workspace"_a,
-      "stream"_a);
+      "logits"_a.none(), "target"_a.none(), "weight"_a.none(), "lse"_a.none(), "grad_loss"_a.none(),
+      "ignore_index"_a, "reduction"_a, "label_smoothing"_a, "z_loss"_a, "softcap"_a, "check_targets"_a, "algo"_a,
+      "grad_logits"_a.none(), "workspace"_a.none(), "stream"_a);
   m.def(
       "scale_rows",
       [](nb::handle grad, nb::handle scale, uintptr_t stream) {
@@ -81,7 +84,7 @@ void bind_cross_entropy(nb::module_& m) {
         nb::gil_scoped_release release;
         scale_rows(g, s, to_stream(stream));
       },
-      "grad"_a, "scale"_a, "stream"_a);
+      "grad"_a.none(), "scale"_a.none(), "stream"_a);
 }
 
 }  // namespace logitless::bindings
