@@ -1,0 +1,59 @@
+"""torch.Tensor -> the plain values the C++ binding takes (see src/bindings/common.h).
+
+Conversion only: which op runs and with which checks is decided in the op files and in C++.
+A tensor travels as None or as the tuple (data_ptr, dtype_code, device_type, device_index, sizes, strides),
+strides in elements as torch counts them; a workspace as None or (data_ptr, bytes); a stream as the integer
+value of a cudaStream_t (0 on the CPU).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+# Must match logitless::DType (include/logitless/tensor.h).
+DTYPE_CODES = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float64: 3,
+    torch.int32: 4,
+    torch.int64: 5,
+    torch.uint8: 6,
+    torch.bool: 7,
+}
+
+# Must match logitless::DeviceType.
+DEVICE_CODES = {"cpu": 0, "cuda": 1}
+
+Descriptor = Tuple[int, int, int, int, Tuple[int, ...], Tuple[int, ...]]
+
+
+def descriptor(t: Optional[torch.Tensor], name: str) -> Optional[Descriptor]:
+    """The binding's description of `t` (None stays None). `name` is the argument named in errors."""
+    if t is None:
+        return None
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None:
+        raise ValueError(f"{name}: dtype {t.dtype} is not supported by logitless")
+    dev = DEVICE_CODES.get(t.device.type)
+    if dev is None:
+        raise ValueError(f"{name}: expected a CPU or CUDA tensor, got a tensor on {t.device}")
+    return (t.data_ptr(), code, dev, t.device.index or 0, tuple(t.shape), tuple(t.stride()))
+
+
+def workspace(nbytes: int, device: torch.device) -> Tuple[Optional[torch.Tensor], Optional[Tuple[int, int]]]:
+    """Scratch of `nbytes` from torch's allocator (the caching allocator on CUDA, so the memory is
+    recorded by CUDA graph capture and freed in stream order). Returns (owner, binding value); keep the
+    owner alive until the call that uses the workspace has been enqueued."""
+    if nbytes == 0:
+        return None, None
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf, (buf.data_ptr(), nbytes)
+
+
+def stream(device: torch.device) -> int:
+    """torch's current stream on `device` (the capture stream inside torch.cuda.graph), as an integer."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(device).cuda_stream

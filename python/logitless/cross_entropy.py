@@ -1,0 +1,326 @@
+"""Cross-entropy over given logits: the torch ops (custom_op + fake + autograd) and `cross_entropy`.
+
+Three schedules, chosen by `cross_entropy` from what autograd needs:
+
+* no gradient needed: `logitless::cross_entropy_forward`, one read of the logits.
+* reduction sum/mean with a gradient: the gradient of the reduced loss is computed in the forward pass
+  (one read of the logits, one write of the gradient) by `logitless::cross_entropy_forward_backward_out`
+  into a fresh buffer, or by `logitless::cross_entropy_forward_backward_` over the logits themselves
+  (inplace_backward=True), and saved; the backward only multiplies it by the incoming gradient, in place,
+  with `logitless::scale_rows_`, which skips rows whose scale is exactly 1, so the usual
+  `loss.backward()` costs one small launch. Both run inside `_FusedCrossEntropy` (an autograd.Function;
+  its docstring says why).
+* reduction none with a gradient: `logitless::cross_entropy_forward` saves the per-row lse and its
+  registered backward calls `logitless::cross_entropy_backward` with the per-row incoming gradient (that
+  gradient is not known in the forward, so it cannot be fused there).
+
+In place, the op that overwrites the logits declares the mutation, so torch bumps their version counter
+and any other autograd node that saved them (tanh or softmax save their output) raises torch's "modified
+by an inplace operation" error in its backward instead of using the gradient as if it were the logits.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._tensor import descriptor, stream, workspace
+
+__all__ = ["cross_entropy"]
+
+# Must match logitless::Reduction and logitless::CrossEntropyAlgo (include/logitless/cross_entropy.h).
+REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+ALGOS = {"auto": 0, "row_resident": 1, "streaming": 2}
+_NONE = REDUCTIONS["none"]
+
+# ----------------------------------------------------------------------------------------------------
+# Calls into C++. Every op allocates its outputs with torch (so CUDA graphs and the caching allocator
+# see them) and passes torch's current stream.
+
+
+def _scratch(logits: Tensor, target: Tensor, weight: Optional[Tensor], opts: tuple):
+    nbytes = _C.cross_entropy_workspace_bytes(descriptor(logits, "logits"), descriptor(target, "target"),
+                                              descriptor(weight, "weight"), *opts)
+    return workspace(nbytes, logits.device)
+
+
+def _new_outputs(logits: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor, Tensor, Tensor]:
+    # loss: [] for sum/mean, the leading shape [*] for none; lse and z_loss: [*]. Always float32.
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    loss = torch.empty(target.shape if reduction == _NONE else (), **f32)
+    return loss, torch.empty(target.shape, **f32), torch.empty(target.shape, **f32)
+
+
+def _run_forward_backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], opts: tuple,
+                          grad: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    loss, lse, z = _new_outputs(logits, target, opts[1])
+    owner, ws = _scratch(logits, target, weight, opts)
+    _C.cross_entropy_forward_backward(descriptor(logits, "logits"), descriptor(target, "target"),
+                                      descriptor(weight, "weight"), *opts, descriptor(loss, "loss"),
+                                      descriptor(lse, "lse"), descriptor(z, "z_loss"),
+                                      descriptor(grad, "grad_logits"), None, ws, stream(logits.device))
+    del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
+    return loss, lse, z
+
+
+# ----------------------------------------------------------------------------------------------------
+# The ops. After the tensors, every op takes the CrossEntropyOptions fields in the binding's order:
+# ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo (reduction and algo as the
+# C++ enum values). Fake kernels only need the reduction (index 1) for the loss's shape.
+
+
+@torch.library.custom_op("logitless::cross_entropy_forward", mutates_args=(), device_types=("cpu", "cuda"))
+def _forward(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int, reduction: int,
+             label_smoothing: float, z_loss: float, softcap: float, check_targets: bool,
+             algo: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(loss, lse, z_loss) with one read of the logits."""
+    opts = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    loss, lse, z = _new_outputs(logits, target, reduction)
+    owner, ws = _scratch(logits, target, weight, opts)
+    _C.cross_entropy_forward(descriptor(logits, "logits"), descriptor(target, "target"),
+                             descriptor(weight, "weight"), *opts, descriptor(loss, "loss"),
+                             descriptor(lse, "lse"), descriptor(z, "z_loss"), ws, stream(logits.device))
+    del owner
+    return loss, lse, z
+
+
+@_forward.register_fake
+def _(logits, target, weight, ignore_index, reduction, *options):
+    return _new_outputs(logits, target, reduction)
+
+
+@torch.library.custom_op("logitless::cross_entropy_forward_backward_out", mutates_args=("grad_logits",),
+                         device_types=("cpu", "cuda"))
+def _forward_backward_out(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                          reduction: int, label_smoothing: float, z_loss: float, softcap: float,
+                          check_targets: bool, algo: int, grad_logits: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """(loss, lse, z_loss), and the gradient of the reduced loss (upstream gradient 1) written into
+    `grad_logits` (the logits' shape and dtype, memory apart from them) in the same pass."""
+    opts = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    return _run_forward_backward(logits, target, weight, opts, grad_logits)
+
+
+@_forward_backward_out.register_fake
+def _(logits, target, weight, ignore_index, reduction, *options_and_grad):
+    return _new_outputs(logits, target, reduction)
+
+
+@torch.library.custom_op("logitless::cross_entropy_forward_backward_", mutates_args=("logits",),
+                         device_types=("cpu", "cuda"))
+def _forward_backward_inplace(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                              reduction: int, label_smoothing: float, z_loss: float, softcap: float,
+                              check_targets: bool, algo: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """As cross_entropy_forward_backward_out, but the gradient overwrites `logits` (no N x V allocation)."""
+    opts = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    return _run_forward_backward(logits, target, weight, opts, logits)
+
+
+@_forward_backward_inplace.register_fake
+def _(logits, target, weight, ignore_index, reduction, *options):
+    return _new_outputs(logits, target, reduction)
+
+
+@torch.library.custom_op("logitless::cross_entropy_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def _backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], lse: Tensor, grad_loss: Tensor,
+              ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
+              check_targets: bool, algo: int) -> Tensor:
+    """grad_logits from the forward's lse: float32 grad_loss is [] for sum/mean, [*] (contiguous) for none."""
+    opts = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    owner, ws = _scratch(logits, target, weight, opts)
+    _C.cross_entropy_backward(descriptor(logits, "logits"), descriptor(target, "target"),
+                              descriptor(weight, "weight"), descriptor(lse, "lse"),
+                              descriptor(grad_loss, "grad_loss"), *opts, descriptor(grad, "grad_logits"), ws,
+                              stream(logits.device))
+    del owner
+    return grad
+
+
+@_backward.register_fake
+def _(logits, *rest):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+@torch.library.custom_op("logitless::scale_rows_", mutates_args=("grad",), device_types=("cpu", "cuda"))
+def _scale_rows(grad: Tensor, scale: Tensor) -> None:
+    """grad[i, :] *= scale ([] or one per row, float32, on grad's device); rows with scale exactly 1 are
+    not touched."""
+    _C.scale_rows(descriptor(grad, "grad"), descriptor(scale, "scale"), stream(grad.device))
+
+
+@_scale_rows.register_fake
+def _(grad, scale):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autograd.
+
+# lse and the per-row z-loss are reported, not differentiated: their gradient is not what the C++
+# backward computes (it is the loss's), so they leave the ops detached rather than with a wrong formula.
+
+
+def _no_double_backward():
+    # Backward runs with grad mode on only under create_graph=True. The gradient computed here has no graph
+    # of its own, so a second derivative would silently miss this loss's term: refuse instead.
+    if torch.is_grad_enabled():
+        raise RuntimeError("logitless.cross_entropy: double backward (create_graph=True) is not supported")
+
+
+def _forward_setup(ctx, inputs, output):
+    logits, target, weight, *options = inputs
+    _, lse, z = output
+    ctx.mark_non_differentiable(lse, z)
+    ctx.save_for_backward(logits, target, weight, lse)
+    ctx.options = options
+
+
+def _forward_grad(ctx, grad_loss, grad_lse, grad_z):
+    _no_double_backward()
+    logits, target, weight, lse = ctx.saved_tensors
+    # An upstream gradient may be expanded (loss.sum() gives a stride-0 one); C++ wants it contiguous.
+    g = grad_loss.to(torch.float32).contiguous()
+    grad = _backward(logits, target, weight, lse, g, *ctx.options) if ctx.needs_input_grad[0] else None
+    return (grad,) + (None,) * 9
+
+
+_forward.register_autograd(_forward_grad, setup_context=_forward_setup)
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """Loss and gradient in one pass (reduction sum/mean); backward scales the saved gradient in place.
+
+    Why an autograd.Function around mutating ops rather than a functional op with register_autograd:
+    the saved gradient is scaled in place in backward (that is what makes backward free), and a
+    functional op would have to return that buffer as an output, visible to its caller and mutated
+    later behind its back (torch.compile's partitioner rejects exactly that). Here the buffer is
+    allocated inside forward and never leaves it; for inplace_backward the buffer is the logits, and
+    the op that overwrites them declares it (mutates_args), so torch bumps their version counter and
+    any other node that saved them raises in its backward. No ctx.mark_dirty: the tensor it would have
+    us return as a rebased output holds a gradient, which nothing could differentiate further.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, inplace, *options):
+        if inplace:
+            loss, lse, z = _forward_backward_inplace(logits, target, weight, *options)
+            grad = logits
+        else:
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            loss, lse, z = _forward_backward_out(logits, target, weight, *options, grad)
+        ctx.mark_non_differentiable(lse, z)
+        # Saved after the mutation: this node's own version check passes, and a later write to the
+        # buffer (or a second backward over a retained graph, after the scaling below) is caught.
+        ctx.save_for_backward(grad)
+        return loss, lse, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse, grad_z):
+        _no_double_backward()
+        (grad,) = ctx.saved_tensors
+        _scale_rows(grad, grad_loss.to(torch.float32).contiguous())
+        return (grad,) + (None,) * 10
+
+
+# ----------------------------------------------------------------------------------------------------
+# The public function.
+
+
+def _enum(table: dict, value: str, name: str) -> int:
+    code = table.get(value) if isinstance(value, str) else None
+    if code is None:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, table))}, got {value!r}")
+    return code
+
+
+def cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    weight: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    return_lse: bool = False,
+    return_z_loss: bool = False,
+    inplace_backward: bool = False,
+    *,
+    check_targets: bool = True,
+    algo: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, ...]]:
+    """Cross-entropy of `logits` [*, V] against class indices `target` [*] (class dimension last).
+
+    Same names and meaning as ``torch.nn.functional.cross_entropy``, with the classes in the last
+    dimension (torch puts them in dimension 1 of [N, C, d1, ...]). Per row i with target t,
+    x = softcap * tanh(logits / softcap) if softcap else logits, w = weight (or ones), eps = label_smoothing::
+
+        loss_i = (1 - eps) * w_t * (lse_i - x_t) + eps / V * sum_j w_j * (lse_i - x_j) + z_loss * lse_i**2
+
+    Args:
+        logits: [*, V] float32, float16 or bfloat16 on the CPU or a CUDA device. The last dimension must be
+            contiguous; the leading ones may have any strides, so a shifted view such as
+            ``logits[:, :-1, :]`` goes in without a copy.
+        target: [*] int32 or int64 class indices, the leading shape of `logits`, any strides.
+        weight: optional [V] per-class weights of any float dtype (used as float32; no gradient flows to it).
+        ignore_index: rows with this target get loss 0 and gradient 0 and are not read.
+        reduction: "mean" (sum divided by the summed weights of the targets not ignored, as torch does),
+            "sum" or "none" (loss per row, shape [*]). When every row is ignored (or N = 0) the mean is 0
+            with gradient 0, where torch gives NaN.
+        label_smoothing: in [0, 1], torch's label smoothing.
+        z_loss: >= 0, adds z_loss * lse**2 per row (PaLM's z-loss), inside the reduction.
+        softcap: None/0 for no cap, or > 0 to cap the logits as softcap * tanh(logits / softcap) first.
+        return_lse: also return the per-row log-sum-exp [*] (float32, of the capped logits; 0 for ignored
+            rows).
+        return_z_loss: also return the per-row z-loss term z_loss * lse**2 [*] (float32), e.g. to log it.
+        inplace_backward: for reduction sum/mean, write the gradient into the storage of `logits` during
+            the forward (no extra [*, V] memory). Afterwards `logits` holds the gradient, not the logits:
+            do not read it. Autograd's version counter still protects other users of `logits`: a node that
+            saved it (e.g. ``tanh``, which saves its output) raises "modified by an inplace operation" in
+            backward. `logits` must not be a leaf that requires grad. Ignored for reduction none (its
+            gradient needs the upstream per-row gradient, known only in backward) and when no gradient is
+            needed (the logits are then left untouched).
+        check_targets: check the targets eagerly (on CUDA this reads one number back, a host
+            synchronization per call; it is skipped anyway while a CUDA graph is captured). False trusts them:
+            a bad row then gets a NaN loss and gradient instead of an error.
+        algo: CUDA kernel choice, for tests and benchmarks: "auto", "row_resident" (Hopper) or "streaming".
+
+    Returns:
+        The float32 loss ([] for sum/mean, [*] for none), or a tuple ``(loss, lse)``, ``(loss, z_loss)`` or
+        ``(loss, lse, z_loss)`` when asked for. lse and z_loss are detached (no gradient flows through them;
+        use the `z_loss` argument for a differentiable z-loss).
+
+    Raises:
+        ValueError: on a bad argument, naming it; for a target outside [0, V) that is not ignore_index,
+            naming the first bad row (checked eagerly; skipped while a CUDA graph is captured, where such a
+            row's loss and gradient are NaN instead).
+
+    Double backward (create_graph=True) is not supported.
+    """
+    red = _enum(REDUCTIONS, reduction, "reduction")
+    algo_code = _enum(ALGOS, algo, "algo")
+    if softcap is None:
+        softcap = 0.0
+    if weight is not None:
+        weight = weight.detach().to(torch.float32)
+    params = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap), bool(check_targets),
+              algo_code)
+
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    if not needs_grad or red == _NONE:
+        loss, lse, z = _forward(logits, target, weight, *params)
+    else:
+        # Overwriting a leaf that requires grad (or a view of one) would destroy a parameter and hand
+        # autograd its own storage as the gradient; torch refuses in-place ops there too.
+        owner = logits._base if logits._base is not None else logits
+        if inplace_backward and owner.is_leaf and owner.requires_grad:
+            raise ValueError("logits: inplace_backward=True needs logits computed by an op (e.g. a matmul); "
+                             "got a leaf tensor that requires grad (or a view of one), whose values it would "
+                             "overwrite")
+        loss, lse, z = _FusedCrossEntropy.apply(logits, target, weight, bool(inplace_backward), *params)
+
+    if not (return_lse or return_z_loss):
+        return loss
+    return (loss,) + ((lse,) if return_lse else ()) + ((z,) if return_z_loss else ())
