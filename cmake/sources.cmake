@@ -6,6 +6,9 @@ set(LOGITLESS_CXX_SOURCES
   src/cross_entropy/api.cpp
   src/cross_entropy/cpu.cpp
   src/cross_entropy/cuda/plan.cpp
+  src/rms_norm/api.cpp
+  src/rms_norm/cpu.cpp
+  src/rms_norm/cuda/plan.cpp
 )
 # Compiled only with the CUDA backend.
 set(LOGITLESS_CUDA_SOURCES
@@ -13,6 +16,8 @@ set(LOGITLESS_CUDA_SOURCES
   src/cross_entropy/cuda/launch.cu
   src/cross_entropy/cuda/row_resident.cu
   src/cross_entropy/cuda/streaming.cu
+  src/rms_norm/cuda/forward.cu
+  src/rms_norm/cuda/backward.cu
 )
 # Compiled only without it.
 set(LOGITLESS_NO_CUDA_SOURCES

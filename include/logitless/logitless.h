@@ -3,5 +3,6 @@
 
 #include "logitless/cross_entropy.h"
 #include "logitless/error.h"
+#include "logitless/rms_norm.h"
 #include "logitless/tensor.h"
 #include "logitless/version.h"

@@ -1,0 +1,400 @@
+// RMSNorm backward on CUDA: dx in one read of x and dy (and the residual-output gradient) and one write,
+// and dW reduced in float32 without atomics, in two steps:
+//   1. the row kernel is persistent: each CTA walks rows base, base + grid * slots, ... in a fixed order,
+//      accumulates dy * n for the columns each thread owns (registers, or shared memory on the generic
+//      path), adds its row slots together in slot order, and writes one float32 row of H to the workspace;
+//   2. reduce_dw adds the workspace rows column by column in a fixed order and rounds once to dW's dtype.
+// Nothing depends on timing, so the bits repeat from run to run. The workspace is (CTAs x H) floats (about
+// 1% of the bytes the row kernel moves at N = 16384), written once and read once.
+#include <algorithm>
+
+#include "common/cuda/check.cuh"
+#include "rms_norm/cuda/device.cuh"
+#include "rms_norm/cuda/launch.h"
+#include "rms_norm/cuda/plan.h"
+#include "rms_norm/problem.h"
+
+namespace logitless::rms {
+namespace {
+
+template <typename T, int VPT>
+__global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers(const BackwardParams p) {
+  using V = Vec<T>;
+  constexpr int kN = V::kN;
+  extern __shared__ __align__(16) float dw_row[];  // H floats when the CTA has several row slots
+  // Two scratch buffers, alternating by iteration: the next row's reduction may start while a slow warp
+  // still reads this one's partials, and the barrier of that next reduction is what separates the two.
+  __shared__ float scratch[2][32];
+  const int tpr = blockDim.x, t = threadIdx.x, slot = threadIdx.y, slots = blockDim.y;
+  const int64_t H = p.hidden, nvec = H / kN;
+  const bool want_dw = p.partials != nullptr;
+
+  float dw[VPT][kN];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k)
+#pragma unroll
+    for (int e = 0; e < kN; ++e) dw[k][e] = 0.f;
+
+  int parity = 0;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * slots; base < p.n_rows;
+       base += static_cast<int64_t>(gridDim.x) * slots, parity ^= 1) {
+    const int64_t row = base + slot;
+    const bool active = row < p.n_rows;
+    const RowCoords rc = row_coords(p.x_rows, row);
+    uint4 xs[VPT], dys[VPT];
+    float r = 0.f, dot = 0.f;
+    if (active) {
+      const T* x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
+      const T* dy = static_cast<const T*>(p.grad_y) + row_offset(p.grad_y_rows, rc);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int64_t v = t + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          xs[k] = load16(x + v * kN);
+          dys[k] = load16(dy + v * kN);
+        }
+      }
+      r = p.rstd[row];
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int64_t v = t + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          float a[kN], d[kN], g[kN];
+          V::unpack(xs[k], a);
+          V::unpack(dys[k], d);
+          load_weight_vec<T>(p.weight, p.weight_f32, v, p.offset, p.casting, g);
+#pragma unroll
+          for (int e = 0; e < kN; ++e) dot += (d[e] * g[e]) * a[e];
+        }
+      }
+    }
+    dot = row_sum(dot, scratch[parity]);
+    if (active) {
+      // dx_j = r a_j - s_j r^3 (sum_k a_k s_k) / H, a = dy * g.
+      const float c = (r * r * r) * (dot / static_cast<float>(H));
+      uint4 dres[VPT];
+      if (p.grad_residual_out) {
+        const T* dr = static_cast<const T*>(p.grad_residual_out) + row_offset(p.grad_residual_out_rows, rc);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+          const int64_t v = t + static_cast<int64_t>(k) * tpr;
+          if (v < nvec) dres[k] = load16(dr + v * kN);
+        }
+      }
+      T* dx = static_cast<T*>(p.grad_x) + row_offset(p.grad_x_rows, rc);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int64_t v = t + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          float a[kN], d[kN], g[kN], o[kN];
+          V::unpack(xs[k], a);
+          V::unpack(dys[k], d);
+          load_weight_vec<T>(p.weight, p.weight_f32, v, p.offset, p.casting, g);
+#pragma unroll
+          for (int e = 0; e < kN; ++e) {
+            o[e] = r * (d[e] * g[e]) - a[e] * c;
+            if (want_dw) dw[k][e] += d[e] * normalized<T>(a[e], r, p.casting);
+          }
+          if (p.grad_residual_out) {
+            float b[kN];
+            V::unpack(dres[k], b);
+#pragma unroll
+            for (int e = 0; e < kN; ++e) o[e] += b[e];
+          }
+          store16(dx + v * kN, V::pack(o));
+        }
+      }
+    }
+  }
+  if (!want_dw) return;
+
+  float* out = p.partials + static_cast<int64_t>(blockIdx.x) * p.partial_stride;
+  if (slots == 1) {  // this thread's sums are the CTA's: straight to the workspace
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t v = t + static_cast<int64_t>(k) * tpr;
+      if (v < nvec)
+#pragma unroll
+        for (int q = 0; q < kN / 4; ++q)
+          store16(out + v * kN + 4 * q, make_uint4(__float_as_uint(dw[k][4 * q]), __float_as_uint(dw[k][4 * q + 1]),
+                                                   __float_as_uint(dw[k][4 * q + 2]), __float_as_uint(dw[k][4 * q + 3])));
+    }
+    return;
+  }
+  // Slots add their sums into one shared row in slot order (slot 0 writes, the others add): fixed order.
+  for (int q = 0; q < slots; ++q) {
+    if (slot == q) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int64_t v = t + static_cast<int64_t>(k) * tpr;
+        if (v < nvec)
+#pragma unroll
+          for (int e = 0; e < kN; ++e) dw_row[v * kN + e] = q == 0 ? dw[k][e] : dw_row[v * kN + e] + dw[k][e];
+      }
+    }
+    __syncthreads();
+  }
+  const int tid = slot * tpr + t, nthreads = slots * tpr;
+  for (int64_t i = tid; i < H / 4; i += nthreads)
+    store16(out + 4 * i, reinterpret_cast<const uint4*>(dw_row)[i]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kGenericCtaThreads) backward_generic(const BackwardParams p) {
+  using V = Vec<T>;
+  constexpr int U = kGenericElemsPerThread;
+  extern __shared__ __align__(16) float dw_smem[];  // [slots][H] when dw_in_smem
+  __shared__ float scratch[2][32];
+  const int tpr = blockDim.x, t = threadIdx.x, slot = threadIdx.y, slots = blockDim.y;
+  const int64_t H = p.hidden;
+  const bool want_dw = p.partials != nullptr;
+
+  // This slot's dW sums: in shared memory, or in its own workspace row. Each column is touched by one
+  // thread only, so no barrier is needed until the slots are combined.
+  float* acc = nullptr;
+  if (want_dw) {
+    acc = p.dw_in_smem ? dw_smem + slot * H
+                       : p.partials + (static_cast<int64_t>(blockIdx.x) * slots + slot) * p.partial_stride;
+    for (int64_t j = t; j < H; j += tpr) acc[j] = 0.f;
+  }
+
+  int parity = 0;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * slots; base < p.n_rows;
+       base += static_cast<int64_t>(gridDim.x) * slots, parity ^= 1) {
+    const int64_t row = base + slot;
+    const bool active = row < p.n_rows;
+    const RowCoords rc = row_coords(p.x_rows, row);
+    const T* x = nullptr;
+    const T* dy = nullptr;
+    float r = 0.f, dot = 0.f;
+    if (active) {
+      x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
+      dy = static_cast<const T*>(p.grad_y) + row_offset(p.grad_y_rows, rc);
+      r = p.rstd[row];
+      for (int64_t j0 = t; j0 < H; j0 += static_cast<int64_t>(tpr) * U) {
+        float a[U], d[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
+          a[u] = j < H ? V::load1(x + j) : 0.f;
+          d[u] = j < H ? V::load1(dy + j) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
+          if (j < H) dot += (d[u] * load_weight1<T>(p.weight, p.weight_f32, j, p.offset, p.casting)) * a[u];
+        }
+      }
+    }
+    dot = row_sum(dot, scratch[parity]);
+    if (active) {
+      const float c = (r * r * r) * (dot / static_cast<float>(H));
+      const T* dr = p.grad_residual_out
+                        ? static_cast<const T*>(p.grad_residual_out) + row_offset(p.grad_residual_out_rows, rc)
+                        : nullptr;
+      T* dx = static_cast<T*>(p.grad_x) + row_offset(p.grad_x_rows, rc);
+      for (int64_t j0 = t; j0 < H; j0 += static_cast<int64_t>(tpr) * U) {
+        float a[U], d[U], b[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
+          a[u] = j < H ? V::load1(x + j) : 0.f;
+          d[u] = j < H ? V::load1(dy + j) : 0.f;
+          b[u] = dr && j < H ? V::load1(dr + j) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
+          if (j < H) {
+            const float g = load_weight1<T>(p.weight, p.weight_f32, j, p.offset, p.casting);
+            V::store1(dx + j, r * (d[u] * g) - a[u] * c + b[u]);
+            if (acc) acc[j] += d[u] * normalized<T>(a[u], r, p.casting);
+          }
+        }
+      }
+    }
+  }
+  if (!want_dw || !p.dw_in_smem) return;
+  __syncthreads();
+  float* out = p.partials + static_cast<int64_t>(blockIdx.x) * p.partial_stride;
+  const int tid = slot * tpr + t, nthreads = slots * tpr;
+  for (int64_t j = tid; j < H; j += nthreads) {
+    float s = 0.f;
+    for (int q = 0; q < slots; ++q) s += dw_smem[q * H + j];  // slot order
+    out[j] = s;
+  }
+}
+
+// dW[j] = sum over workspace rows of partials[q][j]: 32 columns x 32 row groups per CTA. Row group y adds
+// rows y, y + 32, ... in order, then group 0 adds the 32 group sums in order, and rounds once.
+constexpr int kReduceCols = 32, kReduceGroups = 32;
+
+template <typename W>
+__global__ void __launch_bounds__(kReduceCols * kReduceGroups)
+    reduce_dw(const float* partials, int64_t rows, int64_t stride, int64_t H, W* dw) {
+  __shared__ float sums[kReduceGroups][kReduceCols + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kReduceCols + threadIdx.x;
+  float s = 0.f;
+  if (col < H) {
+#pragma unroll 4
+    for (int64_t q = threadIdx.y; q < rows; q += kReduceGroups) s += partials[q * stride + col];
+  }
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < H) {
+    float total = 0.f;
+    for (int q = 0; q < kReduceGroups; ++q) total += sums[q][threadIdx.x];
+    Vec<W>::store1(dw + col, total);
+  }
+}
+
+using BackwardKernel = void (*)(BackwardParams);
+
+template <typename T>
+BackwardKernel pick(const Plan& plan) {
+  if (plan.algo == RMSNormAlgo::kGeneric) return backward_generic<T>;
+  switch (plan.vpt) {  // kVectorsPerThread
+    case 4: return backward_registers<T, 4>;
+    case 8: return backward_registers<T, 8>;
+  }
+  throw_runtime(str_cat("rms_norm backward: no register kernel for ", plan.vpt, " vectors per thread"));
+}
+
+BackwardKernel pick(DType dtype, const Plan& plan) {
+  switch (dtype) {
+    case DType::kFloat32: return pick<float>(plan);
+    case DType::kFloat16: return pick<__half>(plan);
+    case DType::kBFloat16: return pick<__nv_bfloat16>(plan);
+    default: throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
+  }
+}
+
+struct Launch {
+  Plan plan;
+  BackwardKernel kernel = nullptr;
+  BackwardGrid grid;
+};
+
+// The plan, its kernel and the persistent grid for these arguments (occupancy is the device's answer for
+// this kernel, so the workspace size and the launch agree).
+Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, int vpt, bool vector_ok, int device) {
+  const DeviceInfo& info = device_info(device);
+  PlanInputs in;
+  in.hidden = hidden;
+  in.elem_bytes = static_cast<int>(dtype_size(dtype));
+  in.backward = true;
+  in.vector_ok = vector_ok;
+  in.requested = algo;
+  in.vpt = vpt;
+  in.smem_per_block = info.max_smem_per_block_optin;
+  Launch l;
+  l.plan = plan_rms_norm(in);
+  if (l.plan.algo == RMSNormAlgo::kAuto)
+    throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ",
+                          l.plan.why_not));
+  l.kernel = pick(dtype, l.plan);
+  if (l.plan.smem_bytes > 48 * 1024)
+    LOGITLESS_CUDA_CHECK(cudaFuncSetAttribute(l.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(l.plan.smem_bytes)));
+  int per_sm = 0;
+  LOGITLESS_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l.kernel, l.plan.threads(), l.plan.smem_bytes));
+  if (per_sm < 1) throw_runtime("rms_norm backward: the kernel does not fit on this device");
+  l.grid = backward_grid(l.plan, n_rows, info.sm_count, per_sm);
+  return l;
+}
+
+template <typename W>
+void launch_reduce(const float* partials, int64_t rows, int64_t stride, int64_t H, void* dw, cudaStream_t stream) {
+  const int64_t grid = (H + kReduceCols - 1) / kReduceCols;
+  reduce_dw<W><<<static_cast<unsigned>(grid), dim3(kReduceCols, kReduceGroups), 0, stream>>>(
+      partials, rows, stride, H, static_cast<W*>(dw));
+  LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm dW reduction");
+}
+
+}  // namespace
+
+size_t backward_workspace_bytes_cuda(int64_t n_rows, int64_t hidden, DType dtype, const RMSNormOptions& o,
+                                     int device) {
+  if (n_rows == 0) return 0;
+  DeviceGuard guard(device);
+  // Alignment is a property of the tensors the backward will get, unknown here: size for every kernel
+  // that may run (the register one as if aligned, and the generic one).
+  size_t need = 0;
+  if (o.algo != RMSNormAlgo::kGeneric) {
+    PlanInputs probe;
+    probe.hidden = hidden;
+    probe.elem_bytes = static_cast<int>(dtype_size(dtype));
+    probe.backward = true;
+    probe.vector_ok = true;
+    probe.requested = o.algo;
+    probe.vpt = o.vectors_per_thread;
+    if (plan_rms_norm(probe).algo == RMSNormAlgo::kRegisters) {
+      const Launch l = prepare(dtype, n_rows, hidden, RMSNormAlgo::kRegisters, o.vectors_per_thread, true, device);
+      need = std::max(need, workspace_bytes(l.grid, hidden));
+    }
+  }
+  if (o.algo != RMSNormAlgo::kRegisters) {
+    const Launch l = prepare(dtype, n_rows, hidden, RMSNormAlgo::kGeneric, 0, false, device);
+    need = std::max(need, workspace_bytes(l.grid, hidden));
+  }
+  return need;
+}
+
+void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream) {
+  DeviceGuard guard(p.device.index);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const int64_t es = dtype_size(p.dtype);
+  const bool vector_ok = rows_aligned16(p.grad_y, p.grad_y_rows, es) &&
+                         rows_aligned16(p.grad_residual_out, p.grad_residual_out_rows, es) &&
+                         rows_aligned16(p.x, p.x_rows, es) && rows_aligned16(p.grad_x, p.grad_x_rows, es) &&
+                         aligned16(p.weight);
+  const int64_t stride = workspace_row_stride(p.hidden);
+  BackwardGrid grid;
+  if (p.n_rows > 0) {
+    const Launch l = prepare(p.dtype, p.n_rows, p.hidden, p.algo, p.vectors_per_thread, vector_ok, p.device.index);
+    grid = l.grid;
+    BackwardParams kp;
+    kp.grad_y = p.grad_y;
+    kp.grad_y_rows = p.grad_y_rows;
+    kp.grad_residual_out = p.grad_residual_out;
+    kp.grad_residual_out_rows = p.grad_residual_out_rows;
+    kp.x = p.x;
+    kp.x_rows = p.x_rows;
+    kp.weight = p.weight;
+    kp.weight_f32 = p.weight_dtype == DType::kFloat32 && p.dtype != DType::kFloat32;
+    kp.rstd = p.rstd;
+    kp.grad_x = p.grad_x;
+    kp.grad_x_rows = p.grad_x_rows;
+    kp.n_rows = p.n_rows;
+    kp.hidden = p.hidden;
+    kp.offset = p.offset;
+    kp.casting = p.casting;
+    kp.dw_in_smem = l.plan.dw_in_smem;
+    if (p.grad_weight) {
+      const size_t need = workspace_bytes(grid, p.hidden);
+      LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
+      LOGITLESS_CHECK_ARG(need == 0 || aligned16(ws.data), "workspace", "a 16-byte aligned pointer",
+                          ws.data == nullptr ? "nullptr" : "a misaligned one");
+      kp.partials = static_cast<float*>(ws.data);
+      kp.partial_stride = stride;
+    }
+    l.kernel<<<static_cast<unsigned>(grid.ctas), dim3(l.plan.threads_per_row, l.plan.rows_per_cta),
+               l.plan.smem_bytes, s>>>(kp);
+    LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm backward");
+  }
+  if (!p.grad_weight) return;
+  // With no rows the reduction adds nothing and writes zeros.
+  const float* partials = static_cast<const float*>(ws.data);
+  switch (p.grad_weight_dtype) {
+    case DType::kFloat32: launch_reduce<float>(partials, grid.partial_rows, stride, p.hidden, p.grad_weight, s); break;
+    case DType::kFloat16: launch_reduce<__half>(partials, grid.partial_rows, stride, p.hidden, p.grad_weight, s); break;
+    case DType::kBFloat16:
+      launch_reduce<__nv_bfloat16>(partials, grid.partial_rows, stride, p.hidden, p.grad_weight, s);
+      break;
+    default: throw_invalid(str_cat("grad_weight: expected dtype float32, float16 or bfloat16, got ",
+                                   dtype_name(p.grad_weight_dtype)));
+  }
+}
+
+}  // namespace logitless::rms

@@ -1,0 +1,209 @@
+// Device-side building blocks of the RMSNorm kernels: 16-byte vectors of each dtype as floats, rounding to
+// a dtype, the per-mode element math, and the reduction of one row's partial sums across its threads.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "rms_norm/cuda/params.h"
+
+namespace logitless::rms {
+
+// 16 bytes of T <-> kN floats, and single elements.
+template <typename T>
+struct Vec;
+
+template <>
+struct Vec<float> {
+  static constexpr int kN = 4;
+  __device__ static void unpack(const uint4& u, float* f) {
+    f[0] = __uint_as_float(u.x), f[1] = __uint_as_float(u.y), f[2] = __uint_as_float(u.z), f[3] = __uint_as_float(u.w);
+  }
+  __device__ static uint4 pack(const float* f) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+  __device__ static float round(float v) { return v; }
+  __device__ static float load1(const void* p) { return *static_cast<const float*>(p); }
+  __device__ static void store1(void* p, float v) { *static_cast<float*>(p) = v; }
+};
+
+template <>
+struct Vec<__nv_bfloat16> {
+  static constexpr int kN = 8;
+  __device__ static void unpack(const uint4& u, float* f) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // a bf16 is the top half of a float: two integer ops per pair
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  }
+  __device__ static uint4 pack(const float* f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);  // one cvt.rn.bf16x2.f32
+      w[i] = *reinterpret_cast<uint32_t*>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  __device__ static float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+  __device__ static float load1(const void* p) { return __bfloat162float(*static_cast<const __nv_bfloat16*>(p)); }
+  __device__ static void store1(void* p, float v) { *static_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Vec<__half> {
+  static constexpr int kN = 8;
+  __device__ static void unpack(const uint4& u, float* f) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  __device__ static uint4 pack(const float* f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+      w[i] = *reinterpret_cast<uint32_t*>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  __device__ static float round(float v) { return __half2float(__float2half_rn(v)); }
+  __device__ static float load1(const void* p) { return __half2float(*static_cast<const __half*>(p)); }
+  __device__ static void store1(void* p, float v) { *static_cast<__half*>(p) = __float2half_rn(v); }
+};
+
+// Plain (coherent) 16-byte accesses for the tensors the kernels may write in place: an output may alias an
+// input, so the read-only (non-coherent) path is reserved for the weight.
+// 16-byte global accesses as explicit vector instructions: written as uint4 copies, the compiler split the
+// stores of a row's third and fourth vectors into four 4-byte stores each. The loads are volatile and the
+// stores clobber memory, so their program order survives: an output may alias an input (in-place use),
+// which is also why these are coherent loads, not the read-only path the weight takes.
+__device__ __forceinline__ uint4 load16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void store16(void* p, const uint4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// The tensors of one call share their collapsed leading sizes (api.cpp collapses them jointly), so a row's
+// coordinates are computed once (64-bit divisions only when the rows are not a single strided dimension)
+// and each tensor's offset is a dot product with its strides.
+struct RowCoords {
+  int64_t i[kMaxRowDims];
+};
+__device__ __forceinline__ RowCoords row_coords(const RowLayout& shared_sizes, int64_t row) {
+  RowCoords c{};
+  // Constant indices only (unrolled, guarded): a loop over the runtime nd would put c in local memory.
+#pragma unroll
+  for (int d = kMaxRowDims - 1; d > 0; --d) {
+    if (d < shared_sizes.nd) {
+      const int64_t q = row / shared_sizes.sizes[d];
+      c.i[d] = row - q * shared_sizes.sizes[d];
+      row = q;
+    }
+  }
+  c.i[0] = row;
+  return c;
+}
+__device__ __forceinline__ int64_t row_offset(const RowLayout& rows, const RowCoords& c) {
+  int64_t off = c.i[0] * rows.strides[0];
+#pragma unroll
+  for (int d = 1; d < kMaxRowDims; ++d)
+    if (d < rows.nd) off += c.i[d] * rows.strides[d];
+  return off;
+}
+
+// kN weights of vector v (elements v*kN ..), as float32 plus the offset; kNone rounds the sum to T like a
+// module run in T would. A float32 weight beside a 16-bit T is two 16-byte loads.
+template <typename T>
+__device__ __forceinline__ void load_weight_vec(const void* weight, bool weight_f32, int64_t v, float offset,
+                                                RMSNormCasting casting, float* g) {
+  constexpr int kN = Vec<T>::kN;
+  if constexpr (kN == 8) {
+    if (weight_f32) {
+      const float4* w4 = static_cast<const float4*>(weight) + 2 * v;
+      const float4 a = __ldg(w4), b = __ldg(w4 + 1);
+      g[0] = a.x, g[1] = a.y, g[2] = a.z, g[3] = a.w;
+      g[4] = b.x, g[5] = b.y, g[6] = b.z, g[7] = b.w;
+    } else {
+      Vec<T>::unpack(__ldg(static_cast<const uint4*>(weight) + v), g);
+    }
+  } else {  // T is float: the weight is float32 too
+    Vec<T>::unpack(__ldg(static_cast<const uint4*>(weight) + v), g);
+  }
+#pragma unroll
+  for (int e = 0; e < kN; ++e) {
+    g[e] += offset;
+    if (casting == RMSNormCasting::kNone) g[e] = Vec<T>::round(g[e]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float load_weight1(const void* weight, bool weight_f32, int64_t j, float offset,
+                                              RMSNormCasting casting) {
+  float g = weight_f32 ? __ldg(static_cast<const float*>(weight) + j)
+                       : Vec<T>::load1(static_cast<const T*>(weight) + j);
+  g += offset;
+  return casting == RMSNormCasting::kNone ? Vec<T>::round(g) : g;
+}
+
+// The normalized value the weight multiplies: rounded to T except in Gemma's all-float32 mode.
+template <typename T>
+__device__ __forceinline__ float normalized(float s, float r, RMSNormCasting casting) {
+  const float n = s * r;
+  return casting == RMSNormCasting::kGemma ? n : Vec<T>::round(n);
+}
+
+// y before its final rounding (the store rounds): kLlama g * round(s r); kGemma (s r) * g; kNone
+// round(s r') * round(g). The operand order of each product follows the module it reproduces.
+template <typename T>
+__device__ __forceinline__ float output(float s, float r, float g, RMSNormCasting casting) {
+  return casting == RMSNormCasting::kGemma ? (s * r) * g : g * normalized<T>(s, r, casting);
+}
+
+__device__ __forceinline__ float warp_sum(float v, int width) {
+  // Butterfly: at each step lane i adds v[i ^ o] to v[i] and lane i ^ o adds the same two values in the
+  // other order, which IEEE addition makes bit-identical, so every lane of a group ends with the same sum.
+  for (int o = width >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+// Sum of v over the blockDim.x threads of this thread's row (the CTA is blockDim.x threads per row times
+// blockDim.y rows). Rows of up to 32 threads reduce inside their warp (blockDim.x is then a power of two);
+// longer rows are whole warps that meet in `scratch` (32 floats) behind one barrier. Every thread of the
+// CTA must call it (the barrier), and a caller that reduces again must use another scratch or synchronize
+// first. The warps' partials are added in warp order, so all threads of a row get the same bits.
+__device__ __forceinline__ float row_sum(float v, float* scratch) {
+  const int tpr = blockDim.x;
+  if (tpr <= 32) return warp_sum(v, tpr);
+  v = warp_sum(v, 32);
+  const int tid = threadIdx.y * tpr + threadIdx.x;
+  const int warps_per_row = tpr >> 5;
+  if ((tid & 31) == 0) scratch[tid >> 5] = v;
+  __syncthreads();
+  const float* mine = scratch + threadIdx.y * warps_per_row;
+  float s = 0.f;
+  for (int w = 0; w < warps_per_row; ++w) s += mine[w];
+  return s;
+}
+
+__device__ __forceinline__ float rstd_of(float sum_sq, int64_t hidden, float eps) {
+  // IEEE division and square root (not rsqrtf's 2-ulp approximation): the CPU backend computes the same
+  // expression, and one per row costs nothing.
+  return 1.f / sqrtf(sum_sq / static_cast<float>(hidden) + eps);
+}
+
+}  // namespace logitless::rms

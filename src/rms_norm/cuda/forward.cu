@@ -1,0 +1,231 @@
+// RMSNorm forward on CUDA. One CTA holds rows_per_cta rows; each row is read once (x, and residual) and
+// written once (y, and residual_out), and its rstd is stored for the backward.
+//
+// Register path: thread t of a row holds the row's 16-byte vectors t, t + tpr, t + 2 tpr, ... (VPT of them),
+// so every warp-wide access is one contiguous 512-byte span. The sum of squares is reduced across the row,
+// then the same registers produce y: x is never read twice. Generic path: any H and alignment, element
+// accesses in chunks of kGenericElemsPerThread per thread, and a second read of the row (from L1/L2).
+#include <algorithm>
+
+#include "common/cuda/check.cuh"
+#include "rms_norm/cuda/device.cuh"
+#include "rms_norm/cuda/launch.h"
+#include "rms_norm/cuda/plan.h"
+#include "rms_norm/problem.h"
+
+namespace logitless::rms {
+namespace {
+
+template <typename T, int VPT>
+__global__ void __launch_bounds__(max_cta_threads(false, VPT)) forward_registers(const ForwardParams p) {
+  using V = Vec<T>;
+  constexpr int kN = V::kN;
+  __shared__ float scratch[32];
+  const int tpr = blockDim.x, t = threadIdx.x;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool active = row < p.n_rows;
+  const RowCoords rc = row_coords(p.x_rows, row);
+  const int64_t nvec = p.hidden / kN;
+
+  uint4 s[VPT];
+  float sum_sq = 0.f;
+  if (active) {
+    const T* x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t v = t + static_cast<int64_t>(k) * tpr;
+      if (v < nvec) s[k] = load16(x + v * kN);
+    }
+    if (p.residual) {
+      // All residual loads before the first store: residual_out may alias an input, so a store would
+      // otherwise hold back every later load (one memory round trip per vector).
+      const T* res = static_cast<const T*>(p.residual) + row_offset(p.residual_rows, rc);
+      T* out = static_cast<T*>(p.residual_out) + row_offset(p.residual_out_rows, rc);
+      uint4 rv[VPT];
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int64_t v = t + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) rv[k] = load16(res + v * kN);
+      }
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int64_t v = t + static_cast<int64_t>(k) * tpr;
+        if (v < nvec) {
+          float a[kN], b[kN];
+          V::unpack(s[k], a);
+          V::unpack(rv[k], b);
+#pragma unroll
+          for (int e = 0; e < kN; ++e) a[e] += b[e];
+          s[k] = V::pack(a);  // rounded to T: the sum the model carries on, and the one normalized
+          store16(out + v * kN, s[k]);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t v = t + static_cast<int64_t>(k) * tpr;
+      if (v < nvec) {
+        float a[kN];
+        V::unpack(s[k], a);
+#pragma unroll
+        for (int e = 0; e < kN; ++e) sum_sq += a[e] * a[e];
+      }
+    }
+  }
+  sum_sq = row_sum(sum_sq, scratch);
+  if (!active) return;  // no barrier follows
+
+  float r = rstd_of(sum_sq, p.hidden, p.eps);
+  if (p.casting == RMSNormCasting::kNone) r = V::round(r);
+  if (t == 0 && p.rstd) p.rstd[row] = r;
+  T* y = static_cast<T*>(p.y) + row_offset(p.y_rows, rc);
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int64_t v = t + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
+      float a[kN], g[kN];
+      V::unpack(s[k], a);
+      load_weight_vec<T>(p.weight, p.weight_f32, v, p.offset, p.casting, g);
+#pragma unroll
+      for (int e = 0; e < kN; ++e) a[e] = output<T>(a[e], r, g[e], p.casting);
+      store16(y + v * kN, V::pack(a));
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kGenericCtaThreads) forward_generic(const ForwardParams p) {
+  using V = Vec<T>;
+  constexpr int U = kGenericElemsPerThread;
+  __shared__ float scratch[32];
+  const int tpr = blockDim.x, t = threadIdx.x;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool active = row < p.n_rows;
+  const RowCoords rc = row_coords(p.x_rows, row);
+  const int64_t H = p.hidden;
+
+  const T* x = nullptr;
+  T* res_out = nullptr;
+  float sum_sq = 0.f;
+  if (active) {
+    x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
+    const T* res = p.residual ? static_cast<const T*>(p.residual) + row_offset(p.residual_rows, rc) : nullptr;
+    if (res) res_out = static_cast<T*>(p.residual_out) + row_offset(p.residual_out_rows, rc);
+    // Chunks of U elements a thread: all loads of a chunk before its stores (outputs may alias inputs).
+    for (int64_t j0 = t; j0 < H; j0 += static_cast<int64_t>(tpr) * U) {
+      float a[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
+        a[u] = j < H ? V::load1(x + j) : 0.f;
+      }
+      if (res) {
+        float b[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
+          b[u] = j < H ? V::load1(res + j) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
+          a[u] = V::round(a[u] + b[u]);
+          if (j < H) V::store1(res_out + j, a[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) sum_sq += a[u] * a[u];
+    }
+  }
+  sum_sq = row_sum(sum_sq, scratch);
+  if (!active) return;
+
+  float r = rstd_of(sum_sq, H, p.eps);
+  if (p.casting == RMSNormCasting::kNone) r = V::round(r);
+  if (t == 0 && p.rstd) p.rstd[row] = r;
+  const T* src = res_out ? res_out : x;  // the second read: this thread's own elements, still in L1/L2
+  T* y = static_cast<T*>(p.y) + row_offset(p.y_rows, rc);
+  for (int64_t j0 = t; j0 < H; j0 += static_cast<int64_t>(tpr) * U) {
+    float a[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
+      a[u] = j < H ? V::load1(src + j) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
+      if (j < H) V::store1(y + j, output<T>(a[u], r, load_weight1<T>(p.weight, p.weight_f32, j, p.offset, p.casting), p.casting));
+    }
+  }
+}
+
+template <typename T>
+void launch(const Plan& plan, const ForwardParams& kp, cudaStream_t stream) {
+  const dim3 block(plan.threads_per_row, plan.rows_per_cta);
+  const int64_t grid = (kp.n_rows + plan.rows_per_cta - 1) / plan.rows_per_cta;
+  if (grid > 0x7FFFFFFF) throw_invalid(str_cat("x: expected at most ", 0x7FFFFFFFLL * plan.rows_per_cta, " rows, got ", kp.n_rows));
+  const unsigned g = static_cast<unsigned>(grid);
+  if (plan.algo == RMSNormAlgo::kGeneric) {
+    forward_generic<T><<<g, block, 0, stream>>>(kp);
+  } else {
+    switch (plan.vpt) {  // kVectorsPerThread
+      case 4: forward_registers<T, 4><<<g, block, 0, stream>>>(kp); break;
+      case 8: forward_registers<T, 8><<<g, block, 0, stream>>>(kp); break;
+      default: throw_runtime(str_cat("rms_norm forward: no register kernel for ", plan.vpt, " vectors per thread"));
+    }
+  }
+  LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm forward");
+}
+
+}  // namespace
+
+void forward_cuda(const ForwardProblem& p, StreamHandle stream) {
+  if (p.n_rows == 0) return;
+  DeviceGuard guard(p.device.index);
+  const DeviceInfo& info = device_info(p.device.index);
+  const int64_t es = dtype_size(p.dtype);
+
+  PlanInputs in;
+  in.hidden = p.hidden;
+  in.elem_bytes = static_cast<int>(es);
+  in.backward = false;
+  in.vector_ok = rows_aligned16(p.x, p.x_rows, es) && rows_aligned16(p.residual, p.residual_rows, es) &&
+                 rows_aligned16(p.y, p.y_rows, es) && rows_aligned16(p.residual_out, p.residual_out_rows, es) &&
+                 aligned16(p.weight);
+  in.requested = p.algo;
+  in.vpt = p.vectors_per_thread;
+  in.smem_per_block = info.max_smem_per_block_optin;
+  const Plan plan = plan_rms_norm(in);
+  if (plan.algo == RMSNormAlgo::kAuto)
+    throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ",
+                          plan.why_not));
+
+  ForwardParams kp;
+  kp.x = p.x;
+  kp.x_rows = p.x_rows;
+  kp.residual = p.residual;
+  kp.residual_rows = p.residual_rows;
+  kp.weight = p.weight;
+  kp.weight_f32 = p.weight_dtype == DType::kFloat32 && p.dtype != DType::kFloat32;
+  kp.y = p.y;
+  kp.y_rows = p.y_rows;
+  kp.residual_out = p.residual_out;
+  kp.residual_out_rows = p.residual_out_rows;
+  kp.rstd = p.rstd;
+  kp.n_rows = p.n_rows;
+  kp.hidden = p.hidden;
+  kp.eps = p.eps;
+  kp.offset = p.offset;
+  kp.casting = p.casting;
+
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (p.dtype) {
+    case DType::kFloat32: launch<float>(plan, kp, s); break;
+    case DType::kFloat16: launch<__half>(plan, kp, s); break;
+    case DType::kBFloat16: launch<__nv_bfloat16>(plan, kp, s); break;
+    default: throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(p.dtype)));
+  }
+}
+
+}  // namespace logitless::rms
