@@ -297,7 +297,10 @@ def cross_entropy(
             naming the first bad row (checked eagerly; skipped while a CUDA graph is captured, where such a
             row's loss and gradient are NaN instead).
 
-    Double backward (create_graph=True) is not supported.
+    Autograd: for sum/mean the gradient is computed in the forward pass and the backward only scales it (in
+    place), so it can be consumed once: a second backward through the same call (retain_graph=True) raises
+    torch's "modified by an inplace operation" error; reduce a reduction="none" loss yourself if you need
+    that. Double backward (create_graph=True) is not supported.
     """
     red = _enum(REDUCTIONS, reduction, "reduction")
     algo_code = _enum(ALGOS, algo, "algo")

@@ -479,6 +479,43 @@ def test_compile_fullgraph_matches_eager(reduction, inplace_backward):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_compile_dynamic_shapes():
+    torch._dynamo.reset()
+    W = torch.randn(13, 8, requires_grad=True)
+    fn = torch.compile(lambda h, W, t, red: cross_entropy(h @ W.t(), t, reduction=red).sum(), fullgraph=True,
+                       dynamic=True)
+    for n in (5, 9):
+        for reduction in ("mean", "none"):
+            h = torch.randn(n, 8, requires_grad=True)
+            t = torch.randint(0, 13, (n,))
+            loss = fn(h, W, t, reduction)
+            loss.backward()
+            hr = h.detach().clone().requires_grad_(True)
+            want = F.cross_entropy(hr @ W.detach().t(), t, reduction=reduction).sum()
+            want.backward()
+            torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(h.grad, hr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_inplace_on_a_graph_input():
+    # The logits come from outside the compiled region; the compiled call mutates its input.
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, t: cross_entropy(x, t, inplace_backward=True), fullgraph=True)
+    h = torch.randn(6, 8, requires_grad=True)
+    W = torch.randn(13, 8, requires_grad=True)
+    t = torch.randint(0, 13, (6,))
+    fn(h @ W.t(), t).backward()
+    h2, W2 = h.detach().clone().requires_grad_(True), W.detach().clone().requires_grad_(True)
+    F.cross_entropy(h2 @ W2.t(), t).backward()
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(W.grad, W2.grad, rtol=1e-5, atol=1e-6)
+
+    y = torch.tanh(h @ W.t())  # tanh saves y, which the compiled call then overwrites: must raise
+    loss = fn(y, t)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_compile_fullgraph_no_grad_and_shifted_view():
     torch._dynamo.reset()
 
