@@ -90,7 +90,10 @@ struct Tol {
   double rtol, atol;
   double floor = 0;  // absolute slack independent of scale (float16 subnormals are 6e-8 apart)
 };
-enum class Quantity { kLoss, kLse, kGrad };
+enum class Quantity {
+  kLoss, kLse, kGrad,                   // cross-entropy
+  kNormOut, kNormRstd, kNormWeightGrad  // rms_norm: y / residual_out / grad_x; rstd; grad_weight (its dtype)
+};
 // Tolerance of a backend's output in `dtype` (the logits dtype) against a more exact reference.
 Tol tolerance(DType dtype, Quantity q);
 
