@@ -2,7 +2,8 @@
 from . import _C
 from . import nn
 from .cross_entropy import cross_entropy
+from .rms_norm import rms_norm
 
 __version__ = _C.version()
 
-__all__ = ["cross_entropy", "nn"]
+__all__ = ["cross_entropy", "nn", "rms_norm"]

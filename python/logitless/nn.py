@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 
 from .cross_entropy import cross_entropy
+from .rms_norm import CASTING_MODES, rms_norm
 
-__all__ = ["CrossEntropyLoss"]
+__all__ = ["CrossEntropyLoss", "RMSNorm"]
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -61,4 +62,78 @@ class CrossEntropyLoss(torch.nn.Module):
         for name, off in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None), ("inplace_backward", False)):
             if getattr(self, name) != off:
                 parts.append(f"{name}={getattr(self, name)!r}")
+        return ", ".join(parts)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm over the last dimension computed by ``logitless.rms_norm`` (see it for the formulas).
+
+    ``RMSNorm(hidden_size, eps=1e-6, offset=0.0, casting_mode="llama")`` has a [hidden_size] weight
+    initialized to ones, or to zeros when offset != 0 (zero-centered weights, as Gemma's). ``forward(x)``
+    returns y; ``forward(x, residual)`` returns ``(rms_norm(x + residual), x + residual)``.
+
+    ``RMSNorm.from_module(m)`` wraps a Hugging Face RMSNorm module: it keeps the module's weight Parameter
+    (the same object, so optimizers and state dicts see no change) and its eps (``variance_epsilon`` or
+    ``eps``). Gemma's modules (class names starting with "Gemma", except Gemma3n's, whose weight is not
+    zero-centered) get offset=1.0 and casting "gemma"; Gemma3n's get offset 0 and casting "gemma"; a module
+    that carries ``offset`` / ``casting_mode`` attributes keeps them; everything else is Llama-style. Pass
+    offset= or casting_mode= to override the detection (e.g. OLMo-2 multiplies in float32 and rounds once:
+    casting_mode="gemma" with offset 0).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
+                 inplace_backward: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        init = torch.zeros if offset != 0 else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.offset = offset
+        self.casting_mode = casting_mode
+        self.inplace_backward = inplace_backward
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        return rms_norm(x, self.weight, eps=self.eps, offset=self.offset, casting_mode=self.casting_mode,
+                        residual=residual, inplace_backward=self.inplace_backward)
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, *, offset: Optional[float] = None,
+                    casting_mode: Optional[str] = None, inplace_backward: bool = False) -> "RMSNorm":
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+            raise ValueError(f"module: expected an RMSNorm module with a 1-d weight Parameter, got "
+                             f"{type(module).__name__} with weight {None if weight is None else tuple(weight.shape)}")
+        eps = None
+        for name in ("variance_epsilon", "eps", "epsilon"):
+            if isinstance(getattr(module, name, None), (int, float)):
+                eps = float(getattr(module, name))
+                break
+        if eps is None:
+            raise ValueError(f"module: expected an eps attribute (variance_epsilon or eps), got none on "
+                             f"{type(module).__name__}")
+        name = type(module).__name__.lower()
+        if name.startswith("gemma3n"):
+            det_offset, det_casting = 0.0, "gemma"
+        elif name.startswith("gemma"):
+            det_offset, det_casting = 1.0, "gemma"
+        else:
+            det_offset = float(getattr(module, "offset", 0.0))
+            det_casting = getattr(module, "casting_mode", "llama")
+            if det_casting not in CASTING_MODES:
+                det_casting = "llama"
+        norm = cls.__new__(cls)
+        torch.nn.Module.__init__(norm)
+        norm.weight = weight
+        norm.eps = eps
+        norm.offset = det_offset if offset is None else float(offset)
+        norm.casting_mode = det_casting if casting_mode is None else casting_mode
+        norm.inplace_backward = inplace_backward
+        return norm
+
+    def extra_repr(self) -> str:
+        parts = [f"{self.weight.shape[0]}", f"eps={self.eps}"]
+        if self.offset != 0:
+            parts.append(f"offset={self.offset}")
+        parts.append(f"casting_mode={self.casting_mode!r}")
+        if self.inplace_backward:
+            parts.append("inplace_backward=True")
         return ", ".join(parts)

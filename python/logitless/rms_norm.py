@@ -1,0 +1,245 @@
+"""RMSNorm: the torch ops (custom_op + fake + autograd) and `rms_norm`.
+
+Ops (namespace ``logitless``):
+
+* ``rms_norm_forward``: (y, residual_out, rstd) in one read of x (and residual) and one write. Without a
+  residual, residual_out is an empty tensor (a custom op cannot return None).
+* ``rms_norm_backward``: (grad_x, grad_weight) in one read of x, grad_y (and grad_residual_out) and one
+  write of grad_x; grad_weight is reduced in float32 through a workspace, deterministically.
+* ``rms_norm_backward_``: the same, with grad_x written into grad_y's storage (``inplace_backward=True``).
+  It declares that mutation (``mutates_args``), so torch bumps grad_y's version counter and any other
+  autograd node that saved that tensor raises "modified by an inplace operation" instead of reading dx.
+
+The forward's registered autograd saves what the forward normalized (x, or residual_out) and rstd.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._tensor import descriptor, stream, workspace
+
+__all__ = ["rms_norm", "CASTING_MODES"]
+
+# Must match logitless::RMSNormCasting and logitless::RMSNormAlgo (include/logitless/rms_norm.h).
+CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
+ALGOS = {"auto": 0, "registers": 1, "generic": 2}
+
+
+def _rows_ready(t: Tensor) -> Tensor:
+    # The C++ side takes any row strides but wants the last dimension contiguous.
+    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _forward_outputs(x: Tensor, has_residual: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(x.shape if has_residual else (0,), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    return y, s, rstd
+
+
+def _weight_grad_output(weight: Tensor, need: bool) -> Tensor:
+    return torch.empty(weight.shape if need else (0,), dtype=weight.dtype, device=weight.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The ops. After the tensors, every op takes the RMSNormOptions fields in the binding's order: eps, offset,
+# casting, algo, vectors_per_thread (casting and algo as the C++ enum values).
+
+
+@torch.library.custom_op("logitless::rms_norm_forward", mutates_args=(), device_types=("cpu", "cuda"))
+def _forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float, offset: float, casting: int,
+             algo: int, vectors_per_thread: int, inplace_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(y, residual_out, rstd); residual_out = x + residual (empty without a residual). inplace_backward only
+    tells the registered backward where to write grad_x."""
+    x, weight = _rows_ready(x), weight.contiguous()
+    residual = None if residual is None else _rows_ready(residual)
+    y, s, rstd = _forward_outputs(x, residual is not None)
+    _C.rms_norm_forward(descriptor(x, "x"), descriptor(residual, "residual"), descriptor(weight, "weight"), eps,
+                        offset, casting, algo, vectors_per_thread, descriptor(y, "y"),
+                        descriptor(s, "residual_out") if residual is not None else None, descriptor(rstd, "rstd"),
+                        None, stream(x.device))
+    return y, s, rstd
+
+
+@_forward.register_fake
+def _(x, weight, residual, *options):
+    return _forward_outputs(x, residual is not None)
+
+
+def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
+                  options: tuple, grad_x: Tensor, need_weight_grad: bool) -> Tensor:
+    grad_weight = _weight_grad_output(weight, need_weight_grad)
+    nbytes = _C.rms_norm_backward_workspace_bytes(descriptor(x, "x"), descriptor(weight, "weight"), *options)
+    owner, ws = workspace(nbytes if need_weight_grad else 0, x.device)
+    _C.rms_norm_backward(descriptor(grad_y, "grad_y"), descriptor(grad_residual_out, "grad_residual_out"),
+                         descriptor(x, "x"), descriptor(weight, "weight"), descriptor(rstd, "rstd"), *options,
+                         descriptor(grad_x, "grad_x"),
+                         descriptor(grad_weight, "grad_weight") if need_weight_grad else None, ws,
+                         stream(x.device))
+    del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
+    return grad_weight
+
+
+@torch.library.custom_op("logitless::rms_norm_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def _backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
+              eps: float, offset: float, casting: int, algo: int, vectors_per_thread: int,
+              need_weight_grad: bool) -> Tuple[Tensor, Tensor]:
+    """(grad_x, grad_weight); grad_weight is empty unless need_weight_grad. x is what the forward normalized
+    (x, or residual_out), rstd the forward's."""
+    grad_y, x, weight = _rows_ready(grad_y), _rows_ready(x), weight.contiguous()
+    grad_residual_out = None if grad_residual_out is None else _rows_ready(grad_residual_out)
+    grad_x = torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device)
+    options = (eps, offset, casting, algo, vectors_per_thread)
+    grad_weight = _run_backward(grad_y, grad_residual_out, x, weight, rstd.contiguous(), options, grad_x,
+                                need_weight_grad)
+    return grad_x, grad_weight
+
+
+@_backward.register_fake
+def _(grad_y, grad_residual_out, x, weight, rstd, eps, offset, casting, algo, vectors_per_thread, need_weight_grad):
+    return torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device), _weight_grad_output(weight,
+                                                                                                   need_weight_grad)
+
+
+@torch.library.custom_op("logitless::rms_norm_backward_", mutates_args=("grad_y",), device_types=("cpu", "cuda"))
+def _backward_inplace(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
+                      eps: float, offset: float, casting: int, algo: int, vectors_per_thread: int,
+                      need_weight_grad: bool) -> Tensor:
+    """grad_x written over grad_y (last dimension contiguous, rows that do not overlap); returns grad_weight
+    (empty unless need_weight_grad)."""
+    x, weight = _rows_ready(x), weight.contiguous()
+    grad_residual_out = None if grad_residual_out is None else _rows_ready(grad_residual_out)
+    options = (eps, offset, casting, algo, vectors_per_thread)
+    return _run_backward(grad_y, grad_residual_out, x, weight, rstd.contiguous(), options, grad_y, need_weight_grad)
+
+
+@_backward_inplace.register_fake
+def _(grad_y, grad_residual_out, x, weight, rstd, eps, offset, casting, algo, vectors_per_thread, need_weight_grad):
+    return _weight_grad_output(weight, need_weight_grad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autograd.
+
+
+def _forward_setup(ctx, inputs, output):
+    x, weight, residual, eps, offset, casting, algo, vpt, inplace = inputs
+    _, s, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    # The backward needs what was normalized: x itself, or x + residual (already in memory as an output).
+    ctx.save_for_backward(s if residual is not None else x, weight, rstd)
+    ctx.has_residual = residual is not None
+    ctx.options = (eps, offset, casting, algo, vpt)
+    ctx.inplace = inplace
+    # An output nobody used arrives as None instead of a materialized tensor of zeros (a wasted N x H read).
+    ctx.set_materialize_grads(False)
+
+
+def _writable(t: Tensor) -> bool:
+    # In place needs rows the kernel can write without two rows sharing memory: a dense tensor with its last
+    # dimension contiguous. Anything else (e.g. the stride-0 gradient of y.sum()) takes the out-of-place op.
+    return t.is_contiguous() and not t.requires_grad
+
+
+def _forward_grad(ctx, grad_y, grad_s, grad_rstd):
+    if torch.is_grad_enabled():
+        # Backward runs with grad mode on only under create_graph=True; the gradient computed here has no graph
+        # of its own, so a second derivative would silently miss this op's term: refuse instead.
+        raise RuntimeError("logitless.rms_norm: double backward (create_graph=True) is not supported")
+    xs, weight, rstd = ctx.saved_tensors
+    need_x = ctx.needs_input_grad[0] or (ctx.has_residual and ctx.needs_input_grad[2])
+    need_w = ctx.needs_input_grad[1]
+    if not (need_x or need_w):
+        return (None,) * 9
+    if grad_y is None:  # only residual_out was used
+        grad_y = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
+    grad_s = grad_s if ctx.has_residual else None
+    if ctx.inplace and _writable(grad_y):
+        grad_w = _backward_inplace(grad_y, grad_s, xs, weight, rstd, *ctx.options, need_w)
+        grad_x = grad_y
+    else:
+        grad_x, grad_w = _backward(grad_y, grad_s, xs, weight, rstd, *ctx.options, need_w)
+    grad_x = grad_x if need_x else None
+    grad_w = grad_w if need_w else None
+    return (grad_x, grad_w, grad_x if ctx.has_residual else None) + (None,) * 6
+
+
+_forward.register_autograd(_forward_grad, setup_context=_forward_setup)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The public function.
+
+
+def _enum(table: dict, value: str, name: str) -> int:
+    code = table.get(value) if isinstance(value, str) else None
+    if code is None:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, table))}, got {value!r}")
+    return code
+
+
+def rms_norm(
+    x: Tensor,
+    weight: Tensor,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    residual: Optional[Tensor] = None,
+    inplace_backward: bool = False,
+    *,
+    algo: str = "auto",
+    vectors_per_thread: int = 0,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """RMSNorm over the last dimension: ``y = x * rsqrt(mean(x**2, -1) + eps) * (weight + offset)``.
+
+    Statistics are always float32. `casting_mode` says where values are rounded to x's dtype, to match the
+    module a model was trained with:
+
+    * ``"llama"``: Hugging Face's LlamaRMSNorm (and Mistral, Qwen2, ...): the normalized x is rounded to x's
+      dtype, then multiplied by the weight: ``weight * (x.float() * rstd).to(x.dtype)``.
+    * ``"gemma"``: Gemma's RMSNorm: everything in float32 and one rounding at the end:
+      ``(x.float() * rstd * (offset + weight.float())).to(x.dtype)``; use offset=1.0 for Gemma's
+      zero-centered weights.
+    * ``"none"``: as a module computed entirely in x's dtype: rstd, ``x * rstd``, ``weight + offset`` and the
+      product are each rounded to x's dtype (the sum of squares is still accumulated in float32).
+
+    With float32 tensors the three agree. The output keeps x's dtype even with a float32 weight (where the
+    Llama module would promote it to float32).
+
+    Args:
+        x: [*, H] float32, float16 or bfloat16, CPU or CUDA. Rows may be strided (a view such as
+            ``h[:, :-1]`` needs no copy); the last dimension is made contiguous if it is not.
+        weight: [H], x's dtype or float32 (the model's dtype or float32 master weights).
+        eps: > 0, added to the mean of squares.
+        offset: added to the weight (1.0 for Gemma).
+        casting_mode: "llama", "gemma" or "none" (see above).
+        residual: optional [*, H] in x's dtype: the fused residual add. Returns ``(y, s)`` with
+            ``s = x + residual`` (rounded to x's dtype, what a model carries on as its residual stream) and
+            ``y = rms_norm(s)``. Gradients flowing into both outputs are handled; x and residual get the same
+            gradient.
+        inplace_backward: write grad_x into the storage of the incoming gradient of y (saves an [*, H]
+            allocation in backward). The op declares the mutation: if another autograd node saved that
+            gradient tensor, torch raises "modified by an inplace operation" instead of computing garbage.
+            An incoming gradient that is not a dense contiguous tensor is left alone (out of place).
+        algo: CUDA kernel, for tests and benchmarks: "auto", "registers" (row in registers, 16-byte accesses)
+            or "generic" (any H and alignment).
+        vectors_per_thread: with the register kernel, 16-byte vectors per thread (0 = auto, 4 or 8).
+
+    Returns:
+        y ([*, H], x's dtype), or ``(y, x + residual)`` with a residual.
+
+    Raises:
+        ValueError: on a bad argument (dtype, shape, eps <= 0, unknown casting_mode), naming it.
+
+    grad_weight is reduced in float32 without atomics: the same inputs on the same GPU give the same bits on
+    every run. Double backward is not supported.
+    """
+    casting = _enum(CASTING_MODES, casting_mode, "casting_mode")
+    algo_code = _enum(ALGOS, algo, "algo")
+    y, s, _ = _forward(x, weight, residual, float(eps), float(offset), casting, algo_code, int(vectors_per_thread),
+                       bool(inplace_backward))
+    return y if residual is None else (y, s)
