@@ -9,9 +9,33 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cross_entropy/cuda/kernels.h"
 #include "logitless/logitless.h"
 
 using namespace logitless;
+
+// Variants of the row-resident plan, applied through the planner's hook.
+static int g_pieces = 0, g_threads = 0, g_cluster = 0, g_grid = 0;
+static void tweak(ce::Plan& p) {
+  if (p.algo != CrossEntropyAlgo::kRowResident) return;
+  if (g_pieces) p.copy_pieces = g_pieces;
+  if (g_threads) p.threads = g_threads;
+  if (g_grid) p.grid_clusters = g_grid;
+  if (g_cluster && g_cluster != p.cluster) {  // re-slice for another cluster size
+    const int64_t V = p.slice * p.cluster;
+    p.cluster = g_cluster;
+    p.slice = ((V + g_cluster - 1) / g_cluster + 7) / 8 * 8;
+    p.stage_bytes = ((p.slice * 2 + 16) + 127) / 128 * 128;
+    p.stages = std::min<int>(4, (227 * 1024 - 4096) / p.stage_bytes);
+    p.smem_bytes = p.stage_bytes * p.stages;
+  }
+}
+static void describe(const char* what) {
+  const auto r = ce::debug::last_launch();
+  std::printf("   [%s: algo=%d cluster=%d stages=%d threads=%d slice=%lld pieces=%d clusters=%d (occupancy %d)]\n", what,
+              static_cast<int>(r.plan.algo), r.plan.cluster, r.plan.stages, r.plan.threads, (long long)r.plan.slice,
+              r.plan.copy_pieces, r.clusters, ce::debug::row_resident_max_clusters());
+}
 
 #define CK(x)                                                                      \
   do {                                                                             \
@@ -124,6 +148,31 @@ int main(int argc, char** argv) {
           cross_entropy_backward(lv, tv, {}, lsev, gl, o, gv, w, nullptr);
         }),
         2.0 * bytes);
+    // Row-resident variants: copy pieces, threads, cluster size, grid.
+    ce::debug::set_plan_hook(tweak);
+    struct Var { int pieces, threads, cluster, grid; };
+    const int sms = prop.multiProcessorCount;
+    (void)sms;
+    for (Var v : {Var{1, 0, 0, 0}, Var{2, 0, 0, 0}, Var{1, 256, 0, 0}, Var{1, 0, 8, 0}}) {
+      g_pieces = v.pieces, g_threads = v.threads, g_cluster = v.cluster, g_grid = v.grid;
+      char name[96];
+      std::snprintf(name, sizeof name, "rr p%d t%d c%d g%d fwd", v.pieces, v.threads, v.cluster, v.grid);
+      row(name, median_ms([&] { cross_entropy_forward(lv, tv, {}, o, scalar_loss, lsev, {}, w, nullptr); }), double(bytes));
+      describe("fwd");
+      std::snprintf(name, sizeof name, "rr p%d t%d c%d g%d fwdbwd", v.pieces, v.threads, v.cluster, v.grid);
+      row(name, median_ms([&] {
+            cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr);
+          }),
+          2.0 * bytes);
+    }
+    g_pieces = g_threads = g_cluster = g_grid = 0;
+    ce::debug::set_plan_hook(nullptr);
+    o.check_targets = true;
+    row("auto fwd+bwd, eager target check", median_ms([&] {
+          cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr);
+        }),
+        2.0 * bytes);
+    o.check_targets = false;
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     for (void* p : {(void*)x, (void*)x2, (void*)g, (void*)tgt, (void*)loss, (void*)lse, ws}) CK(cudaFree(p));

@@ -66,8 +66,47 @@ void TestTensor::set_index(int64_t flat, int64_t v) {
 
 void TestTensor::fill_storage_bytes(uint8_t byte) { std::fill(host_.begin(), host_.end(), byte); }
 
+void TestTensor::fill_normal(uint64_t seed, float stddev) {
+  const int64_t n = numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    // splitmix64 of (seed, i) -> two uniforms -> Box-Muller
+    auto mix = [](uint64_t z) {
+      z += 0x9E3779B97F4A7C15ull;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      return z ^ (z >> 31);
+    };
+    const uint64_t a = mix(seed * 0x632BE59BD9B4E019ull + 2 * static_cast<uint64_t>(i));
+    const uint64_t b = mix(a ^ 0xD1B54A32D192ED03ull);
+    const double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+    const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;
+    const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+    set(i, static_cast<float>(stddev * z));
+  }
+}
+
+TestTensor TestTensor::clone() const {
+  TestTensor t;
+  t.dtype_ = dtype_;
+  t.sizes_ = sizes_;
+  t.strides_ = strides_;
+  t.offset_ = offset_;
+  t.host_ = host_;
+  return t;
+}
+
+std::vector<float> TestTensor::gather_float() const {
+  std::vector<float> out(static_cast<size_t>(numel()));
+  const int64_t n = numel();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] = get(i);
+  return out;
+}
+
 void TestTensor::fill_storage_nan() {
-  for (int64_t i = 0; i < storage_elems(); ++i) store_float(host_.data(), dtype_, i, NAN);
+  // All-ones bytes are a NaN in float32, float16 and bfloat16 alike: a memset poisons any float tensor.
+  std::fill(host_.begin(), host_.end(), static_cast<uint8_t>(0xFF));
 }
 
 void TestTensor::to_device() {
@@ -184,46 +223,46 @@ Tol tolerance(DType dtype, Quantity q) {
   return {0, 0};
 }
 
-::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected, Tol tol,
-                                     double scale, const std::string& what) {
+namespace {
+template <typename F>
+::testing::AssertionResult all_close_impl(const std::vector<F>& actual, const std::vector<F>& expected, Tol tol,
+                                          double scale, const std::string& what) {
   if (actual.size() != expected.size()) {
     return ::testing::AssertionFailure() << what << ": size " << actual.size() << " vs " << expected.size();
   }
-  int64_t bad = 0, worst = -1;
-  double worst_excess = 0;
-  for (size_t i = 0; i < actual.size(); ++i) {
+  const int64_t n = static_cast<int64_t>(actual.size());
+  auto excess = [&](int64_t i) -> double {  // > 0: element i is out of tolerance
     const double a = actual[i], e = expected[i];
-    if (std::isnan(e) || std::isnan(a)) {
-      if (std::isnan(e) != std::isnan(a)) {
-        ++bad;
-        if (worst < 0) worst = static_cast<int64_t>(i), worst_excess = INFINITY;
-      }
-      continue;
-    }
-    if (std::isinf(e) || std::isinf(a)) {
-      if (a != e) {
-        ++bad;
-        worst = static_cast<int64_t>(i);
-        worst_excess = INFINITY;
-      }
-      continue;
-    }
-    const double lim = tol.floor + tol.atol * scale + tol.rtol * std::abs(e);
-    const double err = std::abs(a - e);
-    if (err > lim) {
-      ++bad;
-      if (err - lim > worst_excess || worst < 0) {
-        worst_excess = err - lim;
-        worst = static_cast<int64_t>(i);
-      }
-    }
-  }
+    if (std::isnan(e) || std::isnan(a)) return std::isnan(e) != std::isnan(a) ? INFINITY : -1.0;
+    if (std::isinf(e) || std::isinf(a)) return a != e ? INFINITY : -1.0;
+    return std::abs(a - e) - (tol.floor + tol.atol * scale + tol.rtol * std::abs(e));
+  };
+  int64_t bad = 0;
+#pragma omp parallel for reduction(+ : bad) schedule(static)
+  for (int64_t i = 0; i < n; ++i) bad += excess(i) > 0 ? 1 : 0;
   if (bad == 0) return ::testing::AssertionSuccess();
+  int64_t worst = 0;
+  double worst_excess = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = excess(i);
+    if (x > worst_excess) worst_excess = x, worst = i;
+  }
   std::ostringstream os;
-  os << what << ": " << bad << " of " << actual.size() << " elements differ; worst at " << worst << ": got "
-     << actual[worst] << ", expected " << expected[worst] << " (rtol " << tol.rtol << ", atol " << tol.atol
-     << " x scale " << scale << ")";
+  os << what << ": " << bad << " of " << n << " elements differ; worst at " << worst << ": got " << actual[worst]
+     << ", expected " << expected[worst] << " (rtol " << tol.rtol << ", atol " << tol.atol << " x scale " << scale
+     << ", floor " << tol.floor << ")";
   return ::testing::AssertionFailure() << os.str();
+}
+}  // namespace
+
+::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected, Tol tol,
+                                     double scale, const std::string& what) {
+  return all_close_impl(actual, expected, tol, scale, what);
+}
+
+::testing::AssertionResult all_close(const std::vector<float>& actual, const std::vector<float>& expected, Tol tol,
+                                     double scale, const std::string& what) {
+  return all_close_impl(actual, expected, tol, scale, what);
 }
 
 std::string dtype_tag(DType dt) {

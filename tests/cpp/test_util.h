@@ -46,6 +46,11 @@ class TestTensor {
   void set_index(int64_t flat, int64_t v);
 
   void fill_storage_bytes(uint8_t byte);  // the whole storage, padding included
+  // Every viewed element ~ N(0, stddev^2) (float tensors), from a counter-based generator: parallel, and the
+  // same values for the same seed whatever the thread count.
+  void fill_normal(uint64_t seed, float stddev);
+  TestTensor clone() const;  // same dtype, sizes, strides, offset and storage bytes (host side)
+  std::vector<float> gather_float() const;  // the viewed elements as float, flat order
   void fill_storage_nan();                // float tensors: every storage element NaN (poison)
 
   // Device mirror. to_device() allocates (once) and uploads; to_host() downloads.
@@ -100,6 +105,8 @@ Tol tolerance(DType dtype, Quantity q);
 // |a - b| <= floor + atol * scale + rtol * |b| elementwise (NaN must match NaN); reports the worst element.
 ::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected,
                                      Tol tol, double scale, const std::string& what);
+::testing::AssertionResult all_close(const std::vector<float>& actual, const std::vector<float>& expected, Tol tol,
+                                     double scale, const std::string& what);
 
 std::string dtype_tag(DType dt);
 

@@ -198,6 +198,55 @@ __device__ __forceinline__ float2 block_sum2(float2 v, float2* scratch) {
   return r;
 }
 
+// --- online softmax state (running max m, sum of exp(x - m)) -----------------------------------------------
+// Merges n values (already -inf where absent) into (m, s) with one rescale for the whole group. NaN poisons
+// both; a group of -inf leaves them unchanged; no -inf - -inf is ever formed.
+template <int kN>
+__device__ __forceinline__ void online_add(float& m, float& s, const float* x) {
+  float cm = x[0];
+#pragma unroll
+  for (int i = 1; i < kN; ++i) cm = max_nan(cm, x[i]);
+  const float mn = max_nan(m, cm);
+  const float scale = m == mn ? 1.f : fast_exp2((m - mn) * kLog2e);
+  const float mn_l2 = mn == -INFINITY ? 0.f : mn * kLog2e;
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) acc += fast_exp2(fmaf(x[i], kLog2e, -mn_l2));
+  s = fmaf(s, scale, acc);
+  m = mn;
+}
+
+// (m1, s1) <- (m1, s1) merged with (m2, s2).
+__device__ __forceinline__ void online_merge(float& m1, float& s1, float m2, float s2) {
+  const float M = max_nan(m1, m2);
+  const float a = m1 == -INFINITY ? 0.f : s1 * fast_exp2((m1 - M) * kLog2e);
+  const float b = m2 == -INFINITY ? 0.f : s2 * fast_exp2((m2 - M) * kLog2e);
+  m1 = M;
+  s1 = a + b;
+}
+
+// Block-wide merge of (m, s) and a plain sum `w`; every thread gets the result. `scratch` holds 32 float4.
+__device__ __forceinline__ void block_online(float& m, float& s, float& w, float4* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xFFFFFFFFu, m, o), s2 = __shfl_xor_sync(0xFFFFFFFFu, s, o);
+    w += __shfl_xor_sync(0xFFFFFFFFu, w, o);
+    online_merge(m, s, m2, s2);
+  }
+  if (lane == 0) scratch[warp] = make_float4(m, s, w, 0.f);
+  __syncthreads();
+  const float4 v = lane < nwarps ? scratch[lane] : make_float4(-INFINITY, 0.f, 0.f, 0.f);
+  m = v.x, s = v.y, w = v.z;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xFFFFFFFFu, m, o), s2 = __shfl_xor_sync(0xFFFFFFFFu, s, o);
+    w += __shfl_xor_sync(0xFFFFFFFFu, w, o);
+    online_merge(m, s, m2, s2);
+  }
+  __syncthreads();  // scratch may be reused right after
+}
+
 // --- per-row bookkeeping shared by the kernels ------------------------------------------------------------
 __device__ __forceinline__ int64_t load_target(const KernelParams& p, int64_t row) {
   const int64_t off = p.target_rows.offset(row);

@@ -17,6 +17,9 @@ namespace {
 
 constexpr int kReduceThreads = 1024;
 
+debug::PlanHook g_plan_hook = nullptr;
+thread_local debug::LaunchRecord t_last_launch;
+
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 // Fixed thread count and fixed per-thread order: the sums come out bit-identical on every run.
@@ -155,24 +158,31 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
     in.row_resident_capable = row_resident_available(pr.device.index);
     in.smem_per_block = info.max_smem_per_block_optin - 4096;  // room for the static shared memory (about 2 KB)
     in.requested = pr.algo;
-    const Plan plan = plan_cross_entropy(in);
+    Plan plan = plan_cross_entropy(in);
+    if (g_plan_hook) g_plan_hook(plan);
     if (plan.algo == CrossEntropyAlgo::kAuto)
       throw_invalid(str_cat("algo: expected an algorithm this GPU can run; row_resident needs a Hopper GPU (sm_90) "
                             "and rows that fit a cluster's shared memory, got V=",
                             pr.vocab, " on sm_", info.sm_major, info.sm_minor));
-    bool done = false;
+    int clusters = 0;
     if (plan.algo == CrossEntropyAlgo::kRowResident) {
-      done = launch_row_resident(pr.dtype, kp, plan, stream);
-      if (!done && pr.algo == CrossEntropyAlgo::kRowResident)
+      clusters = launch_row_resident(pr.dtype, kp, plan, stream);
+      if (clusters == 0 && pr.algo == CrossEntropyAlgo::kRowResident)
         throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
     }
-    if (!done) launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
+    if (clusters == 0) launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
+    t_last_launch = debug::LaunchRecord{plan, clusters};
   }
   if (forward && pr.reduction != Reduction::kNone) {
     finalize_kernel<<<1, kReduceThreads, 0, stream>>>(partials, pr.n_rows, scalars, pr.loss);
     LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy finalize");
   }
 }
+
+namespace debug {
+void set_plan_hook(PlanHook hook) { g_plan_hook = hook; }
+LaunchRecord last_launch() { return t_last_launch; }
+}  // namespace debug
 
 void scale_rows_cuda(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab,
                      const float* scale, bool per_row, Device device, StreamHandle stream) {

@@ -24,6 +24,8 @@ struct Plan {
   int64_t slice = 0;        // elements of a row each CTA of the cluster owns (row-resident)
   size_t stage_bytes = 0;   // shared memory per stage
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
+  int copy_pieces = 1;      // bulk copies per slice (row-resident)
+  int grid_clusters = 0;    // clusters to launch; 0: as many as the occupancy calculator says fit
 };
 
 struct PlanInputs {

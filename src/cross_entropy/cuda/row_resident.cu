@@ -21,13 +21,113 @@ namespace {
 
 namespace cg = cooperative_groups;
 
+int debug_max_clusters = 0;
+
 struct ResidentShape {
-  int64_t slice;       // elements per CTA
+  int64_t slice;  // elements per CTA
   int stages;
   int stage_bytes;
+  int pieces;     // bulk copies per slice
 };
 
-template <typename T>
+// The hot loops come in two flavours: kGeneral handles soft-capping and label smoothing (a tanh, a division
+// and a class-weight load per element); the plain one, which covers class weights and z-loss too (they act
+// per row), is straight-line code: with only 16 warps per SM to hide latency, per-element branches cost a
+// factor of several (measured: 28% of copy bandwidth with them, see bench/RESULTS.md).
+template <typename T, bool kGeneral>
+struct SliceMath {
+  static constexpr int kVec = Vec<T>::kN;
+  static constexpr int kUnroll = 4;  // 16-byte chunks in flight per thread and pass
+  const KernelParams& p;
+
+  __device__ float cap(float y) const {
+    if constexpr (kGeneral) return capped(p, y);
+    return y;
+  }
+
+  // Chunk q's values (capped), adding w_j x_j to swx for label smoothing.
+  __device__ void load_x(const char* stage, int q, int64_t j0, float* x, float& swx) const {
+    Vec<T>::unpack(*reinterpret_cast<const uint4*>(stage + 16 * q), x);
+    if constexpr (kGeneral) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        x[i] = capped(p, x[i]);
+        if (p.eps != 0.f) swx += class_weight(p, j0 + static_cast<int64_t>(q) * kVec + i) * x[i];
+      }
+    }
+  }
+
+  // Statistics of the slice's whole chunks [q_lo, q_hi), read from shared memory, merged into (m, s, swx).
+  // The main loop issues kUnroll loads with no branch between them; a remainder loop takes the rest.
+  __device__ void stats(const char* stage, int q_lo, int q_hi, int64_t j0, float& m, float& s, float& swx) const {
+    const int nt = blockDim.x;
+    int q = q_lo + static_cast<int>(threadIdx.x);
+    for (; q + (kUnroll - 1) * nt < q_hi; q += kUnroll * nt) {
+      float x[kUnroll * kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) load_x(stage, q + u * nt, j0, x + u * kVec, swx);
+      online_add<kUnroll * kVec>(m, s, x);
+    }
+    for (; q < q_hi; q += nt) {
+      float x[kVec];
+      load_x(stage, q, j0, x, swx);
+      online_add<kVec>(m, s, x);
+    }
+  }
+
+  // Gradient of whole chunk q (values v, in place).
+  __device__ void grad_chunk(float* v, int q, int64_t j0, const GradCoeffs& g, float lse_l2, int q_t, int slot_t,
+                             int64_t t) const {
+    if constexpr (kGeneral) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        v[i] = grad_elem(p, g, lse_l2, capped(p, v[i]), j0 + static_cast<int64_t>(q) * kVec + i, t);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) v[i] = g.a * fast_exp2(fmaf(v[i], kLog2e, -lse_l2));
+      if (q == q_t) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i)
+          if (i == slot_t) v[i] -= g.b;
+      }
+    }
+  }
+
+  // Gradient of the whole chunks, shared memory -> gdst: 16-byte stores when the gradient's alignment matches
+  // the logits' (always, in place), element stores otherwise.
+  template <bool kVecStore>
+  __device__ void grad(const char* stage, int q_lo, int q_hi, int64_t j0, const GradCoeffs& g, float lse_l2,
+                       int q_t, int slot_t, int64_t t, const ChunkSpan<T>& span, char* gdst) const {
+    const int nt = blockDim.x;
+    char* gbase = gdst - span.mis;
+    auto put = [&](int q, const float* v) {
+      if constexpr (kVecStore) {
+        *reinterpret_cast<uint4*>(gbase + 16 * q) = Vec<T>::pack(v);
+      } else {
+        store_chunk(span, q, gdst, false, v);
+      }
+    };
+    int q = q_lo + static_cast<int>(threadIdx.x);
+    for (; q + (kUnroll - 1) * nt < q_hi; q += kUnroll * nt) {
+      float v[kUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) Vec<T>::unpack(*reinterpret_cast<const uint4*>(stage + 16 * (q + u * nt)), v[u]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        grad_chunk(v[u], q + u * nt, j0, g, lse_l2, q_t, slot_t, t);
+        put(q + u * nt, v[u]);
+      }
+    }
+    for (; q < q_hi; q += nt) {
+      float v[kVec];
+      Vec<T>::unpack(*reinterpret_cast<const uint4*>(stage + 16 * q), v);
+      grad_chunk(v, q, j0, g, lse_l2, q_t, slot_t, t);
+      put(q, v);
+    }
+  }
+};
+
+template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_constant__ KernelParams p,
                                                               const ResidentShape shape) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -36,8 +136,7 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t bars[kMaxStages];
   __shared__ float4 xchg[2][kMaxCluster];  // partials of every CTA of the cluster, double-buffered by row
-  __shared__ float red1[32];
-  __shared__ float2 red2[32];
+  __shared__ float4 red[32];
 
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -48,6 +147,7 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
   const int64_t slice_begin = rank * shape.slice;
   const int64_t len = max(static_cast<int64_t>(0), min(shape.slice, p.vocab - slice_begin));
   const int S = shape.stages;
+  const SliceMath<T, kGeneral> math{p};
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) cuda::ptx::mbarrier_init(&bars[s], 1);
@@ -57,9 +157,7 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
   cluster.sync();
 
   auto row_of = [&](int64_t k) { return cluster_id + k * num_clusters; };
-  auto slice_src = [&](int64_t row) {
-    return p.logits + (p.logits_rows.offset(row) + slice_begin) * kEs;
-  };
+  auto slice_src = [&](int64_t row) { return p.logits + (p.logits_rows.offset(row) + slice_begin) * kEs; };
   // Producer (thread 0): start the load of iteration k's slice into stage k % S, if the row needs reading.
   auto issue = [&](int64_t k) {
     const int64_t row = row_of(k);
@@ -70,10 +168,15 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
     const int s = static_cast<int>(k % S);
     cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
                                          &bars[s], bytes);
-    if (bytes)
-      cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global,
-                               smem + static_cast<size_t>(s) * shape.stage_bytes + 16 * q0, span.base + 16 * q0, bytes,
-                               &bars[s]);
+    // The slice goes as `pieces` bulk copies on one barrier.
+    const int64_t nq = q1 - q0;
+    for (int i = 0; i < shape.pieces && nq > 0; ++i) {
+      const int64_t a = q0 + nq * i / shape.pieces, b = q0 + nq * (i + 1) / shape.pieces;
+      if (b > a)
+        cuda::ptx::cp_async_bulk(cuda::ptx::space_cluster, cuda::ptx::space_global,
+                                 smem + static_cast<size_t>(s) * shape.stage_bytes + 16 * a, span.base + 16 * a,
+                                 static_cast<uint32_t>((b - a) * 16), &bars[s]);
+    }
   };
 
   if (tid == 0)
@@ -94,55 +197,48 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
     if (kind == RowKind::kValid) {
       const ChunkSpan<T> span(slice_src(row), len);
       const char* stage = reinterpret_cast<const char*>(smem) + static_cast<size_t>(s) * shape.stage_bytes;
+      // Whole chunks [q_lo, q_hi) sit in shared memory; a partial first / last chunk is read from global
+      // memory by threads 0 / 1. Slot i of chunk q is element j0 + q * kVec + i of the row.
+      const int q_lo = span.mis ? 1 : 0, q_hi = static_cast<int>(span.end / 16);
+      const int nch = static_cast<int>(span.nchunks);
+      const int64_t j0 = slice_begin - span.mis / kEs;
+      const int my_partial = tid == 0 ? (span.mis ? 0 : -1)
+                             : tid == 1 ? ((span.end & 15) && nch - 1 != (span.mis ? 0 : -1) ? nch - 1 : -1)
+                                        : -1;
       // The target logit is read before the exchange: after it, peers may overwrite the row (in place).
       float x_t = 0.f;
-      if (rank == 0 && tid == 0)
-        x_t = capped(p, Vec<T>::load1(p.logits + (p.logits_rows.offset(row) + t) * kEs));
+      if (rank == 0 && tid == 0) x_t = capped(p, Vec<T>::load1(p.logits + (p.logits_rows.offset(row) + t) * kEs));
 
       while (!cuda::ptx::mbarrier_try_wait_parity(&bars[s], (phase_bits >> s) & 1u)) {
       }
       phase_bits ^= 1u << s;
 
-      // Pass 1: the slice's max. tanh is monotonic, so the capped max is the cap of the max.
-      float m = -INFINITY;
-      for (int64_t q = tid; q < span.nchunks; q += blockDim.x) {
+      // Pass 1: online (max, sum of exp) over the slice, and sum of w_j x_j for label smoothing.
+      float m = -INFINITY, se = 0.f, swx = 0.f;
+      math.stats(stage, q_lo, q_hi, j0, m, se, swx);
+      if (my_partial >= 0) {
         float v[kVec];
-        const uint32_t mask = load_chunk(span, q, stage + 16 * q, v);
+        const uint32_t mask = load_chunk(span, my_partial, nullptr, v);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) m = max_nan(m, (mask >> i) & 1u ? v[i] : -INFINITY);
-      }
-      m = capped(p, block_max(m, red1));
-
-      // Pass 2: sum of exp(x - m), and sum of w_j x_j for label smoothing.
-      float se = 0.f, swx = 0.f;
-      if (m != -INFINITY) {  // an all -inf slice contributes nothing (and -inf - -inf would be NaN)
-        const float m_l2 = m * kLog2e;
-        for (int64_t q = tid; q < span.nchunks; q += blockDim.x) {
-          float v[kVec];
-          const uint32_t mask = load_chunk(span, q, stage + 16 * q, v);
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            const bool ok = (mask >> i) & 1u;
-            const float x = capped(p, v[i]);
-            se += ok ? fast_exp2(fmaf(x, kLog2e, -m_l2)) : 0.f;
-            if (p.eps != 0.f && ok) swx += class_weight(p, slice_begin + span.elem(q, i)) * x;
-          }
+        for (int i = 0; i < kVec; ++i) {
+          const bool ok = (mask >> i) & 1u;
+          v[i] = ok ? capped(p, v[i]) : -INFINITY;
+          if (p.eps != 0.f && ok) swx += class_weight(p, slice_begin + span.elem(my_partial, i)) * v[i];
         }
+        online_add<kVec>(m, se, v);
       }
-      const float2 red = block_sum2(make_float2(se, swx), red2);
+      block_online(m, se, swx, red);
 
       // Exchange the partials through distributed shared memory.
       if (tid == 0) {
-        const float4 part = make_float4(m, red.x, red.y, 0.f);
+        const float4 part = make_float4(m, se, swx, 0.f);
         for (int dst = 0; dst < csize; ++dst) *cluster.map_shared_rank(&xchg[parity][rank], dst) = part;
       }
       cluster.sync();
-      float M = -INFINITY;
-      for (int r = 0; r < csize; ++r) M = max_nan(M, xchg[parity][r].x);
-      float S_sum = 0.f, SWX = 0.f;
+      float M = -INFINITY, S_sum = 0.f, SWX = 0.f;
       for (int r = 0; r < csize; ++r) {
         const float4 pr = xchg[parity][r];
-        S_sum += pr.x == -INFINITY ? 0.f : pr.y * fast_exp2((pr.x - M) * kLog2e);
+        online_merge(M, S_sum, pr.x, pr.y);
         SWX += pr.z;
       }
       parity ^= 1;
@@ -150,17 +246,31 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
 
       if (rank == 0 && tid == 0) write_row_outputs(p, row, kind, RowStats{lse, x_t, SWX}, t);
 
-      // Pass 3: the gradient of the slice, from shared memory straight to its destination.
+      // Pass 2: the gradient of the slice, from shared memory straight to its destination.
       if (gdst) {
         const GradCoeffs g = row_grad_coeffs(lse, class_weight(p, t), W, p.eps, p.inv_v, p.z, row_grad_scale(p, row));
         const float lse_l2 = lse * kLog2e;
         const bool vec_ok = (reinterpret_cast<uintptr_t>(gdst) & 15u) == static_cast<uintptr_t>(span.mis);
-        for (int64_t q = tid; q < span.nchunks; q += blockDim.x) {
+        const int64_t t_local = t - slice_begin;
+        int q_t = -1, slot_t = 0;
+        if (t_local >= 0 && t_local < len) {
+          const int64_t b = span.mis + t_local * kEs;
+          q_t = static_cast<int>(b >> 4);
+          slot_t = static_cast<int>((b & 15) / kEs);
+        }
+        if (vec_ok) {
+          math.template grad<true>(stage, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, t, span, gdst);
+        } else {
+          math.template grad<false>(stage, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, t, span, gdst);
+        }
+        if (my_partial >= 0) {
           float v[kVec];
-          load_chunk(span, q, stage + 16 * q, v);
+          const uint32_t mask = load_chunk(span, my_partial, nullptr, v);
 #pragma unroll
-          for (int i = 0; i < kVec; ++i) v[i] = grad_elem(p, g, lse_l2, capped(p, v[i]), slice_begin + span.elem(q, i), t);
-          store_chunk(span, q, gdst, vec_ok, v);
+          for (int i = 0; i < kVec; ++i)
+            v[i] = (mask >> i) & 1u ? grad_elem(p, g, lse_l2, capped(p, v[i]), slice_begin + span.elem(my_partial, i), t)
+                                    : 0.f;
+          store_chunk(span, my_partial, gdst, false, v);
         }
       }
     } else {
@@ -183,8 +293,9 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
 }
 
 template <typename T>
-bool launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
-  auto kernel = row_resident_kernel<T>;
+int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
+  const bool general = p.softcap > 0.f || p.eps != 0.f;
+  auto kernel = general ? row_resident_kernel<T, true> : row_resident_kernel<T, false>;
   LOGITLESS_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes)));
   if (plan.cluster > 8)
@@ -205,24 +316,27 @@ bool launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) 
   const cudaError_t occ = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg);
   if (occ != cudaSuccess) {
     cudaGetLastError();  // the cluster size is not supported here: not an error, the caller falls back
-    return false;
+    return 0;
   }
-  if (max_clusters <= 0) return false;
+  if (max_clusters <= 0) return 0;
   // Persistent clusters: one wave, rows strided across them.
-  const int64_t clusters = std::min<int64_t>(max_clusters, p.n_rows);
+  const int64_t clusters = std::min<int64_t>(plan.grid_clusters > 0 ? plan.grid_clusters : max_clusters, p.n_rows);
+  debug_max_clusters = max_clusters;
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * plan.cluster));
-  const ResidentShape shape{plan.slice, plan.stages, static_cast<int>(plan.stage_bytes)};
+  const ResidentShape shape{plan.slice, plan.stages, static_cast<int>(plan.stage_bytes), std::max(1, plan.copy_pieces)};
   LOGITLESS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, shape));
-  return true;
+  return static_cast<int>(clusters);
 }
 
 }  // namespace
+
+int debug::row_resident_max_clusters() { return debug_max_clusters; }
 
 bool row_resident_available(int device) {
   const DeviceInfo& info = device_info(device);
   if (info.sm_major < 9) return false;
   cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, row_resident_kernel<__nv_bfloat16>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attr, row_resident_kernel<__nv_bfloat16, false>) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
@@ -230,7 +344,7 @@ bool row_resident_available(int device) {
   return attr.binaryVersion >= 90;
 }
 
-bool launch_row_resident(DType dtype, const KernelParams& p, const Plan& plan, cudaStream_t stream) {
+int launch_row_resident(DType dtype, const KernelParams& p, const Plan& plan, cudaStream_t stream) {
   switch (dtype) {
     case DType::kFloat32: return launch_typed<float>(p, plan, stream);
     case DType::kFloat16: return launch_typed<__half>(p, plan, stream);

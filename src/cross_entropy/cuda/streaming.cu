@@ -78,9 +78,10 @@ __global__ void __launch_bounds__(kStreamingThreads) streaming_kernel(const __gr
       const bool vec_ok = (reinterpret_cast<uintptr_t>(gdst) & 15u) == static_cast<uintptr_t>(span.mis);
       for (int64_t q = tid; q < span.nchunks; q += blockDim.x) {
         float v[kVec];
-        load_chunk(span, q, span.chunk_ptr(q), v);
+        const uint32_t mask = load_chunk(span, q, span.chunk_ptr(q), v);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) v[i] = grad_elem(p, g, lse_l2, capped(p, v[i]), span.elem(q, i), t);
+        for (int i = 0; i < kVec; ++i)  // slots outside the row are not stored (nor their weights read)
+          v[i] = (mask >> i) & 1u ? grad_elem(p, g, lse_l2, capped(p, v[i]), span.elem(q, i), t) : 0.f;
         store_chunk(span, q, gdst, vec_ok, v);
       }
     }
