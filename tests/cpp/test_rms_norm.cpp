@@ -568,13 +568,14 @@ TEST(RMSNormPlan, Decisions) {
     in.smem_per_block = 227 * 1024;
     return rms::plan_rms_norm(in);
   };
-  // bf16 H = 4096: 512 vectors, 4 a thread, 128 threads a row; the forward packs 2 rows in 256 threads, the
-  // backward 4 rows in 512 and sums their dW in one shared row of 4096 floats.
+  // bf16 H = 4096: 512 vectors, 4 a thread, 128 threads a row; the forward runs a row a CTA, the backward
+  // 4 rows in 512 threads and sums their dW in one shared row of 4096 floats.
   Plan f = plan(4096, 2, false, true);
   EXPECT_EQ(f.algo, RMSNormAlgo::kRegisters);
   EXPECT_EQ(f.vpt, 4);
   EXPECT_EQ(f.threads_per_row, 128);
-  EXPECT_EQ(f.rows_per_cta, 2);
+  EXPECT_EQ(f.rows_per_cta, 1);
+  EXPECT_EQ(plan(2048, 2, false, true).rows_per_cta, 2);
   Plan b = plan(4096, 2, true, true);
   EXPECT_EQ(b.threads_per_row, 128);
   EXPECT_EQ(b.rows_per_cta, 4);
@@ -584,7 +585,7 @@ TEST(RMSNormPlan, Decisions) {
   // Short rows share a warp in power-of-two groups.
   Plan s = plan(64, 2, false, true);
   EXPECT_EQ(s.threads_per_row, 2);
-  EXPECT_EQ(s.rows_per_cta, 128);
+  EXPECT_EQ(s.rows_per_cta, 64);
   // Misaligned rows, odd H, or rows beyond the register limits take the generic kernels.
   EXPECT_EQ(plan(4096, 2, false, false).algo, RMSNormAlgo::kGeneric);
   EXPECT_EQ(plan(4097, 2, false, true).algo, RMSNormAlgo::kGeneric);
@@ -610,6 +611,45 @@ TEST(RMSNormPlan, Decisions) {
   EXPECT_EQ(gs.threads_per_row, 16);
   EXPECT_EQ(gs.rows_per_cta, 16);
   EXPECT_TRUE(gs.dw_in_smem);
+}
+
+// Invariants the kernels rely on, over every H up to 70000: whole warps per CTA, power-of-two groups below a
+// warp, named barriers for at most 15 rows, the CTA within the kernel's launch bounds, and a register row
+// that covers H.
+TEST(RMSNormPlan, InvariantsForEveryHiddenSize) {
+  for (int es : {2, 4})
+    for (bool bwd : {false, true})
+      for (bool aligned : {true, false})
+        for (int vpt : {0, 8})
+          for (int64_t H = 1; H <= 70000; H += (H < 2048 ? 1 : 61)) {
+            rms::PlanInputs in;
+            in.hidden = H;
+            in.elem_bytes = es;
+            in.backward = bwd;
+            in.vector_ok = aligned;
+            in.vpt = vpt;
+            in.smem_per_block = 227 * 1024;
+            const rms::Plan p = rms::plan_rms_norm(in);
+            const int tpr = p.threads_per_row, rows = p.rows_per_cta;
+            SCOPED_TRACE(testing::Message() << "H " << H << " es " << es << " bwd " << bwd << " vpt " << vpt);
+            ASSERT_EQ(p.threads() % 32, 0);
+            if (tpr > 32) {
+              ASSERT_EQ(tpr % 32, 0);
+              ASSERT_LE(rows, rms::kMaxNamedBarrierRows);
+            } else {
+              ASSERT_EQ(tpr & (tpr - 1), 0);
+            }
+            if (p.algo == RMSNormAlgo::kRegisters) {
+              ASSERT_LE(p.threads(), rms::max_cta_threads(bwd, p.vpt));
+              ASSERT_GE(static_cast<int64_t>(tpr) * p.vpt * (16 / es), H);
+              ASSERT_EQ(H % (16 / es), 0);
+              ASSERT_LE(p.smem_bytes, 48u * 1024);
+            } else {
+              ASSERT_EQ(p.algo, RMSNormAlgo::kGeneric);
+              ASSERT_LE(p.threads(), rms::kGenericCtaThreads);
+              if (bwd && p.dw_in_smem) ASSERT_EQ(p.smem_bytes, static_cast<size_t>(rows) * H * 4);
+            }
+          }
 }
 
 TEST(RMSNormPlan, BackwardGridIsBalancedAndBounded) {

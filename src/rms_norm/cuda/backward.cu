@@ -22,8 +22,8 @@ __global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers
   using V = Vec<T>;
   constexpr int kN = V::kN;
   extern __shared__ __align__(16) float dw_row[];  // H floats when the CTA has several row slots
-  // Two scratch buffers, alternating by iteration: the next row's reduction may start while a slow warp
-  // still reads this one's partials, and the barrier of that next reduction is what separates the two.
+  // Two scratch buffers, alternating by iteration: a row's next reduction may start while a slow warp of the
+  // row still reads this one's partials, and the barrier of that next reduction is what separates the two.
   __shared__ float scratch[2][32];
   const int tpr = blockDim.x, t = threadIdx.x, slot = threadIdx.y, slots = blockDim.y;
   const int64_t H = p.hidden, nvec = H / kN;
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers
     const int64_t row = base + slot;
     const bool active = row < p.n_rows;
     const RowCoords rc = row_coords(p.x_rows, row);
-    uint4 xs[VPT], dys[VPT];
+    uint4 xs[VPT], dys[VPT], dres[VPT];
     float r = 0.f, dot = 0.f;
     if (active) {
       const T* x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
@@ -52,6 +52,16 @@ __global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers
         if (v < nvec) {
           xs[k] = load16(x + v * kN);
           dys[k] = load16(dy + v * kN);
+        }
+      }
+      // The residual-output gradient is only added at the end, but loaded now: issued after the reduction
+      // it would cost every row a full memory latency.
+      if (p.grad_residual_out) {
+        const T* dr = static_cast<const T*>(p.grad_residual_out) + row_offset(p.grad_residual_out_rows, rc);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+          const int64_t v = t + static_cast<int64_t>(k) * tpr;
+          if (v < nvec) dres[k] = load16(dr + v * kN);
         }
       }
       r = p.rstd[row];
@@ -72,15 +82,6 @@ __global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers
     if (active) {
       // dx_j = r a_j - s_j r^3 (sum_k a_k s_k) / H, a = dy * g.
       const float c = (r * r * r) * (dot / static_cast<float>(H));
-      uint4 dres[VPT];
-      if (p.grad_residual_out) {
-        const T* dr = static_cast<const T*>(p.grad_residual_out) + row_offset(p.grad_residual_out_rows, rc);
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-          const int64_t v = t + static_cast<int64_t>(k) * tpr;
-          if (v < nvec) dres[k] = load16(dr + v * kN);
-        }
-      }
       T* dx = static_cast<T*>(p.grad_x) + row_offset(p.grad_x_rows, rc);
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {

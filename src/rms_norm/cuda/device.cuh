@@ -183,9 +183,21 @@ __device__ __forceinline__ float warp_sum(float v, int width) {
 
 // Sum of v over the blockDim.x threads of this thread's row (the CTA is blockDim.x threads per row times
 // blockDim.y rows). Rows of up to 32 threads reduce inside their warp (blockDim.x is then a power of two);
-// longer rows are whole warps that meet in `scratch` (32 floats) behind one barrier. Every thread of the
-// CTA must call it (the barrier), and a caller that reduces again must use another scratch or synchronize
-// first. The warps' partials are added in warp order, so all threads of a row get the same bits.
+// longer rows are whole warps that meet in `scratch` (32 floats) behind a barrier of their own row's warps
+// only (named barrier 1 + row, at most kMaxNamedBarrierRows rows a CTA): the rows of a CTA then drift apart,
+// so while one row waits for its loads another computes, where a CTA-wide barrier would keep every row in
+// the same phase and leave the SM without loads in flight during the math. Every thread of the row must call
+// it, and a caller that reduces again must use another scratch or synchronize the row first. The warps'
+// partials are added in warp order, so all threads of a row get the same bits.
+__device__ __forceinline__ void row_barrier() {
+  if (blockDim.y == 1) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + static_cast<int>(threadIdx.y)), "r"(static_cast<int>(blockDim.x))
+                 : "memory");
+  }
+}
+
 __device__ __forceinline__ float row_sum(float v, float* scratch) {
   const int tpr = blockDim.x;
   if (tpr <= 32) return warp_sum(v, tpr);
@@ -193,7 +205,7 @@ __device__ __forceinline__ float row_sum(float v, float* scratch) {
   const int tid = threadIdx.y * tpr + threadIdx.x;
   const int warps_per_row = tpr >> 5;
   if ((tid & 31) == 0) scratch[tid >> 5] = v;
-  __syncthreads();
+  row_barrier();
   const float* mine = scratch + threadIdx.y * warps_per_row;
   float s = 0.f;
   for (int w = 0; w < warps_per_row; ++w) s += mine[w];

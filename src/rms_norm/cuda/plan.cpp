@@ -45,6 +45,7 @@ Plan plan_rms_norm(const PlanInputs& in) {
         p.threads_per_row = row_threads(want);
         const int target = in.backward ? std::min(kBackwardCtaThreads, max_threads) : kForwardCtaThreads;
         p.rows_per_cta = std::max(1, target / p.threads_per_row);
+        if (p.threads_per_row > 32) p.rows_per_cta = std::min(p.rows_per_cta, kMaxNamedBarrierRows);
         // Backward CTAs of several rows add their rows' dW sums in one shared row of H floats (at most
         // 8192 floats here, since a CTA of several rows has at most 256 threads per row: under the 48 KB
         // that needs no opt-in). A single-row CTA writes its registers straight to the workspace.
@@ -64,6 +65,7 @@ Plan plan_rms_norm(const PlanInputs& in) {
   p.threads_per_row =
       row_threads(std::min<int64_t>(kGenericCtaThreads, std::max<int64_t>(1, ceil_div(H, kGenericElemsPerThread))));
   p.rows_per_cta = std::max(1, kGenericCtaThreads / p.threads_per_row);
+  if (p.threads_per_row > 32) p.rows_per_cta = std::min(p.rows_per_cta, kMaxNamedBarrierRows);
   if (in.backward) {
     // Each row slot of the CTA sums its dW in shared memory. Several slots per CTA only happen for
     // H <= 2048 (tpr = ceil(H / 8) < 256), i.e. at most 8 KB; a single slot fits up to the opt-in limit

@@ -23,13 +23,18 @@ constexpr int max_cta_threads(bool backward, int vpt) {
   return backward ? (vpt <= 4 ? 512 : 256) : (vpt <= 4 ? 1024 : 512);
 }
 
-// Target CTA sizes: the forward launches one row group per CTA and relies on many small CTAs per SM; the
-// backward is persistent and combines the dW sums of its rows in shared memory at the end, so larger CTAs
-// mean fewer partial rows in the workspace.
-inline constexpr int kForwardCtaThreads = 256;
+// Target CTA sizes: the forward launches one row group per CTA and relies on many small, independent CTAs
+// per SM. Registers are allocated per warp (56 a thread for the 4-vector forward on sm_90a, so 36 warps fit):
+// 128-thread CTAs fill 36 warps where 256-thread ones stop at 32. The backward is persistent and combines
+// the dW sums of its rows in shared memory at the end, so larger CTAs mean fewer partial rows in the
+// workspace.
+inline constexpr int kForwardCtaThreads = 128;
 inline constexpr int kBackwardCtaThreads = 512;
 inline constexpr int kGenericCtaThreads = 256;
 inline constexpr int kGenericElemsPerThread = 8;  // generic path: elements each thread owns per pass
+
+// Rows of more than a warp synchronize on named barrier 1 + row (0 is __syncthreads; the hardware has 16).
+inline constexpr int kMaxNamedBarrierRows = 15;
 
 struct Plan {
   RMSNormAlgo algo = RMSNormAlgo::kGeneric;  // kAuto: the request cannot be met (see why_not)
