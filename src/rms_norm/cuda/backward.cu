@@ -7,6 +7,9 @@
 // Nothing depends on timing, so the bits repeat from run to run. The workspace is (CTAs x H) floats (about
 // 1% of the bytes the row kernel moves at N = 16384), written once and read once.
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "common/cuda/check.cuh"
 #include "rms_norm/cuda/device.cuh"
@@ -270,6 +273,25 @@ BackwardKernel pick(DType dtype, const Plan& plan) {
   }
 }
 
+// The occupancy the device reports for a kernel at a CTA shape, cached: every backward asks twice (for the
+// workspace size and for the launch), and the answer never changes for a process.
+int ctas_per_sm(BackwardKernel kernel, int threads, size_t smem, int device) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem, device);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (smem > 48 * 1024)
+    LOGITLESS_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int n = 0;
+  LOGITLESS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+  if (n < 1) throw_runtime("rms_norm backward: the kernel does not fit on this device");
+  cache.emplace(key, n);
+  return n;
+}
+
 struct Launch {
   Plan plan;
   BackwardKernel kernel = nullptr;
@@ -294,13 +316,9 @@ Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, in
     throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ",
                           l.plan.why_not));
   l.kernel = pick(dtype, l.plan);
-  if (l.plan.smem_bytes > 48 * 1024)
-    LOGITLESS_CUDA_CHECK(cudaFuncSetAttribute(l.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(l.plan.smem_bytes)));
-  int per_sm = 0;
-  LOGITLESS_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l.kernel, l.plan.threads(), l.plan.smem_bytes));
-  if (per_sm < 1) throw_runtime("rms_norm backward: the kernel does not fit on this device");
+  // The opt-in for more than 48 KB of shared memory is a per-device attribute of the kernel, set (once per
+  // device, with the occupancy query) before the first launch.
+  const int per_sm = ctas_per_sm(l.kernel, l.plan.threads(), l.plan.smem_bytes, device);
   l.grid = backward_grid(l.plan, n_rows, info.sm_count, per_sm);
   return l;
 }
