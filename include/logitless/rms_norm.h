@@ -72,7 +72,10 @@ struct RMSNormOptions {
 };
 
 // Bytes of scratch each entry point needs for these arguments on CUDA (0 on the CPU). The forward needs
-// none today; the backward needs one float32 row of H per CTA for the partial sums of grad_weight.
+// none today; the backward needs one float32 row of H per CTA for the partial sums of grad_weight (per row
+// slot of a CTA when H is too long for shared memory, beyond 58K floats on an H100), sized for the kernel
+// with the most CTAs that may run, since the tensors' alignment is not known yet. Without grad_weight the
+// backward needs none.
 size_t rms_norm_forward_workspace_bytes(const TensorView& x, const TensorView& weight,
                                         const RMSNormOptions& options);
 size_t rms_norm_backward_workspace_bytes(const TensorView& x, const TensorView& weight,
