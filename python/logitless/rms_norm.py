@@ -11,6 +11,13 @@ Ops (namespace ``logitless``):
   autograd node that saved that tensor raises "modified by an inplace operation" instead of reading dx.
 
 The forward's registered autograd saves what the forward normalized (x, or residual_out) and rstd.
+
+Eager calls do not go through those ops: `_RMSNorm` (an autograd.Function) calls the same C++ entry points
+directly, because the custom-op machinery costs more CPU time per call than the kernels take on a GPU at
+small shapes (the dispatcher, schema default filling and alias checks measured 3x the op's own Python work),
+and a GPU that waits for the CPU between the forward and the backward kernel loses bandwidth. Under
+torch.compile (and for anyone calling torch.ops.logitless.*) the ops are the path; both run the same code
+below, so they agree to the bit.
 """
 from __future__ import annotations
 
@@ -45,6 +52,29 @@ def _weight_grad_output(weight: Tensor, need: bool) -> Tensor:
     return torch.empty(weight.shape if need else (0,), dtype=weight.dtype, device=weight.device)
 
 
+def _run_forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], options: tuple, y: Tensor,
+                 s: Optional[Tensor], rstd: Optional[Tensor]) -> None:
+    """The C++ forward into the given outputs; x, weight and residual already _rows_ready / contiguous."""
+    _C.rms_norm_forward(descriptor(x, "x"), descriptor(residual, "residual"), descriptor(weight, "weight"),
+                        *options, descriptor(y, "y"), descriptor(s, "residual_out"), descriptor(rstd, "rstd"), None,
+                        stream(x.device))
+
+
+def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
+                  options: tuple, grad_x: Tensor, need_weight_grad: bool) -> Tensor:
+    """The C++ backward into grad_x (which may be grad_y itself); returns grad_weight (empty unless needed)."""
+    grad_weight = _weight_grad_output(weight, need_weight_grad)
+    xd, wd = descriptor(x, "x"), descriptor(weight, "weight")
+    owner, ws = None, None
+    if need_weight_grad and x.device.type == "cuda":
+        owner, ws = workspace(_C.rms_norm_backward_workspace_bytes(xd, wd, *options), x.device)
+    _C.rms_norm_backward(descriptor(grad_y, "grad_y"), descriptor(grad_residual_out, "grad_residual_out"), xd, wd,
+                         descriptor(rstd, "rstd"), *options, descriptor(grad_x, "grad_x"),
+                         descriptor(grad_weight, "grad_weight") if need_weight_grad else None, ws, stream(x.device))
+    del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
+    return grad_weight
+
+
 # ----------------------------------------------------------------------------------------------------
 # The ops. After the tensors, every op takes the RMSNormOptions fields in the binding's order: eps, offset,
 # casting, algo, vectors_per_thread (casting and algo as the C++ enum values).
@@ -58,30 +88,14 @@ def _forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float, 
     x, weight = _rows_ready(x), weight.contiguous()
     residual = None if residual is None else _rows_ready(residual)
     y, s, rstd = _forward_outputs(x, residual is not None)
-    _C.rms_norm_forward(descriptor(x, "x"), descriptor(residual, "residual"), descriptor(weight, "weight"), eps,
-                        offset, casting, algo, vectors_per_thread, descriptor(y, "y"),
-                        descriptor(s, "residual_out") if residual is not None else None, descriptor(rstd, "rstd"),
-                        None, stream(x.device))
+    _run_forward(x, weight, residual, (eps, offset, casting, algo, vectors_per_thread), y,
+                 s if residual is not None else None, rstd)
     return y, s, rstd
 
 
 @_forward.register_fake
 def _(x, weight, residual, *options):
     return _forward_outputs(x, residual is not None)
-
-
-def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
-                  options: tuple, grad_x: Tensor, need_weight_grad: bool) -> Tensor:
-    grad_weight = _weight_grad_output(weight, need_weight_grad)
-    nbytes = _C.rms_norm_backward_workspace_bytes(descriptor(x, "x"), descriptor(weight, "weight"), *options)
-    owner, ws = workspace(nbytes if need_weight_grad else 0, x.device)
-    _C.rms_norm_backward(descriptor(grad_y, "grad_y"), descriptor(grad_residual_out, "grad_residual_out"),
-                         descriptor(x, "x"), descriptor(weight, "weight"), descriptor(rstd, "rstd"), *options,
-                         descriptor(grad_x, "grad_x"),
-                         descriptor(grad_weight, "grad_weight") if need_weight_grad else None, ws,
-                         stream(x.device))
-    del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
-    return grad_weight
 
 
 @torch.library.custom_op("logitless::rms_norm_backward", mutates_args=(), device_types=("cpu", "cuda"))
@@ -123,7 +137,48 @@ def _(grad_y, grad_residual_out, x, weight, rstd, eps, offset, casting, algo, ve
 
 
 # ----------------------------------------------------------------------------------------------------
-# Autograd.
+# Autograd: one backward for both paths (`use_ops`: through the custom ops, as torch.compile traces them;
+# otherwise straight into C++, as eager calls run).
+
+
+def _writable(t: Tensor) -> bool:
+    # In place needs rows the kernel can write without two rows sharing memory: a dense tensor with its last
+    # dimension contiguous. Anything else (e.g. the stride-0 gradient of y.sum()) takes the out-of-place op.
+    return t.is_contiguous() and not t.requires_grad
+
+
+def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], use_ops: bool):
+    """(grad_x, grad_weight, grad_residual) from the saved (what was normalized, weight, rstd)."""
+    if torch.is_grad_enabled():
+        # Backward runs with grad mode on only under create_graph=True; the gradient computed here has no graph
+        # of its own, so a second derivative would silently miss this op's term: refuse instead.
+        raise RuntimeError("logitless.rms_norm: double backward (create_graph=True) is not supported")
+    xs, weight, rstd = ctx.saved_tensors
+    need_x = ctx.needs_input_grad[0] or (ctx.has_residual and ctx.needs_input_grad[2])
+    need_w = ctx.needs_input_grad[1]
+    if not (need_x or need_w):
+        return None, None, None
+    if grad_y is None:  # only residual_out was used
+        grad_y = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
+    grad_s = grad_s if ctx.has_residual else None
+    opts = ctx.options
+    if ctx.inplace and _writable(grad_y):
+        if use_ops:
+            grad_w = _backward_inplace(grad_y, grad_s, xs, weight, rstd, *opts, need_w)
+        else:
+            grad_s = None if grad_s is None else _rows_ready(grad_s)
+            grad_w = _run_backward(grad_y, grad_s, xs, weight, rstd, opts, grad_y, need_w)
+            torch.autograd.graph.increment_version(grad_y)  # what the op's mutates_args declares
+        grad_x = grad_y
+    elif use_ops:
+        grad_x, grad_w = _backward(grad_y, grad_s, xs, weight, rstd, *opts, need_w)
+    else:
+        grad_y = _rows_ready(grad_y)
+        grad_s = None if grad_s is None else _rows_ready(grad_s)
+        grad_x = torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device)
+        grad_w = _run_backward(grad_y, grad_s, xs, weight, rstd, opts, grad_x, need_w)
+    grad_x = grad_x if need_x else None
+    return grad_x, (grad_w if need_w else None), (grad_x if ctx.has_residual else None)
 
 
 def _forward_setup(ctx, inputs, output):
@@ -139,36 +194,37 @@ def _forward_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _writable(t: Tensor) -> bool:
-    # In place needs rows the kernel can write without two rows sharing memory: a dense tensor with its last
-    # dimension contiguous. Anything else (e.g. the stride-0 gradient of y.sum()) takes the out-of-place op.
-    return t.is_contiguous() and not t.requires_grad
-
-
 def _forward_grad(ctx, grad_y, grad_s, grad_rstd):
-    if torch.is_grad_enabled():
-        # Backward runs with grad mode on only under create_graph=True; the gradient computed here has no graph
-        # of its own, so a second derivative would silently miss this op's term: refuse instead.
-        raise RuntimeError("logitless.rms_norm: double backward (create_graph=True) is not supported")
-    xs, weight, rstd = ctx.saved_tensors
-    need_x = ctx.needs_input_grad[0] or (ctx.has_residual and ctx.needs_input_grad[2])
-    need_w = ctx.needs_input_grad[1]
-    if not (need_x or need_w):
-        return (None,) * 9
-    if grad_y is None:  # only residual_out was used
-        grad_y = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
-    grad_s = grad_s if ctx.has_residual else None
-    if ctx.inplace and _writable(grad_y):
-        grad_w = _backward_inplace(grad_y, grad_s, xs, weight, rstd, *ctx.options, need_w)
-        grad_x = grad_y
-    else:
-        grad_x, grad_w = _backward(grad_y, grad_s, xs, weight, rstd, *ctx.options, need_w)
-    grad_x = grad_x if need_x else None
-    grad_w = grad_w if need_w else None
-    return (grad_x, grad_w, grad_x if ctx.has_residual else None) + (None,) * 6
+    grad_x, grad_w, grad_res = _grads(ctx, grad_y, grad_s, use_ops=True)
+    return (grad_x, grad_w, grad_res) + (None,) * 6
 
 
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """The eager path: the same C++ calls as the ops above, without the custom-op dispatch (see the module
+    docstring). Returns y, or (y, residual_out)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, residual, options, inplace):
+        x, weight = _rows_ready(x), weight.contiguous()
+        residual = None if residual is None else _rows_ready(residual)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        s = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        _run_forward(x, weight, residual, options, y, s, rstd)
+        ctx.save_for_backward(x if s is None else s, weight, rstd)
+        ctx.has_residual = s is not None
+        ctx.options = options
+        ctx.inplace = inplace
+        ctx.set_materialize_grads(False)
+        return y if s is None else (y, s)
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_s=None):
+        grad_x, grad_w, grad_res = _grads(ctx, grad_y, grad_s, use_ops=False)
+        return grad_x, grad_w, grad_res, None, None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -238,8 +294,18 @@ def rms_norm(
     grad_weight is reduced in float32 without atomics: the same inputs on the same GPU give the same bits on
     every run. Double backward is not supported.
     """
-    casting = _enum(CASTING_MODES, casting_mode, "casting_mode")
-    algo_code = _enum(ALGOS, algo, "algo")
-    y, s, _ = _forward(x, weight, residual, float(eps), float(offset), casting, algo_code, int(vectors_per_thread),
-                       bool(inplace_backward))
-    return y if residual is None else (y, s)
+    options = (float(eps), float(offset), _enum(CASTING_MODES, casting_mode, "casting_mode"),
+               _enum(ALGOS, algo, "algo"), int(vectors_per_thread))
+    if torch.compiler.is_compiling():
+        y, s, _ = _forward(x, weight, residual, *options, bool(inplace_backward))
+        return y if residual is None else (y, s)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                    (residual is not None and residual.requires_grad)):
+        return _RMSNorm.apply(x, weight, residual, options, bool(inplace_backward))
+    # Nothing to differentiate: no graph node, and no rstd to keep.
+    x, weight = _rows_ready(x), weight.contiguous()
+    residual = None if residual is None else _rows_ready(residual)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _run_forward(x, weight, residual, options, y, s, None)
+    return y if s is None else (y, s)

@@ -231,6 +231,7 @@ def test_modes_agree_in_float32():
     torch.testing.assert_close(ys[2], ys[0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.filterwarnings("ignore:Input #")
 def test_gradcheck_float32():
     # Float32 (the op has no float64 path): finite differences with a step well above float32's resolution.
     for casting, offset in (("llama", 0.0), ("gemma", 1.0)):
@@ -328,6 +329,40 @@ def test_double_backward_raises():
     assert gx.shape == x.shape
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(rms_norm(x, w).pow(2).sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("inplace_backward", [False, True])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_eager_path_and_custom_op_path_agree_bitwise(residual, inplace_backward):
+    # Eager calls skip the custom-op dispatch (rms_norm.py says why); torch.compile and direct callers use the
+    # ops. Both must be the same computation.
+    x, w, res = make_inputs((5, 3, 48), torch.bfloat16, torch.float32, residual=residual)
+    dy, ds = torch.randn(5, 3, 48).to(torch.bfloat16), torch.randn(5, 3, 48).to(torch.bfloat16)
+    outs = []
+    for via_op in (False, True):
+        xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        ra = None if res is None else res.clone().requires_grad_(True)
+        if via_op:
+            y, s, _ = torch.ops.logitless.rms_norm_forward(xa, wa, ra, 1e-6, 0.0, 0, 0, 0, inplace_backward)
+        else:
+            out = rms_norm(xa, wa, residual=ra, inplace_backward=inplace_backward)
+            y, s = out if residual else (out, None)
+        if residual:
+            torch.autograd.backward([y, s], [dy.clone(), ds.clone()])
+        else:
+            y.backward(dy.clone())
+        outs.append([y.detach(), xa.grad, wa.grad] + ([s.detach(), ra.grad] if residual else []))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_no_grad_call_builds_no_graph():
+    x, w, _ = make_inputs((4, 32), torch.float32)
+    w.requires_grad_(True)
+    with torch.no_grad():
+        y = rms_norm(x, w)
+    assert y.grad_fn is None and not y.requires_grad
+    torch.testing.assert_close(y, rms_norm(x, w.detach()), rtol=0, atol=0)
 
 
 def test_dw_is_deterministic_on_cpu():
