@@ -37,13 +37,17 @@ float normalized(float s, float r, RMSNormCasting c, DType dt) {
   return c == RMSNormCasting::kGemma ? n : round_to(dt, n);
 }
 
+// Below this many elements a call runs on one thread: an OpenMP team costs more than the work, and inside a
+// PyTorch process (whose own OpenMP pool may be spinning) starting one cost ~5 ms for a 1 x 8 call.
+constexpr int64_t kParallelElems = int64_t{1} << 16;
+
 }  // namespace
 
 void forward_cpu(const ForwardProblem& p) {
   const int64_t N = p.n_rows, H = p.hidden;
   const DType dt = p.dtype;
   const std::vector<float> g = weight_plus_offset(p.weight, p.weight_dtype, H, p.offset, p.casting, dt);
-#pragma omp parallel
+#pragma omp parallel if (N * H >= kParallelElems)
   {
     std::vector<float> s(static_cast<size_t>(H));
 #pragma omp for schedule(static)
@@ -81,7 +85,7 @@ void backward_cpu(const BackwardProblem& p) {
   if (p.grad_weight) {
     constexpr int64_t kCols = 64;
     const int64_t blocks = (H + kCols - 1) / kCols;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * H >= kParallelElems)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t c0 = b * kCols, c1 = std::min(H, c0 + kCols);
       double acc[kCols] = {};
@@ -97,7 +101,7 @@ void backward_cpu(const BackwardProblem& p) {
     }
   }
 
-#pragma omp parallel
+#pragma omp parallel if (N * H >= kParallelElems)
   {
     std::vector<double> a(static_cast<size_t>(H)), s(static_cast<size_t>(H)), extra(static_cast<size_t>(H));
 #pragma omp for schedule(static)
