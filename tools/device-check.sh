@@ -2,14 +2,14 @@
 # The whole GPU round in one command: build (Hopper only, all cores), C++ tests, compute-sanitizer on the
 # GPU suite's small shapes, the kernel micro-benchmark, the Python tests and the peer benchmark. Logs go to
 # $OUT (or ./device-out); a short summary is printed last.
-#   tools/device-check.sh [steps...]   steps: build cpp sanitize cppbench py bench (default: all)
+#   tools/device-check.sh [steps...]   steps, run in the order given: build cpp sanitize cppbench py bench
+#   (default: all, in that order)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build cpp sanitize cppbench py bench)
-has() { local s; for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 BUILD=${BUILD:-build/gpu}
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
@@ -24,7 +24,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 note "gpu: $(head -1 "$OUT/gpu.txt")"
 
-if has build; then
+step_build() {
   t0=$(date +%s)
   if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90a} -DLOGITLESS_PYTHON=${PY:-ON} \
        -DLOGITLESS_TESTS=ON > "$OUT/configure.log" 2>&1 && cmake --build "$BUILD" -j "$(nproc)" > "$OUT/build.log" 2>&1; then
@@ -33,20 +33,23 @@ if has build; then
     note "build: FAILED (see build.log)"; tail -40 "$OUT/build.log"
     printf '%s\n' "${summary[@]}"; exit 1
   fi
-fi
+}
 TESTS=$BUILD/tests/cpp/logitless_tests
 
-if has cpp; then
+step_cpp() {
   t0=$(date +%s)
-  timeout ${CPP_TIMEOUT:-420} "$TESTS" --gtest_brief=1 ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$OUT/gtest.log" 2>&1
+  timeout ${CPP_TIMEOUT:-420} stdbuf -oL -eL "$TESTS" --gtest_print_time=1 ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$OUT/gtest.log" 2>&1
   rc=$?
   note "c++ tests: rc=$rc, $(grep -E '^\[  PASSED  \]' "$OUT/gtest.log") $(grep -E '^\[  FAILED  \] [0-9]+' "$OUT/gtest.log") $(grep -E '^\[  SKIPPED \] [0-9]+' "$OUT/gtest.log") ($(( $(date +%s) - t0 )) s)"
   grep -E '^\[  FAILED  \]' "$OUT/gtest.log" | head -20
-fi
+  [ $rc -eq 124 ] && { echo "timed out in:"; grep -E '^\[ RUN' "$OUT/gtest.log" | tail -1; }
+  # The slowest cases (gtest prints each case's time).
+  grep -E '^\[       OK \]' "$OUT/gtest.log" | sed -E 's/.*\(([0-9]+) ms\)/\1 &/' | sort -rn | head -5
+}
 
-if has sanitize; then
+step_sanitize() {
   t0=$(date +%s)
-  filter=${SANITIZE_FILTER:-'Shapes/CrossEntropyCuda.*N7_V*:Shapes/CrossEntropyCuda.*N1_V*:CrossEntropyCudaErrors.*:CrossEntropyNumerics.*'}
+  filter=${SANITIZE_FILTER:-'Shapes/CrossEntropyCuda.*N7_V*:Shapes/CrossEntropyCuda.*N1_V*:CrossEntropyCudaErrors.*:CrossEntropyNumerics.*:Shapes/RMSNormCuda.*N1_*:Shapes/RMSNormCuda.*N7_*'}
   timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 9 "$TESTS" --gtest_brief=1 --gtest_filter="$filter" > "$OUT/memcheck.log" 2>&1
   rc=$?
   note "memcheck: rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
@@ -55,26 +58,30 @@ if has sanitize; then
     --gtest_filter='Shapes/CrossEntropyCuda.MatchesCpuBackend/N7_V32003*:Shapes/CrossEntropyCuda.MatchesCpuBackend/N7_V1000_*' > "$OUT/racecheck.log" 2>&1
   rc=$?
   note "racecheck: rc=$rc, $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1) ($(( $(date +%s) - t0 )) s)"
-fi
+}
 
-if has cppbench; then
+step_cppbench() {
   timeout 120 "$BUILD/bench_cross_entropy" > "$OUT/cppbench.txt" 2>&1
   note "kernel bench: rc=$?"
   cat "$OUT/cppbench.txt"
-fi
+}
 
 export PYTHONPATH=$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}
-if has py && [ -d tests/python ]; then
+step_py() {
+  [ -d tests/python ] || return 0
   t0=$(date +%s)
   timeout ${PY_TIMEOUT:-420} python3 -m pytest -q tests/python > "$OUT/pytest.log" 2>&1
   note "pytest: rc=$?, $(tail -1 "$OUT/pytest.log") ($(( $(date +%s) - t0 )) s)"
-fi
+}
 
-if has bench && [ -f bench/bench.py ]; then
+step_bench() {
+  [ -f bench/bench.py ] || return 0
   timeout ${BENCH_TIMEOUT:-420} python3 bench/bench.py --seed-dir "${SEED_DIR:-.seeds}" --out "$OUT/bench.md" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   note "bench: rc=$?"
   tail -40 "$OUT/bench.log"
-fi
+}
+
+for s in "${steps[@]}"; do "step_$s"; done
 
 echo
 echo "==== summary ===="

@@ -99,6 +99,17 @@ TestTensor TestTensor::clone() const {
 std::vector<float> TestTensor::gather_float() const {
   std::vector<float> out(static_cast<size_t>(numel()));
   const int64_t n = numel();
+  bool contiguous = true;
+  for (int64_t d = static_cast<int64_t>(sizes_.size()) - 1, s = 1; d >= 0; --d) {
+    contiguous = contiguous && (sizes_[d] == 1 || strides_[d] == s);
+    s *= sizes_[d];
+  }
+  if (contiguous) {  // the common case, without per-element index arithmetic
+    const uint8_t* base = host_.data() + offset_ * dtype_size(dtype_);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) out[i] = load_float(base, dtype_, i);
+    return out;
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) out[i] = get(i);
   return out;

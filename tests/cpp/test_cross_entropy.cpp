@@ -393,10 +393,12 @@ std::vector<CeCase> make_cases(bool gpu_suite) {
       if (!gpu_suite && elems > 4.2e6) continue;
       for (DType dt : dts) {
         const DType tdt = (V % 2 == 0) ? DType::kInt64 : DType::kInt32;
+        // The largest shapes (1e8+ elements) cost seconds of CPU oracle each: every dtype gets the plain case,
+        // bfloat16 (the training dtype) also a strided one and one with every option.
         const bool huge = elems > 6e7;
         cases.push_back({N, V, dt, tdt, Layout::kContiguous, Preset::kPlain, Reduction::kMean});
-        cases.push_back({N, V, dt, tdt, Layout::kPadded, Preset::kIgnore, Reduction::kSum});
         if (huge && dt != DType::kBFloat16) continue;
+        cases.push_back({N, V, dt, tdt, Layout::kPadded, Preset::kIgnore, Reduction::kSum});
         cases.push_back({N, V, dt, tdt, Layout::kShifted, Preset::kAll, Reduction::kNone});
         if (huge) continue;
         cases.push_back({N, V, dt, tdt, Layout::kContiguous, Preset::kSmoothing, Reduction::kMean});
@@ -437,11 +439,13 @@ TEST_P(CrossEntropyCuda, MatchesCpuBackend) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   CeInputs in(GetParam(), seed_of(GetParam()));
   const auto up = upstream_for(in, seed_of(GetParam()) + 1);
-  const Outputs cpu_fwd = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
-  const auto cpu_lse = to_float(cpu_fwd.lse);
+  // One CPU run is the expectation of every entry point: the forward's outputs are the fused call's, the
+  // in-place gradient is the out-of-place one, and the backward from the CPU's lse with the same upstream
+  // gradient is the same gradient.
+  const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+  const auto cpu_lse = to_float(want.lse);
   for (Entry e : kEntries) {
     SCOPED_TRACE(entry_name(e));
-    Outputs want = e == Entry::kForwardBackward ? cpu_fwd : run_backend(in, e, false, up, &cpu_lse);
     const Outputs got = run_backend(in, e, /*dev=*/true, up, &cpu_lse);
     expect_outputs(in, e, got, want, "cuda", up);
   }

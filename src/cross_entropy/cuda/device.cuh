@@ -139,6 +139,17 @@ __device__ __forceinline__ uint32_t load_chunk(const ChunkSpan<T>& span, int64_t
   return mask;
 }
 
+// The partial (first or last) chunk of `span` that this thread handles outside the whole-chunk loops, or -1:
+// thread 0 takes a misaligned first chunk, thread 1 a ragged last chunk (unless it is that same chunk).
+template <typename T>
+__device__ __forceinline__ int partial_chunk_of_thread(const ChunkSpan<T>& span) {
+  const int first = span.mis ? 0 : -1;
+  const int last = (span.end & 15) ? static_cast<int>(span.nchunks) - 1 : -1;
+  if (threadIdx.x == 0) return first;
+  if (threadIdx.x == 1) return last != first ? last : -1;
+  return -1;
+}
+
 // Stores kN floats as chunk q of the span `dst` (same geometry as the span the values came from when
 // `vector_ok`): one 16-byte store for a full chunk, element stores otherwise.
 template <typename T>
@@ -307,5 +318,108 @@ __device__ __forceinline__ float grad_elem(const KernelParams& p, const GradCoef
   }
   return d;
 }
+
+// A 16-byte load from shared or global memory (the generic address resolves to LDS / LDG once inlined).
+__device__ __forceinline__ uint4 load16(const char* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// The hot loops come in two flavours: kGeneral handles soft-capping and label smoothing (a tanh, a division
+// and a class-weight load per element); the plain one, which covers class weights and z-loss too (they act
+// per row), is straight-line code: with only 16 warps per SM to hide latency, per-element branches cost a
+// factor of several (measured: 28% of copy bandwidth with them, see bench/RESULTS.md).
+//
+// `src` is where whole chunks live: a shared-memory stage (row-resident) or the row in global memory
+// (streaming); chunk q is src + 16 q either way, and slot i of chunk q is class j0 + q kVec + i.
+template <typename T, bool kGeneral>
+struct ChunkLoops {
+  static constexpr int kVec = Vec<T>::kN;
+  static constexpr int kUnroll = 4;  // 16-byte chunks in flight per thread and pass
+  const KernelParams& p;
+
+  __device__ float cap(float y) const {
+    if constexpr (kGeneral) return capped(p, y);
+    return y;
+  }
+
+  // Chunk q's values (capped), adding w_j x_j to swx for label smoothing.
+  __device__ void load_x(const char* src, int q, int64_t j0, float* x, float& swx) const {
+    Vec<T>::unpack(load16(src + 16 * q), x);
+    if constexpr (kGeneral) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        x[i] = capped(p, x[i]);
+        if (p.eps != 0.f) swx += class_weight(p, j0 + static_cast<int64_t>(q) * kVec + i) * x[i];
+      }
+    }
+  }
+
+  // Statistics of the whole chunks [q_lo, q_hi), merged into (m, s, swx).
+  // The main loop issues kUnroll loads with no branch between them; a remainder loop takes the rest.
+  __device__ void stats(const char* src, int q_lo, int q_hi, int64_t j0, float& m, float& s, float& swx) const {
+    const int nt = blockDim.x;
+    int q = q_lo + static_cast<int>(threadIdx.x);
+    for (; q + (kUnroll - 1) * nt < q_hi; q += kUnroll * nt) {
+      float x[kUnroll * kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) load_x(src, q + u * nt, j0, x + u * kVec, swx);
+      online_add<kUnroll * kVec>(m, s, x);
+    }
+    for (; q < q_hi; q += nt) {
+      float x[kVec];
+      load_x(src, q, j0, x, swx);
+      online_add<kVec>(m, s, x);
+    }
+  }
+
+  // Gradient of whole chunk q (values v, in place).
+  __device__ void grad_chunk(float* v, int q, int64_t j0, const GradCoeffs& g, float lse_l2, int q_t, int slot_t,
+                             int64_t t) const {
+    if constexpr (kGeneral) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        v[i] = grad_elem(p, g, lse_l2, capped(p, v[i]), j0 + static_cast<int64_t>(q) * kVec + i, t);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) v[i] = g.a * fast_exp2(fmaf(v[i], kLog2e, -lse_l2));
+      if (q == q_t) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i)
+          if (i == slot_t) v[i] -= g.b;
+      }
+    }
+  }
+
+  // Gradient of the whole chunks, src -> gdst: 16-byte stores when the gradient's alignment matches
+  // the logits' (always, in place), element stores otherwise.
+  template <bool kVecStore>
+  __device__ void grad(const char* src, int q_lo, int q_hi, int64_t j0, const GradCoeffs& g, float lse_l2,
+                       int q_t, int slot_t, int64_t t, const ChunkSpan<T>& span, char* gdst) const {
+    const int nt = blockDim.x;
+    char* gbase = gdst - span.mis;
+    auto put = [&](int q, const float* v) {
+      if constexpr (kVecStore) {
+        *reinterpret_cast<uint4*>(gbase + 16 * q) = Vec<T>::pack(v);
+      } else {
+        store_chunk(span, q, gdst, false, v);
+      }
+    };
+    int q = q_lo + static_cast<int>(threadIdx.x);
+    for (; q + (kUnroll - 1) * nt < q_hi; q += kUnroll * nt) {
+      float v[kUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) Vec<T>::unpack(load16(src + 16 * (q + u * nt)), v[u]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        grad_chunk(v[u], q + u * nt, j0, g, lse_l2, q_t, slot_t, t);
+        put(q + u * nt, v[u]);
+      }
+    }
+    for (; q < q_hi; q += nt) {
+      float v[kVec];
+      Vec<T>::unpack(load16(src + 16 * q), v);
+      grad_chunk(v, q, j0, g, lse_l2, q_t, slot_t, t);
+      put(q, v);
+    }
+  }
+};
 
 }  // namespace logitless::ce

@@ -155,6 +155,7 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
     in.vocab = pr.vocab;
     in.elem_bytes = static_cast<int>(dtype_size(pr.dtype));
     in.backward_only = pr.mode == Mode::kBackward;
+    in.forward_only = pr.mode == Mode::kForward;
     in.row_resident_capable = row_resident_available(pr.device.index);
     in.smem_per_block = info.max_smem_per_block_optin - 4096;  // room for the static shared memory (about 2 KB)
     in.requested = pr.algo;

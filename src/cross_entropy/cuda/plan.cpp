@@ -10,7 +10,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 Plan plan_cross_entropy(const PlanInputs& in) {
   Plan streaming;
   streaming.algo = CrossEntropyAlgo::kStreaming;
+  // Residency pays only when the row is read twice (statistics, then gradient). A loss-only forward or a
+  // backward from a saved lse reads it once; auto streams those on every GPU (all SMs, no cluster barrier).
   if (in.requested == CrossEntropyAlgo::kStreaming || in.backward_only) return streaming;
+  if (in.requested == CrossEntropyAlgo::kAuto && in.forward_only) return streaming;
 
   const bool want_resident = in.requested == CrossEntropyAlgo::kRowResident;
   if (!in.row_resident_capable || in.vocab <= 0) {

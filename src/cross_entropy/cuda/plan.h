@@ -32,6 +32,7 @@ struct PlanInputs {
   int64_t vocab = 0;
   int elem_bytes = 2;
   bool backward_only = false;      // the gradient from a saved lse needs no row residency
+  bool forward_only = false;       // the loss alone needs no row residency either
   bool row_resident_capable = false;  // the device and this build can run the Hopper kernel
   int smem_per_block = 0;          // dynamic shared memory a CTA may opt into (bytes)
   CrossEntropyAlgo requested = CrossEntropyAlgo::kAuto;

@@ -30,103 +30,20 @@ struct ResidentShape {
   int pieces;     // bulk copies per slice
 };
 
-// The hot loops come in two flavours: kGeneral handles soft-capping and label smoothing (a tanh, a division
-// and a class-weight load per element); the plain one, which covers class weights and z-loss too (they act
-// per row), is straight-line code: with only 16 warps per SM to hide latency, per-element branches cost a
-// factor of several (measured: 28% of copy bandwidth with them, see bench/RESULTS.md).
-template <typename T, bool kGeneral>
-struct SliceMath {
-  static constexpr int kVec = Vec<T>::kN;
-  static constexpr int kUnroll = 4;  // 16-byte chunks in flight per thread and pass
-  const KernelParams& p;
-
-  __device__ float cap(float y) const {
-    if constexpr (kGeneral) return capped(p, y);
-    return y;
-  }
-
-  // Chunk q's values (capped), adding w_j x_j to swx for label smoothing.
-  __device__ void load_x(const char* stage, int q, int64_t j0, float* x, float& swx) const {
-    Vec<T>::unpack(*reinterpret_cast<const uint4*>(stage + 16 * q), x);
-    if constexpr (kGeneral) {
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        x[i] = capped(p, x[i]);
-        if (p.eps != 0.f) swx += class_weight(p, j0 + static_cast<int64_t>(q) * kVec + i) * x[i];
-      }
-    }
-  }
-
-  // Statistics of the slice's whole chunks [q_lo, q_hi), read from shared memory, merged into (m, s, swx).
-  // The main loop issues kUnroll loads with no branch between them; a remainder loop takes the rest.
-  __device__ void stats(const char* stage, int q_lo, int q_hi, int64_t j0, float& m, float& s, float& swx) const {
-    const int nt = blockDim.x;
-    int q = q_lo + static_cast<int>(threadIdx.x);
-    for (; q + (kUnroll - 1) * nt < q_hi; q += kUnroll * nt) {
-      float x[kUnroll * kVec];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) load_x(stage, q + u * nt, j0, x + u * kVec, swx);
-      online_add<kUnroll * kVec>(m, s, x);
-    }
-    for (; q < q_hi; q += nt) {
-      float x[kVec];
-      load_x(stage, q, j0, x, swx);
-      online_add<kVec>(m, s, x);
-    }
-  }
-
-  // Gradient of whole chunk q (values v, in place).
-  __device__ void grad_chunk(float* v, int q, int64_t j0, const GradCoeffs& g, float lse_l2, int q_t, int slot_t,
-                             int64_t t) const {
-    if constexpr (kGeneral) {
-#pragma unroll
-      for (int i = 0; i < kVec; ++i)
-        v[i] = grad_elem(p, g, lse_l2, capped(p, v[i]), j0 + static_cast<int64_t>(q) * kVec + i, t);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) v[i] = g.a * fast_exp2(fmaf(v[i], kLog2e, -lse_l2));
-      if (q == q_t) {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i)
-          if (i == slot_t) v[i] -= g.b;
-      }
-    }
-  }
-
-  // Gradient of the whole chunks, shared memory -> gdst: 16-byte stores when the gradient's alignment matches
-  // the logits' (always, in place), element stores otherwise.
-  template <bool kVecStore>
-  __device__ void grad(const char* stage, int q_lo, int q_hi, int64_t j0, const GradCoeffs& g, float lse_l2,
-                       int q_t, int slot_t, int64_t t, const ChunkSpan<T>& span, char* gdst) const {
-    const int nt = blockDim.x;
-    char* gbase = gdst - span.mis;
-    auto put = [&](int q, const float* v) {
-      if constexpr (kVecStore) {
-        *reinterpret_cast<uint4*>(gbase + 16 * q) = Vec<T>::pack(v);
-      } else {
-        store_chunk(span, q, gdst, false, v);
-      }
-    };
-    int q = q_lo + static_cast<int>(threadIdx.x);
-    for (; q + (kUnroll - 1) * nt < q_hi; q += kUnroll * nt) {
-      float v[kUnroll][kVec];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) Vec<T>::unpack(*reinterpret_cast<const uint4*>(stage + 16 * (q + u * nt)), v[u]);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        grad_chunk(v[u], q + u * nt, j0, g, lse_l2, q_t, slot_t, t);
-        put(q + u * nt, v[u]);
-      }
-    }
-    for (; q < q_hi; q += nt) {
-      float v[kVec];
-      Vec<T>::unpack(*reinterpret_cast<const uint4*>(stage + 16 * q), v);
-      grad_chunk(v, q, j0, g, lse_l2, q_t, slot_t, t);
-      put(q, v);
-    }
-  }
+// One row's state between its statistics pass and its gradient pass.
+struct RowState {
+  int64_t row = 0, t = 0;
+  RowKind kind = RowKind::kIgnored;
+  int stage = 0;
+  int parity = 0;  // exchange buffer its partials went to
+  float x_t = 0.f;
+  float4 partial;  // this CTA's (max, sum of exp, sum of w x) over its slice
 };
 
+// The cluster barrier that exchanges a row's partials is split: a CTA arrives after publishing row k's
+// partials and only waits for its peers after it has computed the statistics of row k+1 (published once
+// row k's barrier completed: one barrier phase is outstanding at a time), so the barrier's latency hides
+// behind useful work instead of idling every SM of the cluster once per row.
 template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_constant__ KernelParams p,
                                                               const ResidentShape shape) {
@@ -147,7 +64,7 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
   const int64_t slice_begin = rank * shape.slice;
   const int64_t len = max(static_cast<int64_t>(0), min(shape.slice, p.vocab - slice_begin));
   const int S = shape.stages;
-  const SliceMath<T, kGeneral> math{p};
+  const ChunkLoops<T, kGeneral> loops{p};
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) cuda::ptx::mbarrier_init(&bars[s], 1);
@@ -158,6 +75,7 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
 
   auto row_of = [&](int64_t k) { return cluster_id + k * num_clusters; };
   auto slice_src = [&](int64_t row) { return p.logits + (p.logits_rows.offset(row) + slice_begin) * kEs; };
+  auto stage_ptr = [&](int s) { return reinterpret_cast<const char*>(smem) + static_cast<size_t>(s) * shape.stage_bytes; };
   // Producer (thread 0): start the load of iteration k's slice into stage k % S, if the row needs reading.
   auto issue = [&](int64_t k) {
     const int64_t row = row_of(k);
@@ -168,8 +86,7 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
     const int s = static_cast<int>(k % S);
     cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared,
                                          &bars[s], bytes);
-    // The slice goes as `pieces` bulk copies on one barrier.
-    const int64_t nq = q1 - q0;
+    const int64_t nq = q1 - q0;  // as `pieces` bulk copies on one barrier
     for (int i = 0; i < shape.pieces && nq > 0; ++i) {
       const int64_t a = q0 + nq * i / shape.pieces, b = q0 + nq * (i + 1) / shape.pieces;
       if (b > a)
@@ -178,114 +95,124 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
                                  static_cast<uint32_t>((b - a) * 16), &bars[s]);
     }
   };
-
   if (tid == 0)
     for (int k = 0; k < S; ++k) issue(k);
 
   uint32_t phase_bits = 0;  // expected parity of each stage's barrier
-  int parity = 0;           // exchange buffer of the next row that exchanges
+  int next_parity = 0;      // exchange buffer of the next row that exchanges
   const float W = p.scalars->weight_sum;
 
-  for (int64_t k = 0;; ++k) {
-    const int64_t row = row_of(k);
-    if (row >= p.n_rows) break;
-    const int s = static_cast<int>(k % S);
-    const int64_t t = load_target(p, row);
-    const RowKind kind = classify(p, t);
-    char* gdst = p.grad ? p.grad + (p.grad_rows.offset(row) + slice_begin) * kEs : nullptr;
-
-    if (kind == RowKind::kValid) {
-      const ChunkSpan<T> span(slice_src(row), len);
-      const char* stage = reinterpret_cast<const char*>(smem) + static_cast<size_t>(s) * shape.stage_bytes;
-      // Whole chunks [q_lo, q_hi) sit in shared memory; a partial first / last chunk is read from global
-      // memory by threads 0 / 1. Slot i of chunk q is element j0 + q * kVec + i of the row.
-      const int q_lo = span.mis ? 1 : 0, q_hi = static_cast<int>(span.end / 16);
-      const int nch = static_cast<int>(span.nchunks);
-      const int64_t j0 = slice_begin - span.mis / kEs;
-      const int my_partial = tid == 0 ? (span.mis ? 0 : -1)
-                             : tid == 1 ? ((span.end & 15) && nch - 1 != (span.mis ? 0 : -1) ? nch - 1 : -1)
-                                        : -1;
-      // The target logit is read before the exchange: after it, peers may overwrite the row (in place).
-      float x_t = 0.f;
-      if (rank == 0 && tid == 0) x_t = capped(p, Vec<T>::load1(p.logits + (p.logits_rows.offset(row) + t) * kEs));
-
-      while (!cuda::ptx::mbarrier_try_wait_parity(&bars[s], (phase_bits >> s) & 1u)) {
-      }
-      phase_bits ^= 1u << s;
-
-      // Pass 1: online (max, sum of exp) over the slice, and sum of w_j x_j for label smoothing.
-      float m = -INFINITY, se = 0.f, swx = 0.f;
-      math.stats(stage, q_lo, q_hi, j0, m, se, swx);
-      if (my_partial >= 0) {
-        float v[kVec];
-        const uint32_t mask = load_chunk(span, my_partial, nullptr, v);
+  // Statistics of iteration k's row: waits for its slice and reduces it. Returns false past the last row.
+  auto begin_row = [&](int64_t k, RowState& r) -> bool {
+    r.row = row_of(k);
+    if (r.row >= p.n_rows) return false;
+    r.stage = static_cast<int>(k % S);
+    r.t = load_target(p, r.row);
+    r.kind = classify(p, r.t);
+    if (r.kind != RowKind::kValid) return true;
+    const ChunkSpan<T> span(slice_src(r.row), len);
+    // Read before this row's arrive: peers can overwrite the row (in place) only after their wait.
+    if (rank == 0 && tid == 0) r.x_t = capped(p, Vec<T>::load1(p.logits + (p.logits_rows.offset(r.row) + r.t) * kEs));
+    while (!cuda::ptx::mbarrier_try_wait_parity(&bars[r.stage], (phase_bits >> r.stage) & 1u)) {
+    }
+    phase_bits ^= 1u << r.stage;
+    // Whole chunks [q_lo, q_hi) sit in shared memory; a partial first / last chunk is read from global
+    // memory by thread 0 / 1.
+    const int q_lo = span.mis ? 1 : 0, q_hi = static_cast<int>(span.end / 16);
+    const int64_t j0 = slice_begin - span.mis / kEs;
+    float m = -INFINITY, se = 0.f, swx = 0.f;
+    loops.stats(stage_ptr(r.stage), q_lo, q_hi, j0, m, se, swx);
+    const int part = partial_chunk_of_thread(span);
+    if (part >= 0) {
+      float v[kVec];
+      const uint32_t mask = load_chunk(span, part, nullptr, v);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          const bool ok = (mask >> i) & 1u;
-          v[i] = ok ? capped(p, v[i]) : -INFINITY;
-          if (p.eps != 0.f && ok) swx += class_weight(p, slice_begin + span.elem(my_partial, i)) * v[i];
-        }
-        online_add<kVec>(m, se, v);
+      for (int i = 0; i < kVec; ++i) {
+        const bool ok = (mask >> i) & 1u;
+        v[i] = ok ? capped(p, v[i]) : -INFINITY;
+        if (p.eps != 0.f && ok) swx += class_weight(p, slice_begin + span.elem(part, i)) * v[i];
       }
-      block_online(m, se, swx, red);
+      online_add<kVec>(m, se, v);
+    }
+    block_online(m, se, swx, red);
+    r.partial = make_float4(m, se, swx, 0.f);
+    return true;
+  };
 
-      // Exchange the partials through distributed shared memory.
-      if (tid == 0) {
-        const float4 part = make_float4(m, se, swx, 0.f);
-        for (int dst = 0; dst < csize; ++dst) *cluster.map_shared_rank(&xchg[parity][rank], dst) = part;
-      }
-      cluster.sync();
-      float M = -INFINITY, S_sum = 0.f, SWX = 0.f;
-      for (int r = 0; r < csize; ++r) {
-        const float4 pr = xchg[parity][r];
-        online_merge(M, S_sum, pr.x, pr.y);
-        SWX += pr.z;
-      }
-      parity ^= 1;
-      const float lse = M == -INFINITY ? NAN : M + logf(S_sum);
+  // Sends row r's partial to every peer (into the exchange buffer of its parity) and arrives.
+  auto publish = [&](RowState& r) {
+    if (r.kind != RowKind::kValid) return;
+    r.parity = next_parity;
+    next_parity ^= 1;
+    if (tid == 0)
+      for (int dst = 0; dst < csize; ++dst) *cluster.map_shared_rank(&xchg[r.parity][rank], dst) = r.partial;
+    cuda::ptx::barrier_cluster_arrive(cuda::ptx::sem_release);
+  };
 
-      if (rank == 0 && tid == 0) write_row_outputs(p, row, kind, RowStats{lse, x_t, SWX}, t);
-
-      // Pass 2: the gradient of the slice, from shared memory straight to its destination.
-      if (gdst) {
-        const GradCoeffs g = row_grad_coeffs(lse, class_weight(p, t), W, p.eps, p.inv_v, p.z, row_grad_scale(p, row));
-        const float lse_l2 = lse * kLog2e;
-        const bool vec_ok = (reinterpret_cast<uintptr_t>(gdst) & 15u) == static_cast<uintptr_t>(span.mis);
-        const int64_t t_local = t - slice_begin;
-        int q_t = -1, slot_t = 0;
-        if (t_local >= 0 && t_local < len) {
-          const int64_t b = span.mis + t_local * kEs;
-          q_t = static_cast<int>(b >> 4);
-          slot_t = static_cast<int>((b & 15) / kEs);
-        }
-        if (vec_ok) {
-          math.template grad<true>(stage, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, t, span, gdst);
-        } else {
-          math.template grad<false>(stage, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, t, span, gdst);
-        }
-        if (my_partial >= 0) {
-          float v[kVec];
-          const uint32_t mask = load_chunk(span, my_partial, nullptr, v);
-#pragma unroll
-          for (int i = 0; i < kVec; ++i)
-            v[i] = (mask >> i) & 1u ? grad_elem(p, g, lse_l2, capped(p, v[i]), slice_begin + span.elem(my_partial, i), t)
-                                    : 0.f;
-          store_chunk(span, my_partial, gdst, false, v);
-        }
-      }
-    } else {
+  // Waits for the peers' partials of row r, writes its outputs and the gradient of this CTA's slice.
+  auto finish_row = [&](const RowState& r) {
+    char* gdst = p.grad ? p.grad + (p.grad_rows.offset(r.row) + slice_begin) * kEs : nullptr;
+    if (r.kind != RowKind::kValid) {
       // Ignored rows: loss 0, gradient 0. Out-of-range targets (checks off): NaN. Nothing is read.
-      if (rank == 0 && tid == 0) write_row_outputs(p, row, kind, RowStats{0.f, 0.f, 0.f}, t);
+      if (rank == 0 && tid == 0) write_row_outputs(p, r.row, r.kind, RowStats{0.f, 0.f, 0.f}, r.t);
       if (gdst) {
         const ChunkSpan<T> gspan(gdst, len);
         float v[kVec];
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) v[i] = kind == RowKind::kBad ? NAN : 0.f;
+        for (int i = 0; i < kVec; ++i) v[i] = r.kind == RowKind::kBad ? NAN : 0.f;
         for (int64_t q = tid; q < gspan.nchunks; q += blockDim.x) store_chunk(gspan, q, gdst, true, v);
       }
+      return;
     }
-    __syncthreads();  // stage s is consumed: it may be refilled
+    cuda::ptx::barrier_cluster_wait(cuda::ptx::sem_acquire);
+    float M = -INFINITY, S_sum = 0.f, SWX = 0.f;
+    for (int c = 0; c < csize; ++c) {
+      const float4 pr = xchg[r.parity][c];
+      online_merge(M, S_sum, pr.x, pr.y);
+      SWX += pr.z;
+    }
+    const float lse = M == -INFINITY ? NAN : M + logf(S_sum);
+    if (rank == 0 && tid == 0) write_row_outputs(p, r.row, r.kind, RowStats{lse, r.x_t, SWX}, r.t);
+    if (!gdst) return;
+    const ChunkSpan<T> span(slice_src(r.row), len);
+    const int q_lo = span.mis ? 1 : 0, q_hi = static_cast<int>(span.end / 16);
+    const int64_t j0 = slice_begin - span.mis / kEs;
+    const GradCoeffs g = row_grad_coeffs(lse, class_weight(p, r.t), W, p.eps, p.inv_v, p.z, row_grad_scale(p, r.row));
+    const float lse_l2 = lse * kLog2e;
+    const int64_t t_local = r.t - slice_begin;
+    int q_t = -1, slot_t = 0;
+    if (t_local >= 0 && t_local < len) {
+      const int64_t b = span.mis + t_local * kEs;
+      q_t = static_cast<int>(b >> 4);
+      slot_t = static_cast<int>((b & 15) / kEs);
+    }
+    if ((reinterpret_cast<uintptr_t>(gdst) & 15u) == static_cast<uintptr_t>(span.mis)) {
+      loops.template grad<true>(stage_ptr(r.stage), q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, r.t, span, gdst);
+    } else {
+      loops.template grad<false>(stage_ptr(r.stage), q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, r.t, span, gdst);
+    }
+    const int part = partial_chunk_of_thread(span);
+    if (part >= 0) {
+      float v[kVec];
+      const uint32_t mask = load_chunk(span, part, nullptr, v);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        v[i] = (mask >> i) & 1u ? grad_elem(p, g, lse_l2, capped(p, v[i]), slice_begin + span.elem(part, i), r.t) : 0.f;
+      store_chunk(span, part, gdst, false, v);
+    }
+  };
+
+  RowState cur, nxt;
+  bool have = begin_row(0, cur);
+  if (have) publish(cur);
+  for (int64_t k = 0; have; ++k) {
+    const bool have_next = begin_row(k + 1, nxt);  // overlaps the peers' arrival at row k's barrier
+    finish_row(cur);
+    __syncthreads();  // cur's stage is consumed: it may be refilled
     if (tid == 0) issue(k + S);
+    if (have_next) publish(nxt);
+    cur = nxt;
+    have = have_next;
   }
   // No CTA may exit while a peer could still write its partial into this CTA's shared memory.
   cluster.sync();
@@ -294,6 +221,10 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
 
 template <typename T>
 int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
+  // The pipeline reads row k+1's stage while row k's is still held: one stage would deadlock.
+  if (plan.stages < 2 || plan.stages > kMaxStages || plan.cluster < 1 || plan.cluster > kMaxCluster)
+    throw_invalid(str_cat("cross_entropy: row-resident plan needs 2..", kMaxStages, " stages and 1..", kMaxCluster,
+                          " CTAs per cluster, got ", plan.stages, " and ", plan.cluster));
   const bool general = p.softcap > 0.f || p.eps != 0.f;
   auto kernel = general ? row_resident_kernel<T, true> : row_resident_kernel<T, false>;
   LOGITLESS_CUDA_CHECK(

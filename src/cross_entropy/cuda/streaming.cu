@@ -9,14 +9,14 @@
 namespace logitless::ce {
 namespace {
 
-template <typename T, bool kWithLse>
+template <typename T, bool kGeneral, bool kWithLse>
 __global__ void __launch_bounds__(kStreamingThreads) streaming_kernel(const __grid_constant__ KernelParams p) {
   constexpr int kVec = Vec<T>::kN;
   constexpr int64_t kEs = sizeof(T);
-  __shared__ float red1[32];
-  __shared__ float2 red2[32];
+  __shared__ float4 red[32];
   const int tid = threadIdx.x;
   const float W = p.scalars->weight_sum;
+  const ChunkLoops<T, kGeneral> loops{p};
 
   for (int64_t row = blockIdx.x; row < p.n_rows; row += gridDim.x) {
     const int64_t t = load_target(p, row);
@@ -35,56 +35,55 @@ __global__ void __launch_bounds__(kStreamingThreads) streaming_kernel(const __gr
     }
     const char* src = p.logits + p.logits_rows.offset(row) * kEs;
     const ChunkSpan<T> span(src, p.vocab);
+    // Rows up to 2^35 bytes: chunk indices fit in int.
+    const int q_lo = span.mis ? 1 : 0, q_hi = static_cast<int>(span.end / 16);
+    const int64_t j0 = -static_cast<int64_t>(span.mis) / kEs;
+    const int part = partial_chunk_of_thread(span);
     float lse;
     if constexpr (kWithLse) {
       lse = p.lse_in[row];
     } else {
-      // Online softmax per thread, rescaling once per 16-byte chunk rather than per element.
       float m = -INFINITY, se = 0.f, swx = 0.f;
-      for (int64_t q = tid; q < span.nchunks; q += blockDim.x) {
+      loops.stats(span.base, q_lo, q_hi, j0, m, se, swx);
+      if (part >= 0) {
         float v[kVec];
-        const uint32_t mask = load_chunk(span, q, span.chunk_ptr(q), v);
-        float cm = -INFINITY;
+        const uint32_t mask = load_chunk(span, part, nullptr, v);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
           const bool ok = (mask >> i) & 1u;
           v[i] = ok ? capped(p, v[i]) : -INFINITY;
-          cm = max_nan(cm, v[i]);
-          if (p.eps != 0.f && ok) swx += class_weight(p, span.elem(q, i)) * v[i];
+          if (p.eps != 0.f && ok) swx += class_weight(p, span.elem(part, i)) * v[i];
         }
-        if (cm == -INFINITY) continue;
-        if (!(cm <= m)) {  // a new max (or NaN, which then poisons the sum as it should)
-          se = m == -INFINITY ? 0.f : se * fast_exp2((m - cm) * kLog2e);
-          m = cm;
-        }
-        const float m_l2 = m * kLog2e;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) se += fast_exp2(fmaf(v[i], kLog2e, -m_l2));
+        online_add<kVec>(m, se, v);
       }
-      const float M = block_max(m, red1);
-      const float se_adj = m == -INFINITY ? 0.f : se * fast_exp2((m - M) * kLog2e);
-      const float2 red = block_sum2(make_float2(se_adj, swx), red2);
-      lse = M == -INFINITY ? NAN : M + logf(red.x);
-      if (tid == 0) {
-        const float x_t = capped(p, Vec<T>::load1(src + t * kEs));
-        write_row_outputs(p, row, kind, RowStats{lse, x_t, red.y}, t);
-      }
-      // Everyone has read the row (pass 1, and thread 0's target logit) before anyone overwrites it in place.
-      __syncthreads();
+      // The target logit is read before the block reduction's barriers, hence before any thread of this
+      // CTA can overwrite the row (in place).
+      float x_t = 0.f;
+      if (tid == 0) x_t = capped(p, Vec<T>::load1(src + t * kEs));
+      block_online(m, se, swx, red);
+      lse = m == -INFINITY ? NAN : m + logf(se);
+      if (tid == 0) write_row_outputs(p, row, kind, RowStats{lse, x_t, swx}, t);
     }
     if (gdst) {
       const GradCoeffs g = row_grad_coeffs(lse, class_weight(p, t), W, p.eps, p.inv_v, p.z, row_grad_scale(p, row));
       const float lse_l2 = lse * kLog2e;
-      const bool vec_ok = (reinterpret_cast<uintptr_t>(gdst) & 15u) == static_cast<uintptr_t>(span.mis);
-      for (int64_t q = tid; q < span.nchunks; q += blockDim.x) {
+      const int64_t b = span.mis + t * kEs;
+      const int q_t = static_cast<int>(b >> 4), slot_t = static_cast<int>((b & 15) / kEs);
+      if ((reinterpret_cast<uintptr_t>(gdst) & 15u) == static_cast<uintptr_t>(span.mis)) {
+        loops.template grad<true>(span.base, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, t, span, gdst);
+      } else {
+        loops.template grad<false>(span.base, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, t, span, gdst);
+      }
+      if (part >= 0) {
         float v[kVec];
-        const uint32_t mask = load_chunk(span, q, span.chunk_ptr(q), v);
+        const uint32_t mask = load_chunk(span, part, nullptr, v);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i)  // slots outside the row are not stored (nor their weights read)
-          v[i] = (mask >> i) & 1u ? grad_elem(p, g, lse_l2, capped(p, v[i]), span.elem(q, i), t) : 0.f;
-        store_chunk(span, q, gdst, vec_ok, v);
+        for (int i = 0; i < kVec; ++i)
+          v[i] = (mask >> i) & 1u ? grad_elem(p, g, lse_l2, capped(p, v[i]), span.elem(part, i), t) : 0.f;
+        store_chunk(span, part, gdst, false, v);
       }
     }
+    // The next row's reduction reuses `red`; block_online's trailing barrier already orders that.
   }
 }
 
@@ -115,10 +114,13 @@ int grid_for(int64_t n_rows, int sm_count) {
 template <typename T>
 void streaming_typed(const KernelParams& p, bool with_lse, int sm_count, cudaStream_t stream) {
   const int grid = grid_for(p.n_rows, sm_count);
+  const bool general = p.softcap > 0.f || p.eps != 0.f;
   if (with_lse) {
-    streaming_kernel<T, true><<<grid, kStreamingThreads, 0, stream>>>(p);
+    (general ? streaming_kernel<T, true, true> : streaming_kernel<T, false, true>)<<<grid, kStreamingThreads, 0,
+                                                                                    stream>>>(p);
   } else {
-    streaming_kernel<T, false><<<grid, kStreamingThreads, 0, stream>>>(p);
+    (general ? streaming_kernel<T, true, false> : streaming_kernel<T, false, false>)<<<grid, kStreamingThreads, 0,
+                                                                                      stream>>>(p);
   }
   LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy streaming kernel");
 }
