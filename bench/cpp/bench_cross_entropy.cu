@@ -15,12 +15,13 @@
 using namespace logitless;
 
 // Variants of the row-resident plan, applied through the planner's hook.
-static int g_pieces = 0, g_threads = 0, g_cluster = 0, g_grid = 0;
+static int g_pieces = 0, g_threads = 0, g_cluster = 0, g_grid = 0, g_pipe = 0;
 static void tweak(ce::Plan& p) {
   if (p.algo != CrossEntropyAlgo::kRowResident) return;
   if (g_pieces) p.copy_pieces = g_pieces;
   if (g_threads) p.threads = g_threads;
   if (g_grid) p.grid_clusters = g_grid;
+  p.pipelined = g_pipe != 0;
   if (g_cluster && g_cluster != p.cluster) {  // re-slice for another cluster size
     const int64_t V = p.slice * p.cluster;
     p.cluster = g_cluster;
@@ -32,9 +33,9 @@ static void tweak(ce::Plan& p) {
 }
 static void describe(const char* what) {
   const auto r = ce::debug::last_launch();
-  std::printf("   [%s: algo=%d cluster=%d stages=%d threads=%d slice=%lld pieces=%d clusters=%d (occupancy %d)]\n", what,
-              static_cast<int>(r.plan.algo), r.plan.cluster, r.plan.stages, r.plan.threads, (long long)r.plan.slice,
-              r.plan.copy_pieces, r.clusters, ce::debug::row_resident_max_clusters());
+  std::printf("   [%s: algo=%d cluster=%d stages=%d threads=%d slice=%lld pipelined=%d clusters=%d (occupancy %d)]\n",
+              what, static_cast<int>(r.plan.algo), r.plan.cluster, r.plan.stages, r.plan.threads,
+              (long long)r.plan.slice, r.plan.pipelined ? 1 : 0, r.clusters, ce::debug::row_resident_max_clusters());
 }
 
 #define CK(x)                                                                      \
@@ -151,15 +152,16 @@ int main(int argc, char** argv) {
         2.0 * bytes);
     // Row-resident variants: copy pieces, threads, cluster size, grid.
     ce::debug::set_plan_hook(tweak);
-    struct Var { int pieces, threads, cluster, grid; };
+    struct Var { int pieces, threads, cluster, grid, pipe; };
     const int sms = prop.multiProcessorCount;
     (void)sms;
-    for (Var v : {Var{1, 0, 0, 0}, Var{1, 0, 3, 0}, Var{1, 0, 6, 0}, Var{1, 256, 0, 0}, Var{2, 0, 0, 0}}) {
-      g_pieces = v.pieces, g_threads = v.threads, g_cluster = v.cluster, g_grid = v.grid;
+    for (Var v : {Var{1, 0, 0, 0, 0}, Var{1, 0, 0, 0, 1}, Var{1, 0, 3, 0, 0}, Var{1, 0, 3, 0, 1}, Var{1, 0, 4, 0, 0},
+                  Var{1, 0, 6, 0, 0}, Var{1, 0, 8, 0, 0}}) {
+      g_pieces = v.pieces, g_threads = v.threads, g_cluster = v.cluster, g_grid = v.grid, g_pipe = v.pipe;
       char name[96];
       o.algo = CrossEntropyAlgo::kRowResident;
       try {
-      std::snprintf(name, sizeof name, "rr p%d t%d c%d g%d fwdbwd", v.pieces, v.threads, v.cluster, v.grid);
+      std::snprintf(name, sizeof name, "rr t%d c%d pipe%d fwdbwd", v.threads, v.cluster, v.pipe);
       row(name, median_ms([&] {
             cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr);
           }),
@@ -170,7 +172,7 @@ int main(int argc, char** argv) {
       }
     }
     o.algo = CrossEntropyAlgo::kAuto;
-    g_pieces = g_threads = g_cluster = g_grid = 0;
+    g_pieces = g_threads = g_cluster = g_grid = g_pipe = 0;
     ce::debug::set_plan_hook(nullptr);
     o.check_targets = true;
     row("auto fwd+bwd, eager target check", median_ms([&] {

@@ -112,6 +112,8 @@ void run_cpu(const Problem& p) {
     for (int64_t j = 0; j < V; ++j) W += p.weight[j * p.weight_stride];
   }
   const RowContext ctx{p, W};
+  // A thread team costs milliseconds beside PyTorch's own OpenMP runtime: small problems run on one thread.
+  const bool parallel = N * V >= (int64_t{1} << 16);
 
   // Targets first: a bad one is reported before any output is written.
   double denom = 0;
@@ -135,7 +137,7 @@ void run_cpu(const Problem& p) {
   };
 
   if (p.mode == Mode::kBackward) {
-#pragma omp parallel
+#pragma omp parallel if (parallel)
     {
       std::vector<double> x(static_cast<size_t>(V));
 #pragma omp for schedule(static)
@@ -149,7 +151,7 @@ void run_cpu(const Problem& p) {
   }
 
   std::vector<double> row_loss(static_cast<size_t>(N));
-#pragma omp parallel
+#pragma omp parallel if (parallel)
   {
     std::vector<double> x(static_cast<size_t>(V));
 #pragma omp for schedule(static)
@@ -171,7 +173,7 @@ void run_cpu(const Problem& p) {
 
 void scale_rows_cpu(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab,
                     const float* scale, bool per_row) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_rows * vocab >= (int64_t{1} << 16))
   for (int64_t i = 0; i < n_rows; ++i) {
     const float f = scale[per_row ? i : 0];
     if (f == 1.f) continue;

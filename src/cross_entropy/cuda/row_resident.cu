@@ -28,6 +28,7 @@ struct ResidentShape {
   int stages;
   int stage_bytes;
   int pieces;     // bulk copies per slice
+  int pipelined;  // overlap row k's exchange with row k+1's statistics (holds one more stage)
 };
 
 // One row's state between its statistics pass and its gradient pass.
@@ -40,10 +41,11 @@ struct RowState {
   float4 partial;  // this CTA's (max, sum of exp, sum of w x) over its slice
 };
 
-// The cluster barrier that exchanges a row's partials is split: a CTA arrives after publishing row k's
-// partials and only waits for its peers after it has computed the statistics of row k+1 (published once
-// row k's barrier completed: one barrier phase is outstanding at a time), so the barrier's latency hides
-// behind useful work instead of idling every SM of the cluster once per row.
+// Pipelined mode splits the cluster barrier that exchanges a row's partials: a CTA arrives after
+// publishing row k's partials and waits for its peers only after computing the statistics of row k+1
+// (published once row k's barrier completed: one barrier phase is outstanding at a time). It hides the
+// barrier but holds a second stage while it does, which leaves one fewer row in flight; measured on H100
+// it lost at 3 stages (see plan.h), so it is a plan option.
 template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_constant__ KernelParams p,
                                                               const ResidentShape shape) {
@@ -203,16 +205,25 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
   };
 
   RowState cur, nxt;
-  bool have = begin_row(0, cur);
-  if (have) publish(cur);
-  for (int64_t k = 0; have; ++k) {
-    const bool have_next = begin_row(k + 1, nxt);  // overlaps the peers' arrival at row k's barrier
-    finish_row(cur);
-    __syncthreads();  // cur's stage is consumed: it may be refilled
-    if (tid == 0) issue(k + S);
-    if (have_next) publish(nxt);
-    cur = nxt;
-    have = have_next;
+  if (shape.pipelined) {
+    bool have = begin_row(0, cur);
+    if (have) publish(cur);
+    for (int64_t k = 0; have; ++k) {
+      const bool have_next = begin_row(k + 1, nxt);  // overlaps the peers' arrival at row k's barrier
+      finish_row(cur);
+      __syncthreads();  // cur's stage is consumed: it may be refilled
+      if (tid == 0) issue(k + S);
+      if (have_next) publish(nxt);
+      cur = nxt;
+      have = have_next;
+    }
+  } else {
+    for (int64_t k = 0; begin_row(k, cur); ++k) {
+      publish(cur);
+      finish_row(cur);
+      __syncthreads();  // cur's stage is consumed: it may be refilled
+      if (tid == 0) issue(k + S);
+    }
   }
   // No CTA may exit while a peer could still write its partial into this CTA's shared memory.
   cluster.sync();
@@ -254,7 +265,8 @@ int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
   const int64_t clusters = std::min<int64_t>(plan.grid_clusters > 0 ? plan.grid_clusters : max_clusters, p.n_rows);
   debug_max_clusters = max_clusters;
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * plan.cluster));
-  const ResidentShape shape{plan.slice, plan.stages, static_cast<int>(plan.stage_bytes), std::max(1, plan.copy_pieces)};
+  const ResidentShape shape{plan.slice, plan.stages, static_cast<int>(plan.stage_bytes), std::max(1, plan.copy_pieces),
+                            plan.pipelined ? 1 : 0};
   LOGITLESS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, shape));
   return static_cast<int>(clusters);
 }
