@@ -33,9 +33,10 @@ def available_suites():
 def header(args, device) -> dict:
     import logitless
 
+    commit = os.environ.get("LOGITLESS_COMMIT", "")  # set by tools/device-check.sh where git has no history
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                                text=True, check=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                                          text=True, check=True).stdout.strip()
     except Exception:
         commit = "unknown"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
