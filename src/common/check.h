@@ -1,19 +1,39 @@
 // Argument checks that throw logitless::Error with the argument's name, what was expected and what came.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <string>
+#include <type_traits>
 
 #include "logitless/error.h"
 #include "logitless/tensor.h"
 
 namespace logitless {
 
+// Message formatting without iostreams: a stream's locale facets come from whichever libstdc++ the host
+// process loaded first, and inside one Python process (next to PyTorch's) formatting a double through them
+// crashed; snprintf and std::to_string have no such state.
+namespace detail {
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
+inline void append(std::string& s, char v) { s += v; }
+template <typename T>
+std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, char>> append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+template <typename T>
+std::enable_if_t<std::is_floating_point_v<T>> append(std::string& s, T v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%g", static_cast<double>(v));
+  s += buf;
+}
+}  // namespace detail
+
 template <typename... Args>
 std::string str_cat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (detail::append(s, args), ...);
+  return s;
 }
 
 [[noreturn]] inline void throw_invalid(const std::string& msg) {

@@ -1,16 +1,12 @@
-#include <sstream>
-
 #include "common/check.h"
 
 namespace logitless {
 
 std::string shape_str(const TensorView& t) {
   if (!t.defined()) return "None";
-  std::ostringstream os;
-  os << "[";
-  for (int d = 0; d < t.ndim; ++d) os << (d ? ", " : "") << t.sizes[d];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (int d = 0; d < t.ndim; ++d) s += str_cat(d ? ", " : "", t.sizes[d]);
+  return s + "]";
 }
 
 std::string device_str(const Device& d) {

@@ -9,6 +9,7 @@
 #include <random>
 #include <sstream>
 
+#include "cross_entropy/cuda/plan.h"
 #include "test_util.h"
 
 namespace logitless::test {
@@ -680,6 +681,59 @@ TEST(CrossEntropyLarge, BeyondInt32Offsets) {
     }
     ASSERT_TRUE(all_close(g, w, tolerance(DType::kBFloat16, Quantity::kGrad), scale, "grad row " + std::to_string(i)));
   }
+}
+
+}  // namespace
+}  // namespace logitless::test
+
+namespace logitless::test {
+namespace {
+
+// ---- the tile planner (a pure host function) ------------------------------------------------------------
+ce::PlanInputs hopper(int64_t V, int elem_bytes) {
+  ce::PlanInputs in;
+  in.vocab = V;
+  in.elem_bytes = elem_bytes;
+  in.row_resident_capable = true;
+  in.smem_per_block = 227 * 1024 - 4096;  // H100's opt-in limit less the static reserve
+  return in;
+}
+
+TEST(CrossEntropyPlan, SmallestClusterWithTwoStages) {
+  const ce::Plan a = ce::plan_cross_entropy(hopper(128256, 2));
+  EXPECT_EQ(a.algo, CrossEntropyAlgo::kRowResident);
+  EXPECT_EQ(a.cluster, 3);
+  EXPECT_EQ(a.stages, 2);
+  EXPECT_GE(a.slice * a.cluster, 128256);
+  EXPECT_EQ(a.slice % 8, 0);  // whole 16-byte chunks
+  EXPECT_LE(a.smem_bytes, static_cast<size_t>(227 * 1024 - 4096));
+  const ce::Plan b = ce::plan_cross_entropy(hopper(256000, 2));
+  EXPECT_EQ(b.cluster, 5);
+  EXPECT_GE(b.stages, 2);
+  const ce::Plan f32 = ce::plan_cross_entropy(hopper(256000, 4));
+  EXPECT_EQ(f32.algo, CrossEntropyAlgo::kRowResident);
+  EXPECT_GE(f32.stages, 2);
+  EXPECT_LE(f32.cluster, ce::kMaxCluster);
+  const ce::Plan small = ce::plan_cross_entropy(hopper(1000, 2));
+  EXPECT_EQ(small.cluster, 1);
+  EXPECT_EQ(small.stages, ce::kMaxStages);
+  EXPECT_EQ(small.threads, 128);
+}
+
+TEST(CrossEntropyPlan, StreamingWhereResidencyCannotOrNeedNotHelp) {
+  ce::PlanInputs in = hopper(128256, 2);
+  in.forward_only = true;
+  EXPECT_EQ(ce::plan_cross_entropy(in).algo, CrossEntropyAlgo::kStreaming);
+  in = hopper(128256, 2);
+  in.backward_only = true;
+  EXPECT_EQ(ce::plan_cross_entropy(in).algo, CrossEntropyAlgo::kStreaming);
+  in = hopper(128256, 2);
+  in.row_resident_capable = false;  // an A100, or a build without sm_90a
+  EXPECT_EQ(ce::plan_cross_entropy(in).algo, CrossEntropyAlgo::kStreaming);
+  in.requested = CrossEntropyAlgo::kRowResident;  // asked for explicitly: refused (the launcher raises)
+  EXPECT_EQ(ce::plan_cross_entropy(in).algo, CrossEntropyAlgo::kAuto);
+  in = hopper(int64_t{1} << 24, 4);  // 64 MB rows: no cluster holds two stages
+  EXPECT_EQ(ce::plan_cross_entropy(in).algo, CrossEntropyAlgo::kStreaming);
 }
 
 }  // namespace
