@@ -615,9 +615,11 @@ def test_cuda_matches_cpu_backend(dtype):
     outs = []
     for device in ("cpu", "cuda"):
         x = full.to(device)[:, :-1].requires_grad_(False)
+        # Fresh leaves on each device: w.to("cpu") is w itself, so requires_grad_ on it would make the shared w
+        # a leaf, and w.to("cuda") a non-leaf whose .grad stays None.
         xa = x.detach().clone().requires_grad_(True)
-        wa = w.to(device).requires_grad_(True)
-        ra = res.to(device).requires_grad_(True)
+        wa = w.detach().to(device).requires_grad_(True)
+        ra = res.detach().to(device).requires_grad_(True)
         y, s = rms_norm(xa, wa, residual=ra)
         (y.float().pow(2).sum() + s.float().sum()).backward()
         outs.append([t.detach().cpu() for t in (y, s, xa.grad, wa.grad)])
