@@ -75,13 +75,32 @@ class Gemma3nRMSNorm(GemmaRMSNorm):
 # float64 reference: the documented formulas, rounding to x's dtype where each mode does
 
 
+class _RoundPassingGradient(torch.autograd.Function):
+    """t rounded to a dtype (and back to float64) in the forward; the identity in the backward, in float64.
+
+    `t.to(dt).to(torch.float64)` would not do: autograd casts the gradient of a dtype conversion back to the
+    source dtype, so the gradient flowing through it would be rounded to dt as well. In the Llama mode that
+    is a = dy * g (the gradient of the rounded normalized value), which rms_norm.h documents as float32 and
+    every backend keeps unrounded. The backends' grad_x then differed from the reference by r * (a - round(a)),
+    up to half an ulp of a: absolute errors of 7e-4 (fp16) and 6e-3 (bf16) at [37, 896], beyond the
+    tolerance's floor where r * a, the dot term and ds cancel to a small gradient."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        return t.to(dtype).to(torch.float64)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def reference(x, weight, eps=1e-6, offset=0.0, casting="llama", residual=None):
-    """(y, s) in float64 with the mode's roundings; differentiable (a rounding passes its gradient through,
-    as the documented backward assumes)."""
+    """(y, s) in float64 with the mode's roundings; differentiable (a rounding passes its gradient through
+    unrounded, as the documented backward assumes)."""
     dt = x.dtype
 
     def rnd(t):
-        return t.to(dt).to(torch.float64)
+        return _RoundPassingGradient.apply(t, dt)
 
     s = x.double()
     if residual is not None:
@@ -177,6 +196,24 @@ def check_against_reference(x, w, res, casting, offset=0.0, eps=1e-6, inplace_ba
 
 # ----------------------------------------------------------------------------------------------------
 # Against the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_llama_reference_gradient_keeps_dy_times_weight_unrounded(dtype):
+    # The reference's Llama gradient is rms_norm.h's formula in float64, a = dy * g unrounded, rounded once at
+    # the end. [37, 896] with a residual is where a reference that rounded a to the dtype disagreed with the
+    # backends (see _RoundPassingGradient): the CPU backend must pass there too, so CI catches that without a GPU.
+    x, w, res = make_inputs((37, 896), dtype, residual=True)
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(x.shape, generator=g).to(dtype)
+    ds = torch.randn(x.shape, generator=g).to(dtype)
+    _, _, gx, _, gres = run_and_grads(lambda a, b, c: reference(a, b, 1e-6, 0.0, "llama", c), x, w, res, dy, ds)
+    s = (x.double() + res.double()).to(dtype).double()
+    r = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+    a = dy.double() * w.double()
+    want = (r * a - s * r ** 3 * (a * s).mean(-1, keepdim=True) + ds.double()).to(dtype)
+    assert torch.equal(gx, want) and torch.equal(gres, want)
+    check_against_reference(x, w, res, "llama")
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
