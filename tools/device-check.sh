@@ -82,6 +82,21 @@ step_cppbench() {
   cat "$OUT/cppbench.txt"
 }
 
+step_profile() {
+  # Nsight Compute on one launch of the fused row-resident kernel and one of the streaming backward, for the
+  # stall reasons behind the fused kernel's distance from the copy bandwidth. Clocks are left alone.
+  command -v ncu >/dev/null || { note "profile: no ncu"; return 0; }
+  t0=$(date +%s)
+  timeout 240 ncu --clock-control none --set full -k regex:row_resident_kernel -c 1 -o "$OUT/rr" -f \
+    "$BUILD/bench_cross_entropy" 16384 128256 > "$OUT/ncu_rr.log" 2>&1
+  ncu -i "$OUT/rr.ncu-rep" --page details > "$OUT/ncu_rr_details.txt" 2>&1
+  timeout 120 ncu --clock-control none --set full -k regex:streaming_kernel --launch-skip 6 -c 1 -o "$OUT/st" -f \
+    "$BUILD/bench_cross_entropy" 16384 128256 > "$OUT/ncu_st.log" 2>&1
+  ncu -i "$OUT/st.ncu-rep" --page details > "$OUT/ncu_st_details.txt" 2>&1
+  note "profile: done ($(( $(date +%s) - t0 )) s)"
+  grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|One or More Eligible" "$OUT/ncu_rr_details.txt" | head -20
+}
+
 export PYTHONPATH=$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}
 step_py() {
   [ -d tests/python ] || return 0
@@ -101,4 +116,7 @@ for s in "${steps[@]}"; do "step_$s"; done
 
 echo
 echo "==== summary ===="
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+# At most 8 files come back from the device: everything but the headline files goes into one archive.
+(cd "$OUT" && shopt -s nullglob && files=(*.log *details.txt gpu.txt) && [ ${#files[@]} -gt 0 ] \
+  && tar czf logs.tar.gz "${files[@]}" && rm -f "${files[@]}")

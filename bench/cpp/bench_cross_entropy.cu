@@ -15,7 +15,7 @@
 using namespace logitless;
 
 // Variants of the row-resident plan, applied through the planner's hook.
-static int g_pieces = 0, g_threads = 0, g_cluster = 0, g_grid = 0, g_pipe = 0;
+static int g_pieces = 0, g_threads = 0, g_cluster = 0, g_grid = 0, g_pipe = 0, g_stages = 0;
 static void tweak(ce::Plan& p) {
   if (p.algo != CrossEntropyAlgo::kRowResident) return;
   if (g_pieces) p.copy_pieces = g_pieces;
@@ -28,6 +28,10 @@ static void tweak(ce::Plan& p) {
     p.slice = ((V + g_cluster - 1) / g_cluster + 7) / 8 * 8;
     p.stage_bytes = ((p.slice * 2 + 16) + 127) / 128 * 128;
     p.stages = std::min<int>(4, (227 * 1024 - 4096) / p.stage_bytes);  // < 2 is refused by the launcher
+    p.smem_bytes = p.stage_bytes * p.stages;
+  }
+  if (g_stages) {  // fewer stages per CTA leave room for several CTAs per SM
+    p.stages = g_stages;
     p.smem_bytes = p.stage_bytes * p.stages;
   }
 }
@@ -152,18 +156,21 @@ int main(int argc, char** argv) {
         2.0 * bytes);
     // Row-resident variants: copy pieces, threads, cluster size, grid.
     ce::debug::set_plan_hook(tweak);
-    struct Var { int pieces, threads, cluster, grid, pipe; };
+    struct Var { int pieces, threads, cluster, grid, pipe, stages; };
     const int sms = prop.multiProcessorCount;
     (void)sms;
     const bool all_variants = std::getenv("BENCH_VARIANTS") != nullptr;
-    for (Var v : {Var{1, 0, 0, 0, 0}, Var{1, 0, 0, 0, 1}, Var{1, 0, 3, 0, 0}, Var{1, 0, 4, 0, 0}, Var{1, 0, 6, 0, 0},
-                  Var{1, 0, 8, 0, 0}}) {
-      if (!all_variants && (v.pipe || v.cluster == 3 || v.cluster == 6)) continue;
+    for (Var v : {Var{1, 0, 0, 0, 0, 0}, Var{1, 0, 0, 0, 1, 0}, Var{1, 0, 3, 0, 0, 0}, Var{1, 0, 4, 0, 0, 0},
+                  Var{1, 0, 6, 0, 0, 0}, Var{1, 0, 8, 0, 0, 0}, Var{1, 256, 3, 0, 0, 1}, Var{1, 256, 4, 0, 0, 1},
+                  Var{1, 128, 4, 0, 0, 1}, Var{1, 256, 6, 0, 0, 1}, Var{1, 256, 8, 0, 0, 2}}) {
+      // Default run: the plan and the multi-CTA-per-SM variants; BENCH_VARIANTS=1 adds the rest.
+      if (!all_variants && (v.pipe || (v.stages == 0 && (v.cluster == 3 || v.cluster == 6)))) continue;
       g_pieces = v.pieces, g_threads = v.threads, g_cluster = v.cluster, g_grid = v.grid, g_pipe = v.pipe;
-      char name[96];
+      g_stages = v.stages;
       o.algo = CrossEntropyAlgo::kRowResident;
       try {
-      std::snprintf(name, sizeof name, "rr t%d c%d pipe%d fwdbwd", v.threads, v.cluster, v.pipe);
+      char name[96];
+      std::snprintf(name, sizeof name, "rr t%d c%d s%d pipe%d fwdbwd", v.threads, v.cluster, v.stages, v.pipe);
       row(name, median_ms([&] {
             cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr);
           }),
@@ -174,7 +181,7 @@ int main(int argc, char** argv) {
       }
     }
     o.algo = CrossEntropyAlgo::kAuto;
-    g_pieces = g_threads = g_cluster = g_grid = g_pipe = 0;
+    g_pieces = g_threads = g_cluster = g_grid = g_pipe = g_stages = 0;
     ce::debug::set_plan_hook(nullptr);
     o.check_targets = true;
     row("auto fwd+bwd, eager target check", median_ms([&] {

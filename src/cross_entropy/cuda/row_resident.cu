@@ -232,10 +232,12 @@ __global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_const
 
 template <typename T>
 int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
-  // The pipeline reads row k+1's stage while row k's is still held: one stage would deadlock.
-  if (plan.stages < 2 || plan.stages > kMaxStages || plan.cluster < 1 || plan.cluster > kMaxCluster)
-    throw_invalid(str_cat("cross_entropy: row-resident plan needs 2..", kMaxStages, " stages and 1..", kMaxCluster,
-                          " CTAs per cluster, got ", plan.stages, " and ", plan.cluster));
+  // The pipelined loop reads row k+1's stage while row k's is still held: one stage would deadlock it. The
+  // plain loop runs with one stage (no prefetch within the CTA; other CTAs on the SM can overlap it).
+  const int min_stages = plan.pipelined ? 2 : 1;
+  if (plan.stages < min_stages || plan.stages > kMaxStages || plan.cluster < 1 || plan.cluster > kMaxCluster)
+    throw_invalid(str_cat("cross_entropy: row-resident plan needs ", min_stages, "..", kMaxStages, " stages and 1..",
+                          kMaxCluster, " CTAs per cluster, got ", plan.stages, " and ", plan.cluster));
   const bool general = p.softcap > 0.f || p.eps != 0.f;
   auto kernel = general ? row_resident_kernel<T, true> : row_resident_kernel<T, false>;
   LOGITLESS_CUDA_CHECK(
