@@ -6,6 +6,9 @@ set(LOGITLESS_CXX_SOURCES
   src/cross_entropy/api.cpp
   src/cross_entropy/cpu.cpp
   src/cross_entropy/cuda/plan.cpp
+  src/policy_loss/api.cpp
+  src/policy_loss/cpu.cpp
+  src/policy_loss/cuda/plan.cpp
   src/rms_norm/api.cpp
   src/rms_norm/cpu.cpp
   src/rms_norm/cuda/plan.cpp
@@ -16,6 +19,8 @@ set(LOGITLESS_CUDA_SOURCES
   src/cross_entropy/cuda/launch.cu
   src/cross_entropy/cuda/row_resident.cu
   src/cross_entropy/cuda/streaming.cu
+  src/policy_loss/cuda/launch.cu
+  src/policy_loss/cuda/rows.cu
   src/rms_norm/cuda/forward.cu
   src/rms_norm/cuda/backward.cu
 )

@@ -2,8 +2,9 @@
 from . import _C
 from . import nn
 from .cross_entropy import cross_entropy
+from .policy_loss import grpo_loss, selective_log_softmax
 from .rms_norm import rms_norm
 
 __version__ = _C.version()
 
-__all__ = ["cross_entropy", "nn", "rms_norm"]
+__all__ = ["cross_entropy", "grpo_loss", "nn", "rms_norm", "selective_log_softmax"]

@@ -37,6 +37,7 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  if (numel() == 0) return true;  // as torch: an empty tensor's strides address nothing
   int64_t expected = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (sizes[d] != 1 && strides[d] != expected) return false;

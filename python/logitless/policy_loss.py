@@ -1,0 +1,416 @@
+"""Policy-gradient losses over logits (GRPO, BNPO, Dr. GRPO, DAPO; PPO-clip at the token level or GSPO's ratio
+at the sequence level; k3 KL penalty) and selective log-softmax: the torch ops (custom_op + fake + autograd)
+and the public functions `grpo_loss` and `selective_log_softmax`.
+
+Schedules, chosen by `grpo_loss` from what autograd needs:
+
+* no gradient needed: ``logitless::policy_loss_forward``, one read of the unmasked rows.
+* with a gradient: the gradient of the loss (upstream gradient 1) is computed in the forward by
+  ``logitless::policy_loss_forward_backward_out`` into a fresh buffer, or by
+  ``logitless::policy_loss_forward_backward_`` over the logits themselves (``inplace_backward=True``), and saved;
+  the backward multiplies it by the incoming gradient in place with ``logitless::scale_rows_`` (the
+  cross-entropy family's op), which skips the work when that gradient is exactly 1, so the usual
+  ``loss.backward()`` costs one small launch. At the token level the forward reads each unmasked row once and
+  writes its gradient in the same pass; at the sequence level it reads the rows twice (statistics, then the
+  gradient from the saved log-sum-exp, once every sequence's ratio is known).
+
+`selective_log_softmax` is a custom op whose registered backward recomputes the gradient from the saved
+log-sum-exp (one read of the logits, one write).
+
+In place, the op that overwrites the logits declares the mutation, so any other autograd node that saved them
+raises torch's "modified by an inplace operation" error in its backward instead of using the gradient.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._tensor import descriptor, stream, workspace
+from .cross_entropy import _scale_rows
+
+__all__ = ["grpo_loss", "selective_log_softmax", "PolicyLossOutputs", "LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS"]
+
+# Must match logitless::PolicyLossType, ImportanceSamplingLevel and PolicyLossAlgo (include/logitless/policy_loss.h).
+LOSS_TYPES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3}
+IMPORTANCE_SAMPLING_LEVELS = {"token": 0, "sequence": 1}
+ALGOS = {"auto": 0, "streaming": 1, "cluster": 2}
+
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32)
+
+
+class PolicyLossOutputs(NamedTuple):
+    """Per-token values, [B, L] each; masked tokens hold 0 (False). Detached: only the loss is differentiable."""
+
+    per_token_loss: Tensor  # float32, -min(r A, clip(r) A) + beta kl (unweighted by the mask)
+    kl: Tensor  # float32, k3 estimator of KL(policy || reference); 0 without ref_logp
+    is_clipped: Tensor  # bool, the clip is active (the ratio term passes no gradient)
+    logp: Tensor  # float32, log-probability of the completion token at temperature
+    entropy: Tensor  # float32, entropy of the token's distribution at temperature
+
+
+# ----------------------------------------------------------------------------------------------------
+# Calls into C++. Outputs are allocated with torch (so CUDA graphs and the caching allocator see them) and run on
+# torch's current stream. After the tensors, the policy ops take the PolicyLossOptions fields in the binding's
+# order: loss_type, importance_sampling_level, beta, eps_low, eps_high, temperature, max_completion_length,
+# num_items_in_batch, check_ids, algo, cluster_size, threads; then want_per_token and want_entropy.
+
+
+def _policy_outputs(logits: Tensor, ids: Tensor, want_per_token: bool, want_entropy: bool):
+    # (loss, per_token_loss, kl, is_clipped, logp, entropy); the ones not asked for are empty (a custom op cannot
+    # return None).
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    shape = ids.shape if want_per_token else (0,)
+    loss = torch.empty((), **f32)
+    per_token = [torch.empty(shape, **f32), torch.empty(shape, **f32),
+                 torch.empty(shape, dtype=torch.bool, device=logits.device), torch.empty(shape, **f32)]
+    entropy = torch.empty(ids.shape if want_entropy else (0,), **f32)
+    return (loss, *per_token, entropy)
+
+
+def _views(outs, want_per_token: bool, want_entropy: bool):
+    loss, ptl, kl, clipped, logp, entropy = outs
+    if not want_per_token:
+        ptl = kl = clipped = logp = None
+    return [loss, ptl, kl, clipped, logp, entropy if want_entropy else None]
+
+
+def _run_policy(logits, ids, adv, mask, old, ref, opts, want_per_token, want_entropy, grad):
+    outs = _policy_outputs(logits, ids, want_per_token, want_entropy)
+    tensors = [descriptor(logits, "logits"), descriptor(ids, "completion_ids"), descriptor(adv, "advantages"),
+               descriptor(mask, "completion_mask"), descriptor(old, "old_logp"), descriptor(ref, "ref_logp")]
+    owner, ws = workspace(_C.policy_loss_workspace_bytes(*tensors, *opts), logits.device)
+    views = _views(outs, want_per_token, want_entropy)
+    names = ["loss", "per_token_loss", "kl", "is_clipped", "logp", "entropy"]
+    out_desc = [descriptor(t, n) for t, n in zip(views, names)] + [None]  # lse: not kept
+    if grad is None:
+        _C.policy_loss_forward(*tensors, *opts, *out_desc, ws, stream(logits.device))
+    else:
+        _C.policy_loss_forward_backward(*tensors, *opts, *out_desc, descriptor(grad, "grad_logits"), None, ws,
+                                        stream(logits.device))
+    del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
+    return outs
+
+
+@torch.library.custom_op("logitless::policy_loss_forward", mutates_args=(), device_types=("cpu", "cuda"))
+def _policy_forward(logits: Tensor, completion_ids: Tensor, advantages: Tensor, completion_mask: Optional[Tensor],
+                    old_logp: Optional[Tensor], ref_logp: Optional[Tensor], loss_type: int, level: int, beta: float,
+                    eps_low: float, eps_high: float, temperature: float, max_completion_length: int,
+                    num_items_in_batch: float, check_ids: bool, algo: int, cluster_size: int, threads: int,
+                    want_per_token: bool, want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, per_token_loss, kl, is_clipped, logp, entropy), one read of the unmasked rows; the per-token
+    outputs are empty unless asked for."""
+    opts = (loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length, num_items_in_batch,
+            check_ids, algo, cluster_size, threads)
+    return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, opts,
+                       want_per_token, want_entropy, None)
+
+
+@_policy_forward.register_fake
+def _(logits, completion_ids, *rest):
+    return _policy_outputs(logits, completion_ids, rest[-2], rest[-1])
+
+
+@torch.library.custom_op("logitless::policy_loss_forward_backward_out", mutates_args=("grad_logits",),
+                         device_types=("cpu", "cuda"))
+def _policy_forward_backward_out(logits: Tensor, completion_ids: Tensor, advantages: Tensor,
+                                 completion_mask: Optional[Tensor], old_logp: Optional[Tensor],
+                                 ref_logp: Optional[Tensor], loss_type: int, level: int, beta: float, eps_low: float,
+                                 eps_high: float, temperature: float, max_completion_length: int,
+                                 num_items_in_batch: float, check_ids: bool, algo: int, cluster_size: int,
+                                 threads: int, want_per_token: bool, want_entropy: bool,
+                                 grad_logits: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """As policy_loss_forward, and the gradient of the loss (upstream gradient 1) written into `grad_logits`
+    (the logits' shape and dtype, memory apart from them)."""
+    opts = (loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length, num_items_in_batch,
+            check_ids, algo, cluster_size, threads)
+    return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, opts,
+                       want_per_token, want_entropy, grad_logits)
+
+
+@_policy_forward_backward_out.register_fake
+def _(logits, completion_ids, *rest):
+    return _policy_outputs(logits, completion_ids, rest[-3], rest[-2])
+
+
+@torch.library.custom_op("logitless::policy_loss_forward_backward_", mutates_args=("logits",),
+                         device_types=("cpu", "cuda"))
+def _policy_forward_backward_inplace(logits: Tensor, completion_ids: Tensor, advantages: Tensor,
+                                     completion_mask: Optional[Tensor], old_logp: Optional[Tensor],
+                                     ref_logp: Optional[Tensor], loss_type: int, level: int, beta: float,
+                                     eps_low: float, eps_high: float, temperature: float,
+                                     max_completion_length: int, num_items_in_batch: float, check_ids: bool,
+                                     algo: int, cluster_size: int, threads: int, want_per_token: bool,
+                                     want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """As policy_loss_forward_backward_out, with the gradient written over `logits` (no extra logits-sized
+    memory; the unused last position becomes 0 too)."""
+    opts = (loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length, num_items_in_batch,
+            check_ids, algo, cluster_size, threads)
+    return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, opts,
+                       want_per_token, want_entropy, logits)
+
+
+@_policy_forward_backward_inplace.register_fake
+def _(logits, completion_ids, *rest):
+    return _policy_outputs(logits, completion_ids, rest[-2], rest[-1])
+
+
+def _no_double_backward():
+    # Backward runs with grad mode on only under create_graph=True. The gradient computed here has no graph of
+    # its own, so a second derivative would silently miss this loss's term: refuse instead.
+    if torch.is_grad_enabled():
+        raise RuntimeError("logitless.grpo_loss: double backward (create_graph=True) is not supported")
+
+
+class _FusedPolicyLoss(torch.autograd.Function):
+    """Loss and gradient in the forward; backward scales the saved gradient in place by the incoming one.
+
+    An autograd.Function around mutating ops, as cross_entropy's fused schedule (its docstring says why): the
+    buffer scaled in backward is allocated inside forward and never leaves it, or is the logits, whose overwrite
+    the op declares.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, inplace, *options):
+        if inplace:
+            outs = _policy_forward_backward_inplace(logits, completion_ids, advantages, completion_mask, old_logp,
+                                                    ref_logp, *options)
+            grad = logits
+        else:
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            outs = _policy_forward_backward_out(logits, completion_ids, advantages, completion_mask, old_logp,
+                                                ref_logp, *options, grad)
+        ctx.mark_non_differentiable(*outs[1:])
+        # Saved after the mutation: this node's own version check passes, and a later write to the buffer (or a
+        # second backward over a retained graph, after the scaling below) is caught.
+        ctx.save_for_backward(grad)
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        _no_double_backward()
+        (grad,) = ctx.saved_tensors
+        _scale_rows(grad, grad_loss.to(torch.float32).contiguous())
+        return (grad,) + (None,) * 20
+
+
+def _enum(table: dict, value, name: str) -> int:
+    code = table.get(value) if isinstance(value, str) else None
+    if code is None:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, table))}, got {value!r}")
+    return code
+
+
+def _as(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return None if t is None else t.detach().to(dtype)
+
+
+def grpo_loss(
+    logits: Tensor,
+    completion_ids: Tensor,
+    advantages: Tensor,
+    *,
+    completion_mask: Optional[Tensor] = None,
+    old_logp: Optional[Tensor] = None,
+    ref_logp: Optional[Tensor] = None,
+    beta: float = 0.04,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    temperature: float = 1.0,
+    loss_type: str = "grpo",
+    importance_sampling_level: str = "token",
+    max_completion_length: Optional[int] = None,
+    num_items_in_batch: Optional[float] = None,
+    inplace_backward: bool = False,
+    return_per_token: bool = False,
+    check_ids: bool = True,
+    algo: str = "auto",
+) -> Union[Tensor, Tuple[Tensor, PolicyLossOutputs]]:
+    """The GRPO-family policy loss over the policy's logits, fused: no log-softmax, probabilities or per-token
+    graph is materialized; the gradient w.r.t. the logits is written in the same pass that reads them.
+
+    Per token (b, l) with weight w = completion_mask[b, l], A = advantages[b], x = logits / temperature::
+
+        logp  = log_softmax(x)[completion_ids[b, l]]
+        ratio = exp(logp - old_logp)                         importance_sampling_level="token" (PPO-clip)
+              = exp(sum_l w (logp - old_logp) / max(sum_l w, 1))  "sequence" (GSPO), shared by the sequence
+        kl    = exp(ref_logp - logp) - (ref_logp - logp) - 1      (k3; 0 without ref_logp)
+        per_token_loss = -min(ratio A, clamp(ratio, 1 - eps_low, 1 + eps_high) A) + beta kl
+
+    Without `old_logp` the ratio is ``exp(logp - logp.detach())``: 1, with the gradient of logp (a single update
+    per generation, as in the seed notebook and TRL). The loss reduces ``w * per_token_loss`` by `loss_type`
+    (denominators that count tokens are clamped at 1, as TRL clamps them):
+
+    * ``"grpo"``: mean over each sequence's tokens, then over the B sequences.
+    * ``"bnpo"``: sum over all tokens / max(sum of w, 1).
+    * ``"dr_grpo"``: sum / (B * max_completion_length); `max_completion_length` is required.
+    * ``"dapo"``: sum / num_items_in_batch, TRL's normalizer: the number of completion tokens of the whole
+      optimizer step (every gradient-accumulation micro-batch) divided by the number of processes. Without
+      `num_items_in_batch` it is this batch's token count and dapo equals bnpo; with it, every micro-batch of a
+      step shares one normalizer, where bnpo normalizes each by its own count.
+
+    An all-masked batch (or sequence) contributes loss 0 and gradient 0 (where the same formulas in torch would
+    give 0/0 for an unclamped mean).
+
+    Args:
+        logits: [B, L+1, V] float32/float16/bfloat16, the model's output for the completion with the position
+            after it (``model(..., logits_to_keep=L + 1).logits``): position l predicts completion token l and the
+            last position is unused — the shift is implicit, no slicing or copy. [B, L, V] (already aligned) is
+            accepted too. The last dimension must be contiguous; the others may have any strides.
+        completion_ids: [B, L] int32/int64 (any strides, e.g. ``input_ids[:, -L:]``). Ids at masked tokens are
+            never read, so padding may hold anything.
+        advantages: [B], one per sequence.
+        completion_mask: [B, L] bool / integer / float token weights (0 = masked), or None for all ones.
+        old_logp: [B, L] log-probabilities of the completion under the sampling policy (e.g. from
+            `selective_log_softmax` under ``torch.no_grad()``), or None.
+        ref_logp: [B, L] log-probabilities under the reference model; required when beta > 0.
+        beta: weight of the KL penalty (>= 0).
+        eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher: eps_high > eps_low).
+        temperature: the logits are divided by it (> 0), as the sampler did.
+        loss_type, importance_sampling_level, max_completion_length, num_items_in_batch: see above.
+        inplace_backward: write the gradient into the storage of `logits` during the forward (no extra
+            logits-sized memory). Afterwards `logits` holds the gradient (0 at masked tokens and at the last
+            position), not the logits: do not read it. A node that saved `logits` raises "modified by an inplace
+            operation" in backward. `logits` must not be a leaf that requires grad. Ignored when no gradient is
+            needed.
+        return_per_token: also return a `PolicyLossOutputs` of per-token values (including the entropy, which
+            costs a few more operations per logit, still within a memory-bound pass).
+        check_ids: check that unmasked ids are in [0, V) (on CUDA this reads one number back per call; skipped
+            during CUDA graph capture, where a bad token's values and gradient row are NaN instead).
+        algo: CUDA kernel choice, for tests and benchmarks: "auto", "streaming" or "cluster" (Hopper).
+
+    Returns:
+        The float32 scalar loss, or ``(loss, PolicyLossOutputs)`` with return_per_token. Only the loss is
+        differentiable, and only w.r.t. `logits` (advantages, old and reference log-probs are constants of the
+        loss, as in every trainer); the entropy is reported, never differentiated.
+
+    Raises:
+        ValueError: on a bad argument, naming it: shapes that disagree (logits vs completion_ids, the mask, the
+            log-probs and advantages), an id outside [0, V) at an unmasked token (naming the first), beta > 0
+            without ref_logp, dr_grpo without max_completion_length.
+
+    Autograd: the gradient is computed in the forward and the backward only scales it (in place), so it can be
+    consumed once: a second backward through the same call (retain_graph=True) raises torch's "modified by an
+    inplace operation" error. Double backward (create_graph=True) is not supported.
+    """
+    ltype = _enum(LOSS_TYPES, loss_type, "loss_type")
+    level = _enum(IMPORTANCE_SAMPLING_LEVELS, importance_sampling_level, "importance_sampling_level")
+    algo_code = _enum(ALGOS, algo, "algo")
+    ids = completion_ids if completion_ids.dtype in (torch.int32, torch.int64) else completion_ids.long()
+    adv = advantages.detach().to(torch.float32)
+    mask = completion_mask
+    if mask is not None:
+        mask = mask.detach()
+        if mask.dtype not in _MASK_DTYPES:
+            mask = mask.to(torch.float32)
+    old, ref = _as(old_logp, torch.float32), _as(ref_logp, torch.float32)
+    opts = (ltype, level, float(beta), float(eps_low), float(eps_high), float(temperature),
+            int(max_completion_length or 0), float(num_items_in_batch or 0.0), bool(check_ids), algo_code, 0, 0,
+            bool(return_per_token), bool(return_per_token))
+
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    if not needs_grad:
+        outs = _policy_forward(logits, ids, adv, mask, old, ref, *opts)
+    else:
+        # Overwriting a leaf that requires grad (or a view of one) would destroy a parameter and hand autograd
+        # its own storage as the gradient; torch refuses in-place ops there too.
+        owner = logits._base if logits._base is not None else logits
+        if inplace_backward and owner.is_leaf and owner.requires_grad:
+            raise ValueError("logits: inplace_backward=True needs logits computed by an op (e.g. a matmul); got a "
+                             "leaf tensor that requires grad (or a view of one), whose values it would overwrite")
+        outs = _FusedPolicyLoss.apply(logits, ids, adv, mask, old, ref, bool(inplace_backward), *opts)
+    loss = outs[0]
+    if not return_per_token:
+        return loss
+    return loss, PolicyLossOutputs(*outs[1:])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Selective log-softmax
+
+
+def _selective_outputs(logits: Tensor, ids: Tensor, want_entropy: bool):
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    return (torch.empty(ids.shape, **f32), torch.empty(ids.shape if want_entropy else (0,), **f32),
+            torch.empty(ids.shape, **f32))
+
+
+@torch.library.custom_op("logitless::selective_log_softmax_forward", mutates_args=(), device_types=("cpu", "cuda"))
+def _selective_forward(logits: Tensor, ids: Tensor, temperature: float, check_ids: bool,
+                       want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy, lse) of logits [*, V] at ids [*]; entropy is empty unless asked for."""
+    logp, entropy, lse = _selective_outputs(logits, ids, want_entropy)
+    ld, idd = descriptor(logits, "logits"), descriptor(ids, "ids")
+    owner, ws = workspace(_C.selective_log_softmax_workspace_bytes(ld, idd, temperature, check_ids), logits.device)
+    _C.selective_log_softmax_forward(ld, idd, temperature, check_ids, descriptor(logp, "logp"),
+                                     descriptor(entropy, "entropy") if want_entropy else None,
+                                     descriptor(lse, "lse"), ws, stream(logits.device))
+    del owner
+    return logp, entropy, lse
+
+
+@_selective_forward.register_fake
+def _(logits, ids, temperature, check_ids, want_entropy):
+    return _selective_outputs(logits, ids, want_entropy)
+
+
+@torch.library.custom_op("logitless::selective_log_softmax_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def _selective_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Tensor, temperature: float) -> Tensor:
+    """grad_logits = grad_logp ([j == id] - p_j) / temperature from the forward's lse."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    ld, idd = descriptor(logits, "logits"), descriptor(ids, "ids")
+    owner, ws = workspace(_C.selective_log_softmax_workspace_bytes(ld, idd, temperature, False), logits.device)
+    _C.selective_log_softmax_backward(ld, idd, descriptor(lse, "lse"), descriptor(grad_logp, "grad_logp"),
+                                      temperature, descriptor(grad, "grad_logits"), ws, stream(logits.device))
+    del owner
+    return grad
+
+
+@_selective_backward.register_fake
+def _(logits, ids, lse, grad_logp, temperature):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _selective_setup(ctx, inputs, output):
+    logits, ids, temperature, check_ids, want_entropy = inputs
+    _, entropy, lse = output
+    ctx.mark_non_differentiable(entropy, lse)
+    ctx.save_for_backward(logits, ids, lse)
+    ctx.temperature = temperature
+
+
+def _selective_grad(ctx, grad_logp, grad_entropy, grad_lse):
+    if torch.is_grad_enabled():
+        raise RuntimeError("logitless.selective_log_softmax: double backward (create_graph=True) is not supported")
+    logits, ids, lse = ctx.saved_tensors
+    grad = None
+    if ctx.needs_input_grad[0]:
+        grad = _selective_backward(logits, ids, lse, grad_logp.to(torch.float32).contiguous(), ctx.temperature)
+    return grad, None, None, None, None
+
+
+_selective_forward.register_autograd(_selective_grad, setup_context=_selective_setup)
+
+
+def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0, return_entropy: bool = False,
+                          *, check_ids: bool = True) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """``log_softmax(logits / temperature, -1).gather(-1, ids[..., None])[..., 0]`` without the [*, V]
+    log-softmax: the old-policy and reference log-probs of GRPO (one read of the logits, float32 result).
+
+    Args:
+        logits: [*, V] float32/float16/bfloat16, last dimension contiguous, leading dimensions any strides (no
+            shift is applied: pass ``logits[:, :-1]`` with ``ids[:, 1:]``-style aligned views, no copy needed).
+        ids: [*] int32/int64, every id in [0, V) (a ValueError names the first bad row).
+        temperature: > 0.
+        return_entropy: also return the entropy of softmax(logits / temperature) per row (not differentiated).
+
+    Returns:
+        logp [*] float32 (differentiable w.r.t. logits: the backward reads the logits once and writes the
+        gradient once, from the saved log-sum-exp), or ``(logp, entropy)``.
+    """
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.long()
+    logp, entropy, _ = _selective_forward(logits, ids, float(temperature), bool(check_ids), bool(return_entropy))
+    return (logp, entropy) if return_entropy else logp

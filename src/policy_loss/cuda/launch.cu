@@ -1,0 +1,368 @@
+// Policy losses and selective log-softmax on CUDA: the per-call sequence
+//   1. prepass: per sequence (per 8192-token segment for selective log-softmax), the sum of token weights and the
+//      first unmasked bad id; then one CTA folds those into the batch's total, the first bad token overall and
+//      each sequence's reduction factor;
+//   2. in eager mode, read back the first bad token and throw before anything is written;
+//   3. the row kernel (rows.cu): token level, the outputs and (fused) the gradient in one pass; sequence level,
+//      statistics only, then the sequence kernel (the shared ratio, the per-token terms, the sequence's loss),
+//      then the row kernel again from the saved lse for the gradient;
+//   4. a deterministic one-CTA sum of the loss, and zeros for the unused last position's gradient.
+// Nothing synchronizes with the host except step 2, which is skipped while a CUDA graph is being captured.
+#include <algorithm>
+
+#include "common/cuda/check.cuh"
+#include "policy_loss/cuda/kernels.h"
+#include "policy_loss/math.h"
+#include "policy_loss/problem.h"
+
+namespace logitless::pl {
+namespace {
+
+constexpr int kReduceThreads = 1024;
+constexpr int kSeqThreads = 256;
+constexpr int64_t kSelectiveSegment = 8192;  // tokens per prepass CTA for selective log-softmax
+
+size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+int64_t segments(Op op, int64_t n_seqs, int64_t n_rows) {
+  return op == Op::kSelective ? (n_rows + kSelectiveSegment - 1) / kSelectiveSegment : n_seqs;
+}
+
+// Deterministic block sums (fixed tree): every thread gets the result.
+template <typename F>
+__device__ F block_sum(F v, F* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  F r = 0;
+  for (int i = 0; i < nwarps; ++i) r += scratch[i];
+  __syncthreads();
+  return r;
+}
+
+__device__ long long block_min(long long v, long long* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  long long r = scratch[0];
+  for (int i = 1; i < nwarps; ++i) r = min(r, scratch[i]);
+  __syncthreads();
+  return r;
+}
+
+__device__ __forceinline__ float token_weight(const KernelParams& p, int64_t r) {
+  if (!p.mask) return 1.f;
+  const int64_t off = p.mask_rows.offset(r);
+  switch (static_cast<DType>(p.mask_dtype)) {
+    case DType::kBool:
+    case DType::kUInt8: return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
+    case DType::kInt32: return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
+    case DType::kInt64: return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
+    default: return static_cast<const float*>(p.mask)[off];
+  }
+}
+
+__device__ __forceinline__ int64_t token_id(const KernelParams& p, int64_t r) {
+  const int64_t off = p.ids_rows.offset(r);
+  return p.ids_is64 ? static_cast<const int64_t*>(p.ids)[off]
+                    : static_cast<int64_t>(static_cast<const int32_t*>(p.ids)[off]);
+}
+
+// One CTA per segment of `seg_len` tokens: its weight sum and first unmasked bad id.
+__global__ void __launch_bounds__(kSeqThreads) prepass_kernel(const KernelParams p, int64_t seg_len, int64_t n_segs) {
+  __shared__ double sh_d[kSeqThreads / 32];
+  __shared__ long long sh_b[kSeqThreads / 32];
+  for (int64_t s = blockIdx.x; s < n_segs; s += gridDim.x) {
+    const int64_t lo = s * seg_len, hi = min(p.n_rows, lo + seg_len);
+    double w = 0;
+    long long bad = p.n_rows;
+    for (int64_t r = lo + threadIdx.x; r < hi; r += blockDim.x) {
+      const float wr = token_weight(p, r);
+      if (wr == 0.f) continue;
+      w += wr;
+      const int64_t id = token_id(p, r);
+      if ((id < 0 || id >= p.vocab) && r < bad) bad = r;
+    }
+    w = block_sum(w, sh_d);
+    bad = block_min(bad, sh_b);
+    if (threadIdx.x == 0) {
+      p.seq[s].weight = static_cast<float>(w);
+      p.seq[s].first_bad = bad;
+      p.seq[s].loss = 0;
+      p.seq[s].ratio = 1.f;
+      p.seq[s].ratio_coeff = 0.f;
+    }
+  }
+}
+
+// One CTA: the batch's total weight, the first bad token, and every sequence's reduction factor.
+__global__ void __launch_bounds__(kReduceThreads) totals_kernel(const KernelParams p, int64_t n_segs,
+                                                                PolicyLossType type, int64_t max_len,
+                                                                double num_items) {
+  __shared__ double sh_d[kReduceThreads / 32];
+  __shared__ long long sh_b[kReduceThreads / 32];
+  double w = 0;
+  long long bad = p.n_rows;
+  for (int64_t s = threadIdx.x; s < n_segs; s += blockDim.x) {
+    w += p.seq[s].weight;
+    bad = min(bad, p.seq[s].first_bad);
+  }
+  const double total = block_sum(w, sh_d);
+  bad = block_min(bad, sh_b);
+  if (threadIdx.x == 0) {
+    p.scalars->total_weight = total;
+    p.scalars->first_bad = bad;
+  }
+  if (p.op == static_cast<int>(RowOp::kSelective)) return;
+  for (int64_t s = threadIdx.x; s < n_segs; s += blockDim.x)
+    p.seq[s].factor = static_cast<float>(
+        seq_factor<double>(type, p.seq[s].weight, total, p.n_seqs, max_len, num_items));
+}
+
+// Sequence level, one CTA per sequence, after the statistics pass wrote logp: the shared ratio R = exp(S), its
+// share of every token's c, each token's outputs, and the sequence's share of the loss.
+__global__ void __launch_bounds__(kSeqThreads) sequence_kernel(const KernelParams p) {
+  __shared__ double sh[kSeqThreads / 32];
+  const TermOptions<float> o{p.beta, p.eps_low, p.eps_high, p.has_old != 0, p.has_ref != 0};
+  for (int64_t b = blockIdx.x; b < p.n_seqs; b += gridDim.x) {
+    const int64_t lo = b * p.seq_len, hi = lo + p.seq_len;
+    double s = 0;
+    for (int64_t r = lo + threadIdx.x; r < hi; r += blockDim.x) {
+      const float w = token_weight(p, r);
+      if (w == 0.f) continue;
+      const float logp = p.out_logp[r];
+      const float old = p.has_old ? p.old_logp[p.old_rows.offset(r)] : logp;
+      s += static_cast<double>(w) * (static_cast<double>(logp) - old);
+    }
+    s = block_sum(s, sh);
+    const SeqStats st = p.seq[b];
+    const float adv = p.adv[b * p.adv_stride];
+    const float ratio = static_cast<float>(exp(s / seq_denominator<double>(st.weight)));
+    double loss = 0;
+    for (int64_t r = lo + threadIdx.x; r < hi; r += blockDim.x) {
+      const float w = token_weight(p, r);
+      float tl = 0.f, kl = 0.f;
+      uint8_t clipped = 0;
+      if (w != 0.f) {
+        const float ref = p.has_ref ? p.ref_logp[p.ref_rows.offset(r)] : 0.f;
+        const TokenTerms<float> t = token_terms_seq<float>(p.out_logp[r], ref, adv, ratio, o);
+        tl = t.loss;
+        kl = t.kl;
+        clipped = t.clipped ? 1 : 0;
+        loss += static_cast<double>(w) * st.factor * t.loss;
+      }
+      if (p.out_loss) p.out_loss[r] = tl;
+      if (p.out_kl) p.out_kl[r] = kl;
+      if (p.out_clipped) p.out_clipped[r] = clipped;
+    }
+    loss = block_sum(loss, sh);
+    if (threadIdx.x == 0) {
+      p.seq[b].ratio = ratio;
+      p.seq[b].ratio_coeff = seq_ratio_coeff<float>(ratio, adv, st.factor, st.weight, o);
+      p.seq[b].loss = loss;
+    }
+  }
+}
+
+// The loss: the tokens' shares (token level) or the sequences' (sequence level), summed in a fixed order.
+__global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const KernelParams p, int sequence_level,
+                                                                  float* loss) {
+  __shared__ double sh[kReduceThreads / 32];
+  double s = 0;
+  if (sequence_level) {
+    for (int64_t b = threadIdx.x; b < p.n_seqs; b += blockDim.x) s += p.seq[b].loss;
+  } else {
+    for (int64_t r = threadIdx.x; r < p.n_rows; r += blockDim.x) s += p.row_loss[r];
+  }
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) loss[0] = static_cast<float>(s);
+}
+
+__global__ void zero_scalar_kernel(float* loss) { loss[0] = 0.f; }
+
+struct WorkspaceLayout {
+  size_t seq = 0, row_loss = 0, logp = 0, lse = 0, total = 0;
+};
+
+WorkspaceLayout layout_of(Op op, int64_t n_seqs, int64_t n_rows, ImportanceSamplingLevel level) {
+  WorkspaceLayout w;
+  const size_t n = static_cast<size_t>(std::max<int64_t>(n_rows, 0));
+  w.seq = kScalarsBytes;
+  w.row_loss = w.seq + align256(static_cast<size_t>(std::max<int64_t>(segments(op, n_seqs, n_rows), 0)) *
+                                sizeof(SeqStats));
+  w.logp = w.row_loss + (op == Op::kPolicy ? align256(n * sizeof(float)) : 0);
+  const bool seq = op == Op::kPolicy && level == ImportanceSamplingLevel::kSequence;
+  // Sequence level: the statistics pass keeps logp and lse for the sequence kernel and the gradient pass.
+  w.lse = w.logp + (seq ? align256(n * sizeof(float)) : 0);
+  w.total = w.lse + (seq ? align256(n * sizeof(float)) : 0);
+  return w;
+}
+
+KernelParams make_params(const Problem& pr, char* ws, const WorkspaceLayout& wl) {
+  KernelParams k;
+  k.logits = static_cast<const char*>(pr.logits);
+  k.logits_rows = pr.logits_rows;
+  k.ids = pr.ids;
+  k.ids_is64 = pr.ids_dtype == DType::kInt64;
+  k.ids_rows = pr.ids_rows;
+  k.mask = pr.mask;
+  k.mask_dtype = static_cast<int32_t>(pr.mask_dtype);
+  k.mask_rows = pr.mask_rows;
+  k.old_logp = pr.old_logp;
+  k.old_rows = pr.old_rows;
+  k.ref_logp = pr.ref_logp;
+  k.ref_rows = pr.ref_rows;
+  k.adv = pr.advantages;
+  k.adv_stride = pr.adv_stride;
+  k.grad = static_cast<char*>(pr.grad);
+  k.grad_rows = pr.grad_rows;
+  k.out_logp = pr.logp;
+  k.out_entropy = pr.entropy;
+  k.out_lse = pr.lse;
+  k.out_loss = pr.per_token_loss;
+  k.out_kl = pr.kl;
+  k.out_clipped = pr.is_clipped;
+  k.scalars = reinterpret_cast<Scalars*>(ws);
+  k.seq = reinterpret_cast<SeqStats*>(ws + wl.seq);
+  if (pr.op == Op::kPolicy) k.row_loss = reinterpret_cast<float*>(ws + wl.row_loss);
+  k.grad_scale = pr.grad_scale;
+  k.n_rows = pr.n_rows;
+  k.vocab = pr.vocab;
+  k.seq_len = std::max<int64_t>(pr.seq_len, 1);
+  k.n_seqs = pr.n_seqs;
+  k.slice = pr.vocab;
+  k.op = static_cast<int32_t>(pr.op == Op::kSelective       ? RowOp::kSelective
+                              : pr.sequence_level()          ? RowOp::kPolicySequence
+                                                             : RowOp::kPolicyToken);
+  k.has_old = pr.old_logp != nullptr;
+  k.has_ref = pr.ref_logp != nullptr;
+  k.inv_temp = static_cast<float>(1.0 / pr.temperature);
+  k.scale_l2 = static_cast<float>(1.4426950408889634 / pr.temperature);
+  k.beta = static_cast<float>(pr.beta);
+  k.eps_low = static_cast<float>(pr.eps_low);
+  k.eps_high = static_cast<float>(pr.eps_high);
+  return k;
+}
+
+// Reads the first bad token back and throws; called only when it is safe to synchronize.
+void throw_if_bad_id(const Problem& pr, const Scalars* scalars, cudaStream_t stream) {
+  long long first_bad = 0;
+  LOGITLESS_CUDA_CHECK(cudaMemcpyAsync(&first_bad, &scalars->first_bad, sizeof(first_bad), cudaMemcpyDeviceToHost,
+                                       stream));
+  LOGITLESS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (first_bad >= pr.n_rows) return;
+  const int64_t es = dtype_size(pr.ids_dtype);
+  int64_t value = 0;
+  const char* addr = static_cast<const char*>(pr.ids) + pr.ids_rows.offset(first_bad) * es;
+  LOGITLESS_CUDA_CHECK(cudaMemcpy(&value, addr, es, cudaMemcpyDeviceToHost));
+  if (es == 4) value = static_cast<int32_t>(value & 0xFFFFFFFF);
+  if (pr.op == Op::kSelective)
+    throw_invalid(str_cat("ids: expected values in [0, ", pr.vocab, "), got ", value, " at row ", first_bad,
+                          " (the first bad row)"));
+  throw_invalid(str_cat("completion_ids: expected values in [0, ", pr.vocab, ") at unmasked tokens, got ", value,
+                        " at [", first_bad / pr.seq_len, ", ", first_bad % pr.seq_len, "] (the first bad token)"));
+}
+
+// The row kernel with the plan for this call: fused (statistics and gradient in one pass) decides whether a
+// cluster is worth it.
+void run_rows(const Problem& pr, const KernelParams& base, RowsVariant v, bool fused, cudaStream_t stream) {
+  const DeviceInfo& info = device_info(pr.device.index);
+  RowsPlanInputs in;
+  in.vocab = pr.vocab;
+  in.elem_bytes = static_cast<int>(dtype_size(pr.dtype));
+  in.fused = fused;
+  in.cluster_capable = cluster_launch_available(pr.device.index);
+  in.requested = pr.algo;
+  in.cluster_size = pr.cluster_size;
+  in.threads = pr.threads;
+  in.ctas_per_sm = rows_ctas_per_sm(pr.dtype, v, plan_threads(in));
+  RowsPlan plan = plan_rows(in);
+  if (plan.algo == PolicyLossAlgo::kAuto)
+    throw_invalid(str_cat("algo: expected an algorithm this GPU can run; cluster needs thread-block clusters "
+                          "(sm_90 and a build for it), got sm_",
+                          info.sm_major, info.sm_minor));
+  KernelParams p = base;
+  p.slice = plan.slice;
+  if (launch_rows(pr.dtype, v, p, plan, info.sm_count, stream)) return;
+  if (pr.algo == PolicyLossAlgo::kCluster)
+    throw_invalid(str_cat("algo: cluster cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
+  // Auto: no cluster of that size fits here; stream instead.
+  RowsPlan streaming;
+  streaming.threads = pr.threads > 0 ? pr.threads : 256;
+  streaming.slice = pr.vocab;
+  p.slice = pr.vocab;
+  launch_rows(pr.dtype, v, p, streaming, info.sm_count, stream);
+}
+
+}  // namespace
+
+size_t cuda_workspace_bytes(Op op, int64_t n_seqs, int64_t n_rows, ImportanceSamplingLevel level) {
+  return layout_of(op, n_seqs, n_rows, level).total;
+}
+
+void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
+  DeviceGuard guard(pr.device.index);
+  char* wsp = static_cast<char*>(ws.data);
+  const WorkspaceLayout wl = layout_of(pr.op, pr.n_seqs, pr.n_rows, pr.level);
+  KernelParams kp = make_params(pr, wsp, wl);
+  const bool policy = pr.op == Op::kPolicy, seq_level = pr.sequence_level();
+  const bool want_grad = pr.mode != Mode::kForward;
+
+  if (pr.n_rows > 0) {
+    const int64_t n_segs = segments(pr.op, pr.n_seqs, pr.n_rows);
+    const int64_t seg_len = pr.op == Op::kSelective ? kSelectiveSegment : kp.seq_len;
+    if (pr.mode != Mode::kBackward) {
+      const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n_segs, 65535));
+      prepass_kernel<<<grid, kSeqThreads, 0, stream>>>(kp, seg_len, n_segs);
+      LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss prepass");
+      totals_kernel<<<1, kReduceThreads, 0, stream>>>(kp, n_segs, pr.loss_type, pr.max_completion_length,
+                                                      pr.num_items_in_batch);
+      LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss totals");
+      if (pr.check_ids && !stream_is_capturing(stream)) throw_if_bad_id(pr, kp.scalars, stream);
+    }
+    if (pr.op == Op::kSelective) {
+      if (pr.mode == Mode::kBackward) {
+        kp.lse_in = pr.lse_in;
+        kp.grad_logp = pr.grad_logp;
+        run_rows(pr, kp, RowsVariant{true, false}, false, stream);
+      } else {
+        run_rows(pr, kp, RowsVariant{false, kp.out_entropy != nullptr}, false, stream);
+      }
+    } else if (!seq_level) {
+      // Token level: outputs, the loss's shares and (fused) the gradient, in one pass.
+      run_rows(pr, kp, RowsVariant{false, kp.out_entropy != nullptr}, want_grad, stream);
+    } else {
+      // Sequence level: statistics (logp and lse kept), the sequence terms, then the gradient from the saved lse.
+      KernelParams st = kp;
+      st.grad = nullptr;
+      if (!st.out_logp) st.out_logp = reinterpret_cast<float*>(wsp + wl.logp);
+      if (!st.out_lse) st.out_lse = reinterpret_cast<float*>(wsp + wl.lse);
+      run_rows(pr, st, RowsVariant{false, st.out_entropy != nullptr}, false, stream);
+      const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pr.n_seqs, 65535));
+      sequence_kernel<<<grid, kSeqThreads, 0, stream>>>(st);
+      LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss sequence terms");
+      if (want_grad) {
+        KernelParams bw = kp;
+        bw.lse_in = st.out_lse;
+        bw.logp_in = st.out_logp;
+        run_rows(pr, bw, RowsVariant{true, false}, false, stream);
+      }
+    }
+    if (policy) {
+      finalize_kernel<<<1, kReduceThreads, 0, stream>>>(kp, seq_level ? 1 : 0, pr.loss);
+      LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss finalize");
+    }
+  } else if (policy) {
+    zero_scalar_kernel<<<1, 1, 0, stream>>>(pr.loss);  // no tokens: loss 0
+    LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss finalize");
+  }
+  if (policy && want_grad && pr.n_pad > 0)
+    launch_zero_rows(pr.dtype, pr.grad_pad, pr.grad_pad_stride, pr.n_pad, pr.vocab, stream);
+}
+
+}  // namespace logitless::pl

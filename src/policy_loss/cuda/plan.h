@@ -1,0 +1,46 @@
+// Tile choices for the policy-loss row kernel: one pure host function (no CUDA calls) so that a CPU test can
+// check every decision.
+#pragma once
+
+#include <cstdint>
+
+#include "logitless/policy_loss.h"
+
+namespace logitless::pl {
+
+inline constexpr int kMaxThreads = 512;  // the kernel's __launch_bounds__
+inline constexpr int kMaxCluster = 16;   // above 8 needs the non-portable cluster size (H100 allows 16)
+
+// The L2 budget for the rows a cluster kernel holds between its two passes, per SM: the gradient pass re-reads a
+// CTA's slice, and that read comes from L2 only if every slice in flight on the GPU still fits there. 160 KB per
+// SM is 21 MB on an H100's 132 SMs, 40% of its 50 MB L2; the rest holds the gradient's dirty lines on their way to
+// HBM. (A first choice from that budget; bench/cpp/bench_policy_loss.cu sweeps the alternatives.)
+inline constexpr int64_t kSliceBudgetPerSm = 160 * 1024;
+// Below this many bytes per row the streaming kernel's second read hits L2 already (8 rows of 64 KB per SM are
+// 68 MB in flight on an H100 only at full occupancy, and a row that short is read in microseconds).
+inline constexpr int64_t kClusterMinRowBytes = 64 * 1024;
+
+struct RowsPlan {
+  PolicyLossAlgo algo = PolicyLossAlgo::kStreaming;  // kAuto: the request cannot run here (the caller raises)
+  int cluster = 1;    // CTAs sharing a row
+  int threads = 256;  // per CTA
+  int64_t slice = 0;  // elements of a row per CTA (the vocabulary without a cluster)
+};
+
+struct RowsPlanInputs {
+  int64_t vocab = 0;
+  int elem_bytes = 2;
+  bool fused = false;            // statistics and gradient in one pass over each row (the only case a cluster helps)
+  bool cluster_capable = false;  // the device and this build can launch thread-block clusters (sm_90+)
+  int ctas_per_sm = 2;           // resident CTAs per SM at `threads` (the occupancy calculator's answer)
+  PolicyLossAlgo requested = PolicyLossAlgo::kAuto;
+  int cluster_size = 0;  // 0: chosen here
+  int threads = 0;       // 0: chosen here
+};
+
+// Threads per CTA the plan will use (what the caller asks the occupancy calculator about).
+int plan_threads(const RowsPlanInputs& in);
+
+RowsPlan plan_rows(const RowsPlanInputs& in);
+
+}  // namespace logitless::pl

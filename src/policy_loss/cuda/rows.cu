@@ -1,0 +1,424 @@
+// The policy-loss row kernel: the cross-entropy streaming kernel's design with a per-token epilogue.
+//
+// Each row of logits is one token. A row is classified from its weight and id before anything else (masked
+// tokens and bad ids are never read: their gradient slice is written with 0 or NaN). Then:
+//   1. statistics pass: the shared straight-line loops (common/cuda/chunk_loops.cuh) fold the row into the
+//      online-softmax state of logits / temperature (and the entropy accumulator when asked), while one thread
+//      reads the chosen logit; a block reduction (and, in a cluster, an exchange through distributed shared
+//      memory) gives every thread lse, logp and the entropy;
+//   2. epilogue: the token's outputs and c = d(loss)/d(logp) (policy_loss/math.h), from inputs loaded one row
+//      ahead so that their latency hides behind the previous row;
+//   3. gradient pass: grad_j = c * ([j == id] - p_j) / temperature over the same loops, in place or not.
+// The backward variant (kWithLse) starts at 2 from a saved lse (selective log-softmax's backward, and the
+// sequence-level loss, whose c needs the whole sequence's log-ratio).
+//
+// HBM traffic per unmasked row of B bytes, against the 2B (one read, one write) floor:
+//   * streaming (one CTA per row, 256 threads, up to 8 CTAs per SM): the gradient pass re-reads the row. With 8
+//     rows in flight per SM (2.4 MB per SM at B = 300 KB, 317 MB on an H100, six times its 50 MB L2) that read
+//     misses L2: 2B read + B written. The cross-entropy kernel of the same design measured 63.6% of copy
+//     bandwidth this way (bench/RESULTS.md).
+//   * cluster (Hopper): C CTAs share a row, each streaming a slice of B / C bytes through both passes and
+//     exchanging only the 16-byte state between them. The plan picks C so that the slices in flight (resident
+//     CTAs x B / C) stay within an L2 budget (plan.h), so the second read comes from L2: B read + B written from
+//     HBM, as the row-resident cross-entropy kernel achieves with shared memory. That kernel's machinery (TMA into
+//     shared-memory stages, mbarriers) is not reused: its loop is written around the cross-entropy row, and a
+//     slice re-read from L2 needs neither stage memory nor a copy engine, only the cluster barrier.
+// A masked row costs only its gradient write (B bytes, 0 when no gradient is asked for); the forward without a
+// gradient and the backward from a saved lse read each row once.
+#include <cooperative_groups.h>
+#include <cuda/ptx>
+
+#include <cfloat>
+
+#include "common/cuda/check.cuh"
+#include "common/cuda/chunk_loops.cuh"
+#include "common/cuda/online_softmax.cuh"
+#include "policy_loss/cuda/kernels.h"
+#include "policy_loss/math.h"
+
+namespace logitless::pl {
+namespace {
+
+namespace cg = cooperative_groups;
+
+thread_local RowsPlan t_last_plan;
+
+// The per-element work of the shared loops: the values as they are (the temperature acts through c), the
+// online-softmax state with or without the entropy accumulator, the softmax gradient.
+template <typename T, bool kEntropy>
+struct PolicyElem {
+  static constexpr int kVec = Vec<T>::kN;
+  float c;  // log2(e) / temperature
+  struct Acc {
+    float m = -INFINITY, s = 0.f, u = 0.f;
+  };
+
+  __device__ void load(const char* src, int q, int64_t, float* x, Acc&) const {
+    Vec<T>::unpack(load16(src + 16 * q), x);
+  }
+  template <int kN>
+  __device__ void add(Acc& a, const float* x) const {
+    if constexpr (kEntropy) {
+      online_add_entropy<kN>(a.m, a.s, a.u, x, c);
+    } else {
+      online_add_scaled<kN>(a.m, a.s, x, c);
+    }
+  }
+  template <typename G>
+  __device__ void grad(float* v, int q, int64_t, const G& g, float lse_l2, int q_t, int slot_t, int64_t) const {
+    softmax_grad_chunk<kVec>(v, g.a, g.b, c, lse_l2, q == q_t, slot_t);
+  }
+};
+
+struct Coeffs {
+  float a, b;  // grad_j = a p_j - [j == id] b
+};
+
+// A token's id and weight: what decides whether its row is read. Both loads are unconditional (a masked token's
+// id is valid memory too), so neither waits for the other, and the kernel issues them one row ahead.
+struct Token {
+  int64_t id = 0;
+  float w = 0.f;
+};
+
+// The rest of a token's inputs, needed only once its row's statistics are known.
+struct TokenInputs {
+  float adv = 0.f, old = 0.f, ref = 0.f, factor = 0.f;
+  float lse = 0.f, saved = 0.f;          // backward: saved lse, and saved logp (policy) or grad_logp (selective)
+  float ratio = 0.f, ratio_coeff = 0.f;  // backward, sequence level
+};
+
+__device__ __forceinline__ float load_weight(const KernelParams& p, int64_t r) {
+  if (!p.mask) return 1.f;
+  const int64_t off = p.mask_rows.offset(r);
+  switch (static_cast<DType>(p.mask_dtype)) {
+    case DType::kBool:
+    case DType::kUInt8: return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
+    case DType::kInt32: return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
+    case DType::kInt64: return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
+    default: return static_cast<const float*>(p.mask)[off];
+  }
+}
+
+__device__ __forceinline__ Token load_token(const KernelParams& p, int64_t r) {
+  Token k;
+  k.w = load_weight(p, r);
+  const int64_t off = p.ids_rows.offset(r);
+  k.id = p.ids_is64 ? static_cast<const int64_t*>(p.ids)[off]
+                    : static_cast<int64_t>(static_cast<const int32_t*>(p.ids)[off]);
+  return k;
+}
+
+template <bool kWithLse>
+__device__ __forceinline__ TokenInputs load_inputs(const KernelParams& p, int64_t r) {
+  TokenInputs k;
+  if (p.op != static_cast<int>(RowOp::kSelective)) {
+    const int64_t b = r / p.seq_len;
+    k.adv = p.adv[b * p.adv_stride];
+    if (p.has_old) k.old = p.old_logp[p.old_rows.offset(r)];
+    if (p.has_ref) k.ref = p.ref_logp[p.ref_rows.offset(r)];
+    k.factor = p.seq[b].factor;
+    if (kWithLse) {
+      k.ratio = p.seq[b].ratio;
+      k.ratio_coeff = p.seq[b].ratio_coeff;
+    }
+  }
+  if (kWithLse) {
+    k.lse = p.lse_in[r];
+    k.saved = p.op == static_cast<int>(RowOp::kSelective) ? p.grad_logp[r] : p.logp_in[r];
+  }
+  return k;
+}
+
+enum Kind { kValid = 0, kMasked = 1, kBad = 2 };
+__device__ __forceinline__ int kind_of(const KernelParams& p, const Token& k) {
+  if (k.w == 0.f) return kMasked;
+  return (k.id >= 0 && k.id < p.vocab) ? kValid : kBad;
+}
+
+__device__ __forceinline__ TermOptions<float> term_options(const KernelParams& p) {
+  return {p.beta, p.eps_low, p.eps_high, p.has_old != 0, p.has_ref != 0};
+}
+
+// Outputs of a row that is not read (thread 0 of rank 0): masked tokens get 0, bad ids NaN.
+__device__ __forceinline__ void write_skipped(const KernelParams& p, int64_t r, int kind) {
+  const float v = kind == kBad ? NAN : 0.f;
+  if (p.out_logp) p.out_logp[r] = v;
+  if (p.out_lse) p.out_lse[r] = v;
+  if (p.out_entropy) p.out_entropy[r] = v;
+  if (p.op == static_cast<int>(RowOp::kPolicyToken)) {
+    if (p.out_loss) p.out_loss[r] = v;
+    if (p.out_kl) p.out_kl[r] = v;
+    if (p.out_clipped) p.out_clipped[r] = 0;
+    p.row_loss[r] = v;
+  }
+}
+
+// The forward epilogue of a read row: its outputs (when `writer`) and c = d(loss)/d(logp), scaled by gscale.
+__device__ __forceinline__ float forward_epilogue(const KernelParams& p, int64_t r, const TokenInputs& k, float w,
+                                                  float lse, float logp, float entropy, bool writer, float gscale) {
+  if (writer) {
+    if (p.out_logp) p.out_logp[r] = logp;
+    if (p.out_lse) p.out_lse[r] = lse;
+    if (p.out_entropy) p.out_entropy[r] = entropy;
+  }
+  if (p.op != static_cast<int>(RowOp::kPolicyToken)) return 0.f;
+  const TokenTerms<float> t = token_terms<float>(logp, p.has_old ? k.old : logp, k.ref, k.adv, term_options(p));
+  const float kappa = w * k.factor;
+  if (writer) {
+    if (p.out_loss) p.out_loss[r] = t.loss;
+    if (p.out_kl) p.out_kl[r] = t.kl;
+    if (p.out_clipped) p.out_clipped[r] = t.clipped ? 1 : 0;
+    p.row_loss[r] = kappa * t.loss;
+  }
+  return kappa * t.dlogp * gscale;
+}
+
+// The backward epilogue: c from the saved statistics.
+__device__ __forceinline__ float backward_coeff(const KernelParams& p, const TokenInputs& k, float w, float gscale) {
+  if (p.op == static_cast<int>(RowOp::kSelective)) return k.saved;
+  const TokenTerms<float> t = token_terms_seq<float>(k.saved, k.ref, k.adv, k.ratio, term_options(p));
+  return (w * k.factor * t.dlogp + w * k.ratio_coeff) * gscale;
+}
+
+template <typename T, bool kWithLse, bool kEntropy>
+__global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_constant__ KernelParams p) {
+  using Elem = PolicyElem<T, kEntropy>;
+  constexpr int kVec = Vec<T>::kN;
+  constexpr int64_t kEs = sizeof(T);
+  __shared__ float4 red[32];
+  const int tid = threadIdx.x;
+  int rank = 0, csize = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ float4 xchg[2][kMaxCluster];  // every CTA's state of the row, double-buffered by row
+  cg::cluster_group cluster = cg::this_cluster();
+  rank = static_cast<int>(cluster.block_rank());
+  csize = static_cast<int>(cluster.num_blocks());
+  // Every CTA of the cluster runs before anyone writes into a peer's shared memory.
+  if (csize > 1) cluster.sync();
+  int parity = 0;
+#endif
+  const int64_t group = blockIdx.x / csize, groups = gridDim.x / csize;
+  const int64_t slice_begin = rank * p.slice;
+  const int64_t len = max(static_cast<int64_t>(0), min(p.slice, p.vocab - slice_begin));
+  const RowChunkLoops<T, Elem> loops{Elem{p.scale_l2}};
+  const float gscale = p.grad_scale ? p.grad_scale[0] : 1.f;
+
+  Token cur;
+  if (group < p.n_rows) cur = load_token(p, group);
+  for (int64_t row = group; row < p.n_rows; row += groups) {
+    const int64_t next = row + groups;
+    const Token tk = cur;
+    if (next < p.n_rows) cur = load_token(p, next);  // consumed by the next iteration
+    const int kind = kind_of(p, tk);
+    char* gdst = p.grad ? p.grad + (p.grad_rows.offset(row) + slice_begin) * kEs : nullptr;
+    if (kind != kValid) {
+      if (!kWithLse && rank == 0 && tid == 0) write_skipped(p, row, kind);
+      if (gdst) {
+        const ChunkSpan<T> gspan(gdst, len);
+        float v[kVec];
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) v[i] = kind == kBad ? NAN : 0.f;
+        for (int64_t q = tid; q < gspan.nchunks; q += blockDim.x) store_chunk(gspan, q, gdst, true, v);
+      }
+      continue;
+    }
+    const char* src = p.logits + (p.logits_rows.offset(row) + slice_begin) * kEs;
+    const ChunkSpan<T> span(src, len);
+    // Slices up to 2^35 bytes: chunk indices fit in int.
+    const int q_lo = span.mis ? 1 : 0, q_hi = static_cast<int>(span.end / 16);
+    const int64_t j0 = slice_begin - span.mis / kEs;
+    const int part = partial_chunk_of_thread(span);
+    const int64_t t_local = tk.id - slice_begin;  // the chosen class within this CTA's slice, if it is there
+    const bool owns_t = t_local >= 0 && t_local < len;
+    float lse, c;
+    if constexpr (kWithLse) {
+      const TokenInputs in = load_inputs<true>(p, row);
+      lse = in.lse;
+      c = backward_coeff(p, in, tk.w, gscale);
+    } else {
+      // Issued before the statistics pass, consumed after it: the loop hides their latency.
+      const TokenInputs in = load_inputs<false>(p, row);
+      typename Elem::Acc acc;
+      loops.stats(span.base, q_lo, q_hi, j0, acc);
+      if (part >= 0) {
+        float v[kVec];
+        const uint32_t mask = load_chunk(span, part, nullptr, v);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) v[i] = (mask >> i) & 1u ? v[i] : -INFINITY;
+        loops.elem.template add<kVec>(acc, v);
+      }
+      // The chosen logit is read before the reduction's barriers (and, in a cluster, before the arrive), hence
+      // before any thread of the cluster can overwrite the row in place. It travels as the plain sum.
+      float xt = 0.f;
+      if (tid == 0 && owns_t) xt = Vec<T>::load1(src + t_local * kEs);
+      block_online_scaled<kEntropy>(acc.m, acc.s, acc.u, xt, p.scale_l2, red);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (csize > 1) {
+        if (tid == 0) {
+          const float4 mine = make_float4(acc.m, acc.s, acc.u, xt);
+          for (int dst = 0; dst < csize; ++dst) *cluster.map_shared_rank(&xchg[parity][rank], dst) = mine;
+        }
+        cuda::ptx::barrier_cluster_arrive(cuda::ptx::sem_release);
+        cuda::ptx::barrier_cluster_wait(cuda::ptx::sem_acquire);
+        // Every CTA merges the same partials in the same order: they agree on lse and c to the bit.
+        float m = -INFINITY, s = 0.f, u = 0.f, x = 0.f;
+        for (int r = 0; r < csize; ++r) {
+          const float4 v = xchg[parity][r];
+          if constexpr (kEntropy) {
+            online_merge_entropy(m, s, u, v.x, v.y, v.z, p.scale_l2);
+          } else {
+            online_merge_scaled(m, s, v.x, v.y, p.scale_l2);
+          }
+          x += v.w;
+        }
+        acc.m = m, acc.s = s, acc.u = u, xt = x;
+        parity ^= 1;  // a peer may publish its next row's state before this CTA has read this row's
+      }
+#endif
+      lse = acc.m == -INFINITY ? NAN : fmaf(acc.m, p.inv_temp, logf(acc.s));
+      const float logp = fmaf(xt, p.inv_temp, -lse);
+      const float entropy = kEntropy ? online_entropy(acc.s, acc.u) : 0.f;
+      c = forward_epilogue(p, row, in, tk.w, lse, logp, entropy, rank == 0 && tid == 0, gscale);
+    }
+    if (!gdst) continue;
+    // grad_j = c ([j == id] - p_j) / T = a p_j - [j == id] b with a = b = -c / T.
+    const Coeffs g{-c * p.inv_temp, -c * p.inv_temp};
+    const float lse_l2 = lse * kLog2e;
+    int q_t = -1, slot_t = 0;
+    if (owns_t) {
+      const int64_t b = span.mis + t_local * kEs;
+      q_t = static_cast<int>(b >> 4);
+      slot_t = static_cast<int>((b & 15) / kEs);
+    }
+    if ((reinterpret_cast<uintptr_t>(gdst) & 15u) == static_cast<uintptr_t>(span.mis)) {
+      loops.template grad<true>(span.base, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, tk.id, span, gdst);
+    } else {
+      loops.template grad<false>(span.base, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, tk.id, span, gdst);
+    }
+    if (part >= 0) {
+      float v[kVec];
+      const uint32_t mask = load_chunk(span, part, nullptr, v);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float d = g.a * fast_exp2(fmaf(v[i], p.scale_l2, -lse_l2)) - (span.elem(part, i) == t_local ? g.b : 0.f);
+        v[i] = (mask >> i) & 1u ? d : 0.f;
+      }
+      store_chunk(span, part, gdst, false, v);
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // No CTA may exit while a peer could still write its state into this CTA's shared memory.
+  if (csize > 1) cluster.sync();
+#endif
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) zero_rows_kernel(char* base, int64_t stride, int64_t n, int64_t vocab) {
+  constexpr int kVec = Vec<T>::kN;
+  for (int64_t row = blockIdx.x; row < n; row += gridDim.x) {
+    char* dst = base + row * stride * static_cast<int64_t>(sizeof(T));
+    const ChunkSpan<T> span(dst, vocab);
+    float v[kVec] = {};
+    for (int64_t q = threadIdx.x; q < span.nchunks; q += blockDim.x) store_chunk(span, q, dst, true, v);
+  }
+}
+
+// ---- instantiations: the only place that lists them -----------------------------------------------------------
+// 3 dtypes x {statistics (+ fused gradient), statistics with entropy, backward from a saved lse}. The cluster
+// exchange is a runtime branch of the same kernels (compiled for sm_90 only), not another instantiation.
+using KernelFn = void (*)(KernelParams);
+
+template <typename T>
+KernelFn rows_fn(RowsVariant v) {
+  if (v.with_lse) return rows_kernel<T, true, false>;
+  return v.entropy ? rows_kernel<T, false, true> : rows_kernel<T, false, false>;
+}
+
+KernelFn rows_fn(DType dtype, RowsVariant v) {
+  switch (dtype) {
+    case DType::kFloat32: return rows_fn<float>(v);
+    case DType::kFloat16: return rows_fn<__half>(v);
+    case DType::kBFloat16: return rows_fn<__nv_bfloat16>(v);
+    default: throw_invalid("logits: unsupported dtype");
+  }
+}
+
+}  // namespace
+
+bool cluster_launch_available(int device) {
+  const DeviceInfo& info = device_info(device);
+  if (info.sm_major < 9) return false;
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, rows_kernel<__nv_bfloat16, false, false>) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  // The cluster exchange exists only in the sm_90+ binaries of this build.
+  return attr.binaryVersion >= 90;
+}
+
+int rows_ctas_per_sm(DType dtype, RowsVariant v, int threads) {
+  int n = 0;
+  LOGITLESS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rows_fn(dtype, v), threads, 0));
+  return n;
+}
+
+bool launch_rows(DType dtype, RowsVariant v, const KernelParams& p, const RowsPlan& plan, int sm_count,
+                 cudaStream_t stream) {
+  if (plan.threads < 32 || plan.threads > kMaxThreads || plan.cluster < 1 || plan.cluster > kMaxCluster)
+    throw_invalid(str_cat("policy_loss: row plan needs 32..", kMaxThreads, " threads and 1..", kMaxCluster,
+                          " CTAs per cluster, got ", plan.threads, " and ", plan.cluster));
+  const KernelFn kernel = rows_fn(dtype, v);
+  debug::set_last_rows_plan(plan);
+  if (plan.algo != PolicyLossAlgo::kCluster) {
+    const int per_sm = std::max(1, rows_ctas_per_sm(dtype, v, plan.threads));
+    // Persistent CTAs, rows strided across them: one wave, so that each CTA's prefetch of its next token pays.
+    const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(p.n_rows, static_cast<int64_t>(sm_count) * per_sm));
+    kernel<<<static_cast<unsigned>(grid), plan.threads, 0, stream>>>(p);
+    LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss row kernel");
+    return true;
+  }
+  if (plan.cluster > 8)
+    LOGITLESS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = plan.cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cfg.blockDim = dim3(plan.threads);
+  cfg.stream = stream;
+  cfg.gridDim = dim3(plan.cluster);
+  int max_clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg) != cudaSuccess) {
+    cudaGetLastError();  // this cluster size is not supported here: the caller decides
+    return false;
+  }
+  if (max_clusters <= 0) return false;
+  const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(max_clusters, p.n_rows));
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * plan.cluster));
+  LOGITLESS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  return true;
+}
+
+void launch_zero_rows(DType dtype, char* base, int64_t stride, int64_t n, int64_t vocab, cudaStream_t stream) {
+  if (n <= 0 || vocab <= 0) return;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n, 1024));
+  switch (dtype) {
+    case DType::kFloat32: zero_rows_kernel<float><<<grid, 256, 0, stream>>>(base, stride, n, vocab); break;
+    case DType::kFloat16: zero_rows_kernel<__half><<<grid, 256, 0, stream>>>(base, stride, n, vocab); break;
+    case DType::kBFloat16: zero_rows_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(base, stride, n, vocab); break;
+    default: throw_invalid("grad_logits: unsupported dtype");
+  }
+  LOGITLESS_CUDA_CHECK_LAUNCH("zero rows");
+}
+
+namespace debug {
+RowsPlan last_rows_plan() { return t_last_plan; }
+void set_last_rows_plan(const RowsPlan& plan) { t_last_plan = plan; }
+}  // namespace debug
+
+}  // namespace logitless::pl

@@ -1,0 +1,1043 @@
+// Policy losses and selective log-softmax: the CPU backend against a naive float64 reference, the CUDA kernels
+// against the CPU backend, over dtype x layout x loss type x importance level x options x entry point; the
+// reference's gradient against central differences; bad-input checks.
+//
+// The reference is written independently of policy_loss/math.h: the loss is a textbook function of the vector
+// of per-token log-probabilities, and its derivative in each log-probability is taken by central differences
+// (in double, on the cheap [B, L] function); the chain to the logits, ([j == id] - p_j) / T, is analytic and is
+// itself checked against central differences over the logits on tiny shapes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <random>
+#include <sstream>
+
+#include "test_util.h"
+
+namespace logitless::test {
+namespace {
+
+enum class PlLayout { kShifted, kAligned, kStrided };
+enum class PlPreset { kPlain, kFull, kFloatMask, kSeedLike, kAllMasked, kBadIdNoCheck, kDapoGlobal };
+
+const char* layout_name(PlLayout l) {
+  switch (l) {
+    case PlLayout::kShifted: return "shifted";
+    case PlLayout::kAligned: return "aligned";
+    case PlLayout::kStrided: return "strided";
+  }
+  return "?";
+}
+const char* preset_name(PlPreset p) {
+  switch (p) {
+    case PlPreset::kPlain: return "plain";
+    case PlPreset::kFull: return "full";
+    case PlPreset::kFloatMask: return "floatmask";
+    case PlPreset::kSeedLike: return "seedlike";
+    case PlPreset::kAllMasked: return "allmasked";
+    case PlPreset::kBadIdNoCheck: return "badnocheck";
+    case PlPreset::kDapoGlobal: return "dapoglobal";
+  }
+  return "?";
+}
+const char* type_name(PolicyLossType t) {
+  switch (t) {
+    case PolicyLossType::kGrpo: return "grpo";
+    case PolicyLossType::kBnpo: return "bnpo";
+    case PolicyLossType::kDrGrpo: return "drgrpo";
+    case PolicyLossType::kDapo: return "dapo";
+  }
+  return "?";
+}
+const char* level_name(ImportanceSamplingLevel l) {
+  return l == ImportanceSamplingLevel::kToken ? "token" : "seq";
+}
+
+struct PlCase {
+  int64_t B, L, V;
+  DType dtype;
+  PlLayout layout;
+  PlPreset preset;
+  PolicyLossType type;
+  ImportanceSamplingLevel level;
+};
+
+std::string case_name(const PlCase& c) {
+  std::ostringstream os;
+  os << "B" << c.B << "_L" << c.L << "_V" << c.V << "_" << dtype_tag(c.dtype) << "_" << layout_name(c.layout) << "_"
+     << preset_name(c.preset) << "_" << type_name(c.type) << "_" << level_name(c.level);
+  return os.str();
+}
+void PrintTo(const PlCase& c, std::ostream* os) { *os << case_name(c); }
+
+// ---- inputs -------------------------------------------------------------------------------------------------
+struct PlInputs {
+  PlCase c;
+  PolicyLossOptions opt;
+  int64_t Lg = 0;  // logits positions per sequence: L + 1 (the model's output) or L
+  TestTensor logits, ids, adv, mask, old, ref;
+  bool has_mask = false, has_old = false, has_ref = false;
+  std::vector<double> w;  // [B*L] token weights
+
+  PlInputs(const PlCase& cs, uint64_t seed) : c(cs) {
+    std::mt19937_64 rng(seed);
+    const int64_t B = c.B, L = c.L, V = c.V;
+    opt.loss_type = c.type;
+    opt.importance_sampling_level = c.level;
+    opt.beta = 0.0;
+    opt.max_completion_length = L + 3;
+    switch (c.layout) {
+      case PlLayout::kShifted:  // the model's [B, L+1, V] output, contiguous
+        Lg = L + 1;
+        logits = TestTensor(c.dtype, {B, Lg, V});
+        ids = TestTensor(DType::kInt64, {B, L});
+        break;
+      case PlLayout::kAligned:  // [B, L, V] with padded rows starting at odd element offsets (misaligned)
+        Lg = L;
+        logits = TestTensor(c.dtype, {B, L, V}, {L * (V + 3), V + 3, 1}, /*offset=*/1);
+        ids = TestTensor(DType::kInt32, {B, L});
+        break;
+      case PlLayout::kStrided:  // [B, L+1, V] rows of a wider buffer; ids a view input_ids[:, -L:]
+        Lg = L + 1;
+        logits = TestTensor(c.dtype, {B, Lg, V}, {Lg * (V + 5), V + 5, 1}, /*offset=*/3);
+        ids = TestTensor(DType::kInt32, {B, L}, {L + 7, 1}, /*offset=*/7);
+        break;
+    }
+    logits.fill_storage_nan();  // padding poisoned: a kernel that reads outside the view returns NaN
+    ids.fill_storage_bytes(0x7F);
+    logits.fill_normal(seed, 2.f);
+    adv = TestTensor(DType::kFloat32, {B}, {c.layout == PlLayout::kStrided ? 2 : 1});
+    std::normal_distribution<double> nd(0.0, 1.0);
+    for (int64_t b = 0; b < B; ++b) adv.set(b, static_cast<float>(nd(rng)));
+    std::uniform_int_distribution<int64_t> idd(0, V - 1);
+    for (int64_t r = 0; r < B * L; ++r) ids.set_index(r, idd(rng));
+
+    const bool strided = c.layout == PlLayout::kStrided;
+    auto token_tensor = [&](DType dt) {  // [B, L]; stored transposed in the strided layout
+      return strided ? TestTensor(dt, {B, L}, {1, B}) : TestTensor(dt, {B, L});
+    };
+    w.assign(static_cast<size_t>(B * L), 1.0);
+    switch (c.preset) {
+      case PlPreset::kPlain: break;
+      case PlPreset::kFull:
+      case PlPreset::kDapoGlobal:
+      case PlPreset::kBadIdNoCheck:
+        has_mask = has_old = has_ref = true;
+        opt.beta = 0.04;
+        opt.temperature = 0.7;
+        opt.eps_high = 0.28;  // DAPO's clip-higher
+        mask = token_tensor(DType::kInt32);
+        for (int64_t r = 0; r < B * L; ++r) {  // every other sequence has its second half masked
+          const int64_t b = r / L, l = r % L;
+          w[r] = (b % 2 == 0 && l >= (L + 1) / 2) ? 0.0 : 1.0;
+        }
+        break;
+      case PlPreset::kFloatMask:
+        has_mask = has_old = has_ref = true;
+        opt.beta = 0.1;
+        opt.eps_low = 0.1;
+        mask = token_tensor(DType::kFloat32);
+        for (int64_t r = 0; r < B * L; ++r) w[r] = std::array<double, 4>{0.0, 0.5, 1.0, 2.0}[r % 4];
+        break;
+      case PlPreset::kSeedLike:  // seed 003: no old policy (ratio 1 with gradient), reference KL, bool mask
+        has_mask = has_ref = true;
+        opt.beta = 0.04;
+        mask = token_tensor(DType::kBool);
+        for (int64_t r = 0; r < B * L; ++r) w[r] = (r % 5 == 3) ? 0.0 : 1.0;
+        break;
+      case PlPreset::kAllMasked:
+        has_mask = has_old = true;
+        mask = token_tensor(DType::kUInt8);
+        for (int64_t r = 0; r < B * L; ++r) w[r] = 0.0;
+        break;
+    }
+    if (has_mask) {
+      mask.fill_storage_bytes(0x5A);
+      for (int64_t r = 0; r < B * L; ++r) {
+        if (mask.dtype() == DType::kFloat32) {
+          mask.set(r, static_cast<float>(w[r]));
+        } else if (mask.dtype() == DType::kInt32) {
+          mask.set_index(r, static_cast<int64_t>(w[r]));
+        } else {  // bool / uint8: one byte
+          reinterpret_cast<uint8_t*>(const_cast<void*>(mask.host_view().data))[mask.storage_index(r)] =
+              static_cast<uint8_t>(w[r] != 0);
+        }
+      }
+    }
+    if (c.preset == PlPreset::kBadIdNoCheck) {
+      opt.check_ids = false;
+      for (int64_t r = 0; r < B * L; ++r) {
+        if (r % 7 == 2) ids.set_index(r, r % 2 ? V + 3 : -5);  // some masked (ignored), some not (NaN rows)
+      }
+    } else {
+      for (int64_t r = 0; r < B * L; ++r)  // masked tokens may hold anything, e.g. -100 padding
+        if (w[r] == 0 && r % 3 == 0) ids.set_index(r, -100);
+    }
+    if (c.preset == PlPreset::kDapoGlobal) {
+      double total = 0;
+      for (double x : w) total += x;
+      opt.num_items_in_batch = 1.7 * total + 1.0;  // other micro-batches' tokens count too
+    }
+    // Old and reference log-probs near the true ones, so ratios spread over [0.5, 2] and some clip.
+    if (has_old || has_ref) {
+      const std::vector<double> lp = true_logp();
+      std::normal_distribution<double> n_old(0.0, 0.3), n_ref(0.0, 0.5);
+      if (has_old) {
+        old = token_tensor(DType::kFloat32);
+        for (int64_t r = 0; r < B * L; ++r) old.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_old(rng)));
+      }
+      if (has_ref) {
+        ref = token_tensor(DType::kFloat32);
+        for (int64_t r = 0; r < B * L; ++r) ref.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_ref(rng)));
+      }
+    }
+  }
+
+  int64_t id(int64_t r) const { return ids.get_index(r); }
+  // A perturbation of one logit in double (the finite-difference test's step), on top of the stored value.
+  int64_t perturb_at = -1;
+  double perturb_by = 0;
+  double x(int64_t b, int64_t l, int64_t j) const {  // logits / temperature
+    const int64_t k = (b * Lg + l) * c.V + j;
+    const double v = static_cast<double>(logits.get(k)) + (k == perturb_at ? perturb_by : 0.0);
+    return v / opt.temperature;
+  }
+  bool bad(int64_t r) const { return id(r) < 0 || id(r) >= c.V; }
+  double a(int64_t b) const { return adv.get(b); }
+
+  // log_softmax(x)[id] per token (NaN for a bad id; masked tokens included).
+  std::vector<double> true_logp() const {
+    std::vector<double> lp(static_cast<size_t>(c.B * c.L), 0.0);
+    for (int64_t r = 0; r < c.B * c.L; ++r) {
+      if (bad(r)) {
+        lp[r] = NAN;
+        continue;
+      }
+      const int64_t b = r / c.L, l = r % c.L;
+      double m = -INFINITY;
+      for (int64_t j = 0; j < c.V; ++j) m = std::max(m, x(b, l, j));
+      double s = 0;
+      for (int64_t j = 0; j < c.V; ++j) s += std::exp(x(b, l, j) - m);
+      lp[r] = x(b, l, id(r)) - (m + std::log(s));
+    }
+    return lp;
+  }
+
+  PolicyLossInputs view(bool dev) const {
+    PolicyLossInputs in;
+    in.logits = logits.view(dev);
+    in.completion_ids = ids.view(dev);
+    in.advantages = adv.view(dev);
+    if (has_mask) in.completion_mask = mask.view(dev);
+    if (has_old) in.old_logp = old.view(dev);
+    if (has_ref) in.ref_logp = ref.view(dev);
+    return in;
+  }
+  void to_device() {
+    for (TestTensor* t : {&logits, &ids, &adv}) t->to_device();
+    if (has_mask) mask.to_device();
+    if (has_old) old.to_device();
+    if (has_ref) ref.to_device();
+  }
+};
+
+// ---- float64 reference ----------------------------------------------------------------------------------------
+struct PlRef {
+  double loss = 0;
+  std::vector<double> logp, lse, entropy, per_token_loss, kl, dlogp;  // [B*L], 0 at masked tokens
+  std::vector<uint8_t> clipped;
+  std::vector<double> grad;  // [B*Lg*V] in the logits view's flat order, upstream factor applied
+  double grad_unit = 0;      // the largest |d(loss)/d(logp)| / T: the natural size of a gradient row
+  double loss_scale = 1;     // the size the loss's rounding errors scale with
+};
+
+// The loss as a function of the per-token log-probabilities `lp`; `base` is what a detached logp holds (the
+// ratio without old_logp is exp(lp - base)). Optionally reports the per-token values. `skip_nan` leaves tokens
+// with a NaN log-probability (bad ids) out of the sum, so that the other tokens' derivatives stay finite.
+double reference_loss(const PlInputs& in, const std::vector<double>& lp, const std::vector<double>& base,
+                      PlRef* out, bool skip_nan = false) {
+  const int64_t B = in.c.B, L = in.c.L;
+  const auto& o = in.opt;
+  const double lo = 1 - o.eps_low, hi = 1 + o.eps_high;
+  double total_w = 0;
+  for (double v : in.w) total_w += v;
+  double loss = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    double wb = 0, s = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t r = b * L + l;
+      if (in.w[r] == 0) continue;
+      wb += in.w[r];
+      const double old = in.has_old ? in.old.get(r) : base[r];
+      s += in.w[r] * (lp[r] - old);
+    }
+    double factor = 0;  // what sum_l w per_token_loss of this sequence is multiplied by
+    switch (o.loss_type) {
+      case PolicyLossType::kGrpo: factor = 1.0 / std::max(wb, 1.0) / static_cast<double>(B); break;
+      case PolicyLossType::kBnpo: factor = 1.0 / std::max(total_w, 1.0); break;
+      case PolicyLossType::kDrGrpo: factor = 1.0 / (static_cast<double>(B) * o.max_completion_length); break;
+      case PolicyLossType::kDapo:
+        factor = 1.0 / (o.num_items_in_batch > 0 ? o.num_items_in_batch : std::max(total_w, 1.0));
+        break;
+    }
+    const double seq_ratio = std::exp(s / std::max(wb, 1.0));
+    const double A = in.a(b);
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t r = b * L + l;
+      if (in.w[r] == 0 || (skip_nan && std::isnan(lp[r]))) continue;
+      const double old = in.has_old ? in.old.get(r) : base[r];
+      const double ratio = o.importance_sampling_level == ImportanceSamplingLevel::kToken ? std::exp(lp[r] - old)
+                                                                                           : seq_ratio;
+      const double clipped_ratio = std::min(std::max(ratio, lo), hi);
+      double kl = 0;
+      if (in.has_ref) {
+        const double d = in.ref.get(r) - lp[r];
+        kl = std::exp(d) - d - 1;
+      }
+      const double tok = -std::min(ratio * A, clipped_ratio * A) + o.beta * kl;
+      loss += factor * in.w[r] * tok;
+      if (out) {
+        out->per_token_loss[r] = tok;
+        out->kl[r] = kl;
+        out->clipped[r] = (A > 0 && ratio > hi) || (A < 0 && ratio < lo);
+        if (std::isfinite(tok)) out->loss_scale += factor * in.w[r] * (std::abs(A) * ratio + o.beta * (kl + 1));
+      }
+    }
+  }
+  return loss;
+}
+
+PlRef reference(const PlInputs& in, double upstream, bool want_grad) {
+  const int64_t B = in.c.B, L = in.c.L, V = in.c.V, N = B * L;
+  PlRef r;
+  for (auto* v : {&r.logp, &r.lse, &r.entropy, &r.per_token_loss, &r.kl, &r.dlogp}) v->assign(N, 0.0);
+  r.clipped.assign(N, 0);
+  std::vector<double> lp(N, 0.0);
+  for (int64_t t = 0; t < N; ++t) {
+    if (in.w[t] == 0) continue;
+    if (in.bad(t)) {
+      r.logp[t] = r.lse[t] = r.entropy[t] = lp[t] = NAN;
+      continue;
+    }
+    const int64_t b = t / L, l = t % L;
+    double m = -INFINITY;
+    for (int64_t j = 0; j < V; ++j) m = std::max(m, in.x(b, l, j));
+    double s = 0;
+    for (int64_t j = 0; j < V; ++j) s += std::exp(in.x(b, l, j) - m);
+    r.lse[t] = m + std::log(s);
+    double h = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      const double logq = in.x(b, l, j) - r.lse[t];
+      h -= std::exp(logq) * logq;
+    }
+    r.entropy[t] = h;
+    lp[t] = r.logp[t] = in.x(b, l, in.id(t)) - r.lse[t];
+  }
+  r.loss = reference_loss(in, lp, lp, &r);
+  for (int64_t t = 0; t < N; ++t) {
+    if (in.w[t] != 0 && in.bad(t)) r.per_token_loss[t] = r.kl[t] = NAN;
+  }
+  if (!want_grad) return r;
+  // d(loss)/d(logp_t) by central differences in double (the detached base stays fixed).
+  const double h = 1e-6;
+  for (int64_t t = 0; t < N; ++t) {
+    if (in.w[t] == 0) continue;
+    std::vector<double> p = lp;
+    if (std::isnan(lp[t])) {
+      r.dlogp[t] = NAN;  // a bad id: NaN row
+      continue;
+    }
+    p[t] = lp[t] + h;
+    const double fp = reference_loss(in, p, lp, nullptr, true);
+    p[t] = lp[t] - h;
+    const double fm = reference_loss(in, p, lp, nullptr, true);
+    r.dlogp[t] = upstream * (fp - fm) / (2 * h);
+    if (std::isfinite(r.dlogp[t])) r.grad_unit = std::max(r.grad_unit, std::abs(r.dlogp[t]) / in.opt.temperature);
+  }
+  r.grad.assign(static_cast<size_t>(B * in.Lg * V), 0.0);
+  for (int64_t t = 0; t < N; ++t) {
+    const int64_t b = t / L, l = t % L;
+    double* g = r.grad.data() + (b * in.Lg + l) * V;
+    if (in.w[t] == 0) continue;
+    for (int64_t j = 0; j < V; ++j) {
+      if (std::isnan(r.dlogp[t])) {
+        g[j] = NAN;
+        continue;
+      }
+      const double pj = std::exp(in.x(b, l, j) - r.lse[t]);
+      g[j] = r.dlogp[t] * ((j == in.id(t) ? 1.0 : 0.0) - pj) / in.opt.temperature;
+    }
+  }
+  return r;
+}
+
+// ---- running a backend ---------------------------------------------------------------------------------------
+enum class PlEntry { kForward, kForwardBackward, kInPlace };
+const char* entry_name(PlEntry e) {
+  switch (e) {
+    case PlEntry::kForward: return "forward";
+    case PlEntry::kForwardBackward: return "forward_backward";
+    case PlEntry::kInPlace: return "forward_backward(in place)";
+  }
+  return "?";
+}
+
+struct PlOut {
+  double loss = 0;
+  std::vector<double> per_token_loss, kl, logp, entropy, lse;
+  std::vector<uint8_t> clipped;
+  std::vector<float> grad;
+};
+
+PlOut run_backend(PlInputs& in, PlEntry e, bool dev, float upstream, bool want_entropy = true) {
+  const int64_t B = in.c.B, L = in.c.L;
+  TestTensor loss(DType::kFloat32, {});
+  TestTensor ptl(DType::kFloat32, {B, L}), kl(DType::kFloat32, {B, L}), logp(DType::kFloat32, {B, L}),
+      ent(DType::kFloat32, {B, L}), lse(DType::kFloat32, {B, L}), clipped(DType::kBool, {B, L});
+  TestTensor grad(in.c.dtype, in.logits.sizes());
+  TestTensor gscale(DType::kFloat32, {});
+  gscale.set(0, upstream);
+  for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &grad}) t->fill_storage_nan();
+  clipped.fill_storage_bytes(0x77);
+  std::optional<TestTensor> inplace;
+  if (e == PlEntry::kInPlace) inplace.emplace(in.logits.clone());
+  if (dev) {
+    in.to_device();
+    for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &grad, &gscale, &clipped}) t->to_device();
+    if (inplace) inplace->to_device();
+  }
+  PolicyLossInputs pin = in.view(dev);
+  if (inplace) pin.logits = inplace->view(dev);
+  PolicyLossOutputs out;
+  out.loss = loss.view(dev);
+  out.per_token_loss = ptl.view(dev);
+  out.kl = kl.view(dev);
+  out.is_clipped = clipped.view(dev);
+  out.logp = logp.view(dev);
+  if (want_entropy) out.entropy = ent.view(dev);
+  out.lse = lse.view(dev);
+  DeviceScratch ws(dev ? policy_loss_workspace_bytes(pin, in.opt) : 0);
+  switch (e) {
+    case PlEntry::kForward: policy_loss_forward(pin, in.opt, out, ws.ws(), nullptr); break;
+    case PlEntry::kForwardBackward:
+      policy_loss_forward_backward(pin, in.opt, out, grad.view(dev), gscale.view(dev), ws.ws(), nullptr);
+      break;
+    case PlEntry::kInPlace:
+      policy_loss_forward_backward(pin, in.opt, out, pin.logits, gscale.view(dev), ws.ws(), nullptr);
+      break;
+  }
+  if (dev) {
+    device_synchronize();
+    for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &grad, &clipped}) t->to_host();
+    if (inplace) inplace->to_host();
+  }
+  PlOut o;
+  o.loss = loss.get(0);
+  for (int64_t t = 0; t < B * L; ++t) {
+    o.per_token_loss.push_back(ptl.get(t));
+    o.kl.push_back(kl.get(t));
+    o.logp.push_back(logp.get(t));
+    o.entropy.push_back(want_entropy ? ent.get(t) : 0.0);
+    o.lse.push_back(lse.get(t));
+    o.clipped.push_back(reinterpret_cast<const uint8_t*>(clipped.host_view().data)[t]);
+  }
+  if (e != PlEntry::kForward) o.grad = (inplace ? *inplace : grad).gather_float();
+  return o;
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v)
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  return m;
+}
+
+// Compares a backend's outputs with expected ones (the reference's, or the CPU backend's).
+void expect_outputs(const PlInputs& in, PlEntry e, const PlOut& got, const PlOut& want, const PlRef& ref,
+                    const std::string& who) {
+  const DType dt = in.c.dtype;
+  const std::string tag = who + " " + entry_name(e);
+  // A logp carries a float32 rounding error of about eps * |lse| (lse - x_id cancels), which the ratio and the
+  // KL pass on, amplified by |A| r and exp(ref - logp): the tolerances scale with those sizes.
+  const double u = std::max(1.0, max_abs(ref.lse));
+  EXPECT_TRUE(all_close(std::vector<double>{got.loss}, std::vector<double>{want.loss},
+                        tolerance(dt, Quantity::kLoss), ref.loss_scale * u, tag + " loss"));
+  EXPECT_TRUE(all_close(got.logp, want.logp, tolerance(dt, Quantity::kLse), u, tag + " logp"));
+  EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), u, tag + " lse"));
+  EXPECT_TRUE(all_close(got.entropy, want.entropy, tolerance(dt, Quantity::kLse), u, tag + " entropy"));
+  double amp = 1;
+  for (int64_t t = 0; t < in.c.B * in.c.L; ++t)
+    if (std::isfinite(ref.kl[t])) amp = std::max(amp, ref.kl[t] + 2 + std::abs(ref.per_token_loss[t]));
+  EXPECT_TRUE(all_close(got.kl, want.kl, tolerance(dt, Quantity::kLoss), amp * u, tag + " kl"));
+  EXPECT_TRUE(all_close(got.per_token_loss, want.per_token_loss, tolerance(dt, Quantity::kLoss), amp * u,
+                        tag + " per_token_loss"));
+  int64_t clip_mismatch = 0, first = -1;
+  for (size_t t = 0; t < got.clipped.size(); ++t)
+    if (got.clipped[t] != want.clipped[t]) clip_mismatch++, first = first < 0 ? static_cast<int64_t>(t) : first;
+  EXPECT_EQ(clip_mismatch, 0) << tag << " is_clipped differs first at token " << first;
+  if (e != PlEntry::kForward) {
+    double gmax = 0;
+    for (float x : want.grad)
+      if (std::isfinite(x)) gmax = std::max(gmax, static_cast<double>(std::abs(x)));
+    const double scale = std::max(gmax, ref.grad_unit * u);
+    EXPECT_TRUE(all_close(got.grad, want.grad, tolerance(dt, Quantity::kGrad), scale, tag + " grad"));
+  }
+}
+
+PlOut from_reference(const PlRef& r) {
+  PlOut o;
+  o.loss = r.loss;
+  o.per_token_loss = r.per_token_loss;
+  o.kl = r.kl;
+  o.logp = r.logp;
+  o.entropy = r.entropy;
+  o.lse = r.lse;
+  o.clipped = r.clipped;
+  o.grad.assign(r.grad.begin(), r.grad.end());
+  return o;
+}
+
+// ---- the case list ---------------------------------------------------------------------------------------------
+std::vector<PlCase> make_cases(bool gpu_suite) {
+  std::vector<PlCase> cases;
+  const PolicyLossType types[] = {PolicyLossType::kGrpo, PolicyLossType::kBnpo, PolicyLossType::kDrGrpo,
+                                  PolicyLossType::kDapo};
+  const ImportanceSamplingLevel levels[] = {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence};
+  const DType dts[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  using Shape = std::array<int64_t, 3>;
+  // CPU: small shapes (the float64 reference is O(B L V) per loss evaluation). GPU: the CPU backend is the
+  // expectation, so larger vocabularies (V=150000 is Qwen's, the benchmark's) and a few hundred rows.
+  const std::vector<Shape> shapes = gpu_suite ? std::vector<Shape>{{3, 5, 1000}, {2, 37, 32003}, {2, 3, 150000},
+                                                                   {4, 64, 4099}}
+                                              : std::vector<Shape>{{3, 5, 37}, {2, 4, 1000}};
+  for (const Shape& s : shapes) {
+    for (DType dt : dts) {
+      // Every loss type at both levels with every option set (mask, old, ref, temperature, clip-higher).
+      for (auto t : types)
+        for (auto l : levels) cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, PlPreset::kFull, t, l});
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kAligned, PlPreset::kFloatMask, PolicyLossType::kGrpo,
+                       ImportanceSamplingLevel::kSequence});
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kStrided, PlPreset::kFloatMask, PolicyLossType::kBnpo,
+                       ImportanceSamplingLevel::kToken});
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kStrided, PlPreset::kSeedLike, PolicyLossType::kGrpo,
+                       ImportanceSamplingLevel::kToken});
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kAligned, PlPreset::kPlain, PolicyLossType::kDrGrpo,
+                       ImportanceSamplingLevel::kToken});
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, PlPreset::kPlain, PolicyLossType::kGrpo,
+                       ImportanceSamplingLevel::kSequence});
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, PlPreset::kDapoGlobal, PolicyLossType::kDapo,
+                       ImportanceSamplingLevel::kToken});
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, PlPreset::kAllMasked, PolicyLossType::kGrpo,
+                       ImportanceSamplingLevel::kToken});
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kAligned, PlPreset::kBadIdNoCheck, PolicyLossType::kBnpo,
+                       ImportanceSamplingLevel::kToken});
+    }
+  }
+  // Edge shapes: one token, one class, an empty batch.
+  for (const Shape& s : {Shape{1, 1, 7}, Shape{2, 3, 1}, Shape{0, 4, 9}, Shape{3, 0, 9}}) {
+    cases.push_back({s[0], s[1], s[2], DType::kFloat32, PlLayout::kShifted, PlPreset::kFull, PolicyLossType::kGrpo,
+                     ImportanceSamplingLevel::kSequence});
+    cases.push_back({s[0], s[1], s[2], DType::kBFloat16, PlLayout::kAligned, PlPreset::kSeedLike,
+                     PolicyLossType::kDapo, ImportanceSamplingLevel::kToken});
+  }
+  return cases;
+}
+
+uint64_t seed_of(const PlCase& c) { return std::hash<std::string>{}(case_name(c)); }
+
+class PolicyLossCpu : public ::testing::TestWithParam<PlCase> {};
+class PolicyLossCuda : public ::testing::TestWithParam<PlCase> {};
+
+const PlEntry kEntries[] = {PlEntry::kForward, PlEntry::kForwardBackward, PlEntry::kInPlace};
+
+TEST_P(PolicyLossCpu, MatchesFloat64Reference) {
+  PlInputs in(GetParam(), seed_of(GetParam()));
+  const float up = 1.25f;
+  const PlRef ref = reference(in, up, true);
+  PlOut want = from_reference(ref);
+  for (PlEntry e : kEntries) {
+    SCOPED_TRACE(entry_name(e));
+    PlOut got = run_backend(in, e, /*dev=*/false, up);
+    // The reference's loss is that of upstream factor 1; only the gradient carries `up`.
+    expect_outputs(in, e, got, want, ref, "cpu");
+    if (e != PlEntry::kForward) {
+      // Masked rows and the unused last position are exactly 0.
+      for (int64_t b = 0; b < in.c.B; ++b)
+        for (int64_t l = 0; l < in.Lg; ++l) {
+          if (l < in.c.L && in.w[b * in.c.L + l] != 0) continue;
+          for (int64_t j = 0; j < in.c.V; ++j) ASSERT_EQ(got.grad[(b * in.Lg + l) * in.c.V + j], 0.f);
+        }
+    }
+  }
+}
+
+TEST_P(PolicyLossCuda, MatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  PlInputs in(GetParam(), seed_of(GetParam()));
+  const float up = 0.75f;
+  const PlRef ref = reference(in, up, false);  // sizes for the tolerances only
+  PlRef sized = ref;
+  // The gradient's natural size from the CPU's own result.
+  const PlOut want = run_backend(in, PlEntry::kForwardBackward, false, up);
+  for (PlEntry e : kEntries) {
+    SCOPED_TRACE(entry_name(e));
+    const PlOut got = run_backend(in, e, /*dev=*/true, up);
+    expect_outputs(in, e, got, want, sized, "cuda");
+  }
+}
+
+// Every CUDA algorithm must agree with the CPU, not only the one kAuto picks; tiles swept too.
+TEST_P(PolicyLossCuda, EveryAlgorithmMatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const PlCase c = GetParam();
+  if (c.preset != PlPreset::kFull && c.preset != PlPreset::kFloatMask) GTEST_SKIP() << "covered by MatchesCpuBackend";
+  PlInputs in(c, seed_of(c) + 3);
+  const float up = 1.5f;
+  const PlRef ref = reference(in, up, false);
+  const PlOut want = run_backend(in, PlEntry::kForwardBackward, false, up);
+  struct Variant {
+    PolicyLossAlgo algo;
+    int cluster, threads;
+  };
+  for (const Variant v : {Variant{PolicyLossAlgo::kStreaming, 0, 0}, Variant{PolicyLossAlgo::kStreaming, 0, 512},
+                          Variant{PolicyLossAlgo::kCluster, 0, 0}, Variant{PolicyLossAlgo::kCluster, 2, 256},
+                          Variant{PolicyLossAlgo::kCluster, 8, 128}}) {
+    SCOPED_TRACE(std::to_string(static_cast<int>(v.algo)) + " cluster " + std::to_string(v.cluster) + " threads " +
+                 std::to_string(v.threads));
+    in.opt.algo = v.algo;
+    in.opt.cluster_size = v.cluster;
+    in.opt.threads = v.threads;
+    try {
+      const PlOut got = run_backend(in, PlEntry::kInPlace, true, up, c.preset == PlPreset::kFull);
+      PlOut w = want;
+      if (c.preset != PlPreset::kFull) w.entropy = got.entropy;  // not requested in this run
+      expect_outputs(in, PlEntry::kInPlace, got, w, ref, "cuda variant");
+    } catch (const Error& err) {
+      const std::string msg = err.what();
+      if (v.algo == PolicyLossAlgo::kCluster && msg.find("algo") != std::string::npos) continue;  // not Hopper
+      throw;
+    }
+  }
+}
+
+std::string param_name(const ::testing::TestParamInfo<PlCase>& info) { return case_name(info.param); }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PolicyLossCpu, ::testing::ValuesIn(make_cases(false)), param_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, PolicyLossCuda, ::testing::ValuesIn(make_cases(true)), param_name);
+
+// ---- the reference itself: its gradient against central differences over the logits ----------------------------
+TEST(PolicyLossReference, GradientMatchesFiniteDifferences) {
+  for (PlPreset preset : {PlPreset::kFull, PlPreset::kSeedLike, PlPreset::kFloatMask}) {
+    for (auto level : {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence}) {
+      for (auto type : {PolicyLossType::kGrpo, PolicyLossType::kDrGrpo}) {
+        PlCase c{2, 3, 5, DType::kFloat32, PlLayout::kShifted, preset, type, level};
+        PlInputs in(c, 17);
+        const PlRef r = reference(in, 1.0, true);
+        const double h = 1e-5;
+        const std::vector<double> base = r.logp;  // the detached logp stays at its unperturbed value
+        for (int64_t k = 0; k < in.logits.numel(); ++k) {
+          auto loss_at = [&](double step) {
+            in.perturb_at = k;
+            in.perturb_by = step;
+            const PlRef q = reference(in, 1.0, false);
+            return reference_loss(in, q.logp, base, nullptr);
+          };
+          const double fp = loss_at(h), fm = loss_at(-h);
+          in.perturb_at = -1;
+          EXPECT_NEAR(r.grad[k], (fp - fm) / (2 * h), 1e-6)
+              << preset_name(preset) << " " << level_name(level) << " " << type_name(type) << " element " << k;
+        }
+      }
+    }
+  }
+}
+
+// The loss and its gradient at the seed's setting by hand: no old policy, so the ratio term is -A per token and
+// the gradient of logp_t is (-A + beta (1 - exp(ref - logp))) times the reduction's factor.
+TEST(PolicyLossReference, SeedSettingByHand) {
+  PlCase c{2, 2, 4, DType::kFloat32, PlLayout::kShifted, PlPreset::kSeedLike, PolicyLossType::kBnpo,
+           ImportanceSamplingLevel::kToken};
+  PlInputs in(c, 5);
+  const PlRef r = reference(in, 1.0, true);
+  double total_w = 0, loss = 0;
+  for (double v : in.w) total_w += v;
+  for (int64_t t = 0; t < 4; ++t) {
+    if (in.w[t] == 0) continue;
+    const double d = in.ref.get(t) - r.logp[t];
+    loss += -in.a(t / 2) + 0.04 * (std::exp(d) - d - 1);
+    EXPECT_NEAR(r.dlogp[t], (-in.a(t / 2) + 0.04 * (1 - std::exp(d))) / total_w, 1e-7);
+  }
+  EXPECT_NEAR(r.loss, loss / total_w, 1e-12);
+}
+
+// ---- selective log-softmax --------------------------------------------------------------------------------------
+struct SelCase {
+  int64_t N, V;
+  DType dtype;
+  bool padded;
+  double temperature;
+};
+std::string sel_name(const SelCase& c) {
+  std::ostringstream os;
+  os << "N" << c.N << "_V" << c.V << "_" << dtype_tag(c.dtype) << (c.padded ? "_padded" : "_contig") << "_T"
+     << static_cast<int>(c.temperature * 10);
+  return os.str();
+}
+
+struct SelRun {
+  std::vector<double> logp, entropy, lse;
+  std::vector<float> grad;
+};
+
+struct SelInputs {
+  SelCase c;
+  TestTensor logits, ids, grad_logp;
+  SelInputs(const SelCase& cs, uint64_t seed) : c(cs) {
+    logits = c.padded ? TestTensor(c.dtype, {c.N, c.V}, {c.V + 3, 1}, 1) : TestTensor(c.dtype, {c.N, c.V});
+    ids = c.padded ? TestTensor(DType::kInt32, {c.N}, {3}) : TestTensor(DType::kInt64, {c.N});
+    logits.fill_storage_nan();
+    logits.fill_normal(seed, 2.f);
+    std::mt19937_64 rng(seed);
+    std::uniform_int_distribution<int64_t> idd(0, c.V - 1);
+    for (int64_t i = 0; i < c.N; ++i) ids.set_index(i, idd(rng));
+    grad_logp = TestTensor(DType::kFloat32, {c.N});
+    std::uniform_real_distribution<float> u(-1.5f, 1.5f);
+    for (int64_t i = 0; i < c.N; ++i) grad_logp.set(i, u(rng));
+  }
+};
+
+SelRun run_selective(SelInputs& in, bool dev) {
+  SelectiveLogSoftmaxOptions o;
+  o.temperature = in.c.temperature;
+  TestTensor logp(DType::kFloat32, {in.c.N}), ent(DType::kFloat32, {in.c.N}), lse(DType::kFloat32, {in.c.N});
+  TestTensor grad(in.c.dtype, {in.c.N, in.c.V});
+  for (TestTensor* t : {&logp, &ent, &lse, &grad}) t->fill_storage_nan();
+  if (dev) {
+    for (TestTensor* t : {&in.logits, &in.ids, &in.grad_logp, &logp, &ent, &lse, &grad}) t->to_device();
+  }
+  DeviceScratch ws(dev ? selective_log_softmax_workspace_bytes(in.logits.view(dev), in.ids.view(dev), o) : 0);
+  selective_log_softmax_forward(in.logits.view(dev), in.ids.view(dev), o, logp.view(dev), ent.view(dev),
+                                lse.view(dev), ws.ws(), nullptr);
+  selective_log_softmax_backward(in.logits.view(dev), in.ids.view(dev), lse.view(dev), in.grad_logp.view(dev), o,
+                                 grad.view(dev), ws.ws(), nullptr);
+  if (dev) {
+    device_synchronize();
+    for (TestTensor* t : {&logp, &ent, &lse, &grad}) t->to_host();
+  }
+  SelRun r;
+  for (int64_t i = 0; i < in.c.N; ++i) {
+    r.logp.push_back(logp.get(i));
+    r.entropy.push_back(ent.get(i));
+    r.lse.push_back(lse.get(i));
+  }
+  r.grad = grad.gather_float();
+  return r;
+}
+
+SelRun selective_reference(const SelInputs& in) {
+  SelRun r;
+  const double T = in.c.temperature;
+  for (int64_t i = 0; i < in.c.N; ++i) {
+    std::vector<double> x(in.c.V);
+    double m = -INFINITY;
+    for (int64_t j = 0; j < in.c.V; ++j) m = std::max(m, x[j] = in.logits.get(i * in.c.V + j) / T);
+    double s = 0;
+    for (double v : x) s += std::exp(v - m);
+    const double lse = m + std::log(s);
+    double h = 0;
+    for (double v : x) h -= std::exp(v - lse) * (v - lse);
+    const int64_t t = in.ids.get_index(i);
+    r.logp.push_back(x[t] - lse);
+    r.lse.push_back(lse);
+    r.entropy.push_back(h);
+    for (int64_t j = 0; j < in.c.V; ++j)
+      r.grad.push_back(static_cast<float>(in.grad_logp.get(i) * ((j == t) - std::exp(x[j] - lse)) / T));
+  }
+  return r;
+}
+
+void expect_selective(const SelInputs& in, const SelRun& got, const SelRun& want, const std::string& who) {
+  const DType dt = in.c.dtype;
+  const double u = std::max(1.0, max_abs(want.lse));
+  EXPECT_TRUE(all_close(got.logp, want.logp, tolerance(dt, Quantity::kLse), u, who + " logp"));
+  EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), u, who + " lse"));
+  EXPECT_TRUE(all_close(got.entropy, want.entropy, tolerance(dt, Quantity::kLse), u, who + " entropy"));
+  double gmax = 1.5 / in.c.temperature;
+  EXPECT_TRUE(all_close(got.grad, want.grad, tolerance(dt, Quantity::kGrad), gmax, who + " grad"));
+}
+
+std::vector<SelCase> sel_cases(bool gpu) {
+  std::vector<SelCase> cases;
+  const std::vector<std::array<int64_t, 2>> shapes =
+      gpu ? std::vector<std::array<int64_t, 2>>{{0, 5}, {1, 1}, {37, 1000}, {5, 150000}, {300, 32003}}
+          : std::vector<std::array<int64_t, 2>>{{0, 5}, {1, 1}, {7, 3}, {9, 1000}};
+  for (auto s : shapes)
+    for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+      for (bool padded : {false, true}) cases.push_back({s[0], s[1], dt, padded, padded ? 0.6 : 1.0});
+  return cases;
+}
+
+class SelectiveLogSoftmaxCpu : public ::testing::TestWithParam<SelCase> {};
+class SelectiveLogSoftmaxCuda : public ::testing::TestWithParam<SelCase> {};
+
+TEST_P(SelectiveLogSoftmaxCpu, MatchesFloat64Reference) {
+  SelInputs in(GetParam(), std::hash<std::string>{}(sel_name(GetParam())));
+  expect_selective(in, run_selective(in, false), selective_reference(in), "cpu");
+}
+
+TEST_P(SelectiveLogSoftmaxCuda, MatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  SelInputs in(GetParam(), std::hash<std::string>{}(sel_name(GetParam())));
+  const SelRun want = run_selective(in, false);
+  expect_selective(in, run_selective(in, true), want, "cuda");
+}
+
+std::string sel_param_name(const ::testing::TestParamInfo<SelCase>& info) { return sel_name(info.param); }
+INSTANTIATE_TEST_SUITE_P(Shapes, SelectiveLogSoftmaxCpu, ::testing::ValuesIn(sel_cases(false)), sel_param_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, SelectiveLogSoftmaxCuda, ::testing::ValuesIn(sel_cases(true)), sel_param_name);
+
+// ---- bad input --------------------------------------------------------------------------------------------------
+std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (kind) *kind = e.kind();
+    return e.what();
+  }
+  return "";
+}
+
+struct SmallPolicy {
+  TestTensor logits{DType::kFloat32, {2, 4, 6}}, ids{DType::kInt64, {2, 3}}, adv{DType::kFloat32, {2}},
+      mask{DType::kInt32, {2, 3}}, ref{DType::kFloat32, {2, 3}}, loss{DType::kFloat32, {}};
+  PolicyLossOptions opt;
+  SmallPolicy() {
+    logits.fill_normal(3, 1.f);
+    for (int64_t i = 0; i < 6; ++i) ids.set_index(i, i % 6), mask.set_index(i, 1), ref.set(i, -2.f);
+    adv.set(0, 1.f), adv.set(1, -1.f);
+  }
+  PolicyLossInputs in() const {
+    PolicyLossInputs p;
+    p.logits = logits.host_view();
+    p.completion_ids = ids.host_view();
+    p.advantages = adv.host_view();
+    p.completion_mask = mask.host_view();
+    p.ref_logp = ref.host_view();
+    return p;
+  }
+  std::string run(const PolicyLossInputs& p) const {
+    PolicyLossOutputs o;
+    o.loss = loss.host_view();
+    return error_of([&] { policy_loss_forward(p, opt, o, {}, nullptr); });
+  }
+};
+
+TEST(PolicyLossErrors, ShapesNameTheArgument) {
+  SmallPolicy s;
+  EXPECT_EQ(s.run(s.in()), "");
+  TestTensor ids3(DType::kInt64, {3, 3}), adv3(DType::kFloat32, {3}), mask2(DType::kInt32, {2, 4}),
+      ref2(DType::kFloat32, {3, 2}), logits_bad(DType::kFloat32, {2, 6, 6}), logits2(DType::kFloat32, {8, 6});
+  auto with = [&](auto f) {
+    PolicyLossInputs p = s.in();
+    f(p);
+    return s.run(p);
+  };
+  EXPECT_NE(with([&](auto& p) { p.completion_ids = ids3.host_view(); }).find("logits: expected shape [3, 4, V]"),
+            std::string::npos);
+  EXPECT_NE(with([&](auto& p) { p.advantages = adv3.host_view(); }).find("advantages: expected shape [2]"),
+            std::string::npos);
+  EXPECT_NE(with([&](auto& p) { p.completion_mask = mask2.host_view(); }).find("completion_mask: expected shape [2, 3]"),
+            std::string::npos);
+  EXPECT_NE(with([&](auto& p) { p.ref_logp = ref2.host_view(); }).find("ref_logp: expected shape [2, 3]"),
+            std::string::npos);
+  EXPECT_NE(with([&](auto& p) { p.logits = logits_bad.host_view(); }).find("logits: expected shape [2, 4, V]"),
+            std::string::npos);
+  EXPECT_NE(with([&](auto& p) { p.logits = logits2.host_view(); }).find("logits"), std::string::npos);
+  TestTensor mask_f16(DType::kFloat16, {2, 3});
+  EXPECT_NE(with([&](auto& p) { p.completion_mask = mask_f16.host_view(); }).find("completion_mask: expected dtype"),
+            std::string::npos);
+  TestTensor ids_f(DType::kFloat32, {2, 3});
+  EXPECT_NE(with([&](auto& p) { p.completion_ids = ids_f.host_view(); }).find("completion_ids: expected dtype int32 or int64"),
+            std::string::npos);
+  TensorView strided = s.logits.host_view();
+  strided.strides[2] = 2;
+  EXPECT_NE(with([&](auto& p) { p.logits = strided; }).find("stride 1"), std::string::npos);
+}
+
+TEST(PolicyLossErrors, OptionsNameTheArgument) {
+  SmallPolicy s;
+  auto with = [&](auto f) {
+    SmallPolicy t;
+    f(t.opt);
+    PolicyLossInputs p = t.in();
+    if (t.opt.beta > 1.0) p.ref_logp = {};  // the KL case below
+    return t.run(p);
+  };
+  EXPECT_NE(with([](auto& o) { o.beta = 2.0; }).find("ref_logp: expected a tensor when beta > 0"), std::string::npos);
+  EXPECT_NE(with([](auto& o) { o.loss_type = PolicyLossType::kDrGrpo; }).find("max_completion_length"),
+            std::string::npos);
+  EXPECT_NE(with([](auto& o) { o.temperature = 0; }).find("temperature"), std::string::npos);
+  EXPECT_NE(with([](auto& o) { o.eps_low = -0.1; }).find("eps_low"), std::string::npos);
+  EXPECT_NE(with([](auto& o) { o.beta = -1; }).find("beta"), std::string::npos);
+  EXPECT_NE(with([](auto& o) { o.num_items_in_batch = -3; }).find("num_items_in_batch"), std::string::npos);
+  EXPECT_NE(with([](auto& o) { o.loss_type = static_cast<PolicyLossType>(9); }).find("loss_type"), std::string::npos);
+  EXPECT_NE(with([](auto& o) { o.threads = 100; }).find("threads"), std::string::npos);
+  (void)s;
+}
+
+TEST(PolicyLossErrors, BadIdNamesFirstUnmaskedToken) {
+  SmallPolicy s;
+  s.ids.set_index(1, 6);    // [0, 1]: masked below, so ignored
+  s.mask.set_index(1, 0);
+  s.ids.set_index(4, -1);   // [1, 1]: the first bad unmasked token
+  s.ids.set_index(5, 99);
+  Error::Kind kind{};
+  const std::string msg = error_of([&] {
+    PolicyLossOutputs o;
+    o.loss = s.loss.host_view();
+    policy_loss_forward(s.in(), s.opt, o, {}, nullptr);
+  }, &kind);
+  EXPECT_NE(msg.find("completion_ids"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[1, 1]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("got -1"), std::string::npos) << msg;
+  EXPECT_EQ(kind, Error::Kind::kInvalidArgument);
+  EXPECT_EQ(s.loss.get(0), 0.f);  // nothing was written
+}
+
+TEST(PolicyLossErrors, GradientBufferMustNotPartiallyOverlap) {
+  SmallPolicy s;
+  TensorView g = s.logits.host_view();
+  g.data = static_cast<float*>(g.data) + 1;
+  PolicyLossOutputs o;
+  o.loss = s.loss.host_view();
+  const std::string msg = error_of([&] { policy_loss_forward_backward(s.in(), s.opt, o, g, {}, {}, nullptr); });
+  EXPECT_NE(msg.find("grad_logits"), std::string::npos) << msg;
+}
+
+TEST(PolicyLossErrors, OutputsAndSelective) {
+  SmallPolicy s;
+  TestTensor small(DType::kFloat32, {5}), clip_f(DType::kFloat32, {2, 3});
+  PolicyLossOutputs o;
+  o.loss = s.loss.host_view();
+  o.kl = small.host_view();
+  EXPECT_NE(error_of([&] { policy_loss_forward(s.in(), s.opt, o, {}, nullptr); }).find("kl: expected 6 elements"),
+            std::string::npos);
+  o.kl = {};
+  o.is_clipped = clip_f.host_view();
+  EXPECT_NE(error_of([&] { policy_loss_forward(s.in(), s.opt, o, {}, nullptr); }).find("is_clipped: expected dtype bool"),
+            std::string::npos);
+
+  TestTensor logits(DType::kFloat32, {4, 5}), ids(DType::kInt64, {4}), logp(DType::kFloat32, {4}),
+      ids3(DType::kInt64, {3});
+  logits.fill_normal(1, 1.f);
+  for (int64_t i = 0; i < 4; ++i) ids.set_index(i, i);
+  SelectiveLogSoftmaxOptions so;
+  EXPECT_EQ(error_of([&] {
+              selective_log_softmax_forward(logits.host_view(), ids.host_view(), so, logp.host_view(), {}, {}, {},
+                                            nullptr);
+            }),
+            "");
+  EXPECT_NE(error_of([&] {
+              selective_log_softmax_forward(logits.host_view(), ids3.host_view(), so, logp.host_view(), {}, {}, {},
+                                            nullptr);
+            }).find("ids: expected shape [4]"),
+            std::string::npos);
+  ids.set_index(2, 5);
+  EXPECT_NE(error_of([&] {
+              selective_log_softmax_forward(logits.host_view(), ids.host_view(), so, logp.host_view(), {}, {}, {},
+                                            nullptr);
+            }).find("ids: expected values in [0, 5), got 5 at row 2"),
+            std::string::npos);
+  so.temperature = -1;
+  EXPECT_NE(error_of([&] {
+              selective_log_softmax_forward(logits.host_view(), ids.host_view(), so, logp.host_view(), {}, {}, {},
+                                            nullptr);
+            }).find("temperature"),
+            std::string::npos);
+}
+
+TEST(PolicyLossCudaErrors, BadIdAndWorkspaceOnGpu) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  SmallPolicy s;
+  s.ids.set_index(3, 6);
+  for (TestTensor* t : {&s.logits, &s.ids, &s.adv, &s.mask, &s.ref, &s.loss}) t->to_device();
+  PolicyLossInputs p;
+  p.logits = s.logits.view(true);
+  p.completion_ids = s.ids.view(true);
+  p.advantages = s.adv.view(true);
+  p.completion_mask = s.mask.view(true);
+  p.ref_logp = s.ref.view(true);
+  PolicyLossOutputs o;
+  o.loss = s.loss.view(true);
+  EXPECT_NE(error_of([&] { policy_loss_forward(p, s.opt, o, {}, nullptr); }).find("workspace: expected >="),
+            std::string::npos);
+  DeviceScratch ws(policy_loss_workspace_bytes(p, s.opt));
+  const std::string msg = error_of([&] { policy_loss_forward(p, s.opt, o, ws.ws(), nullptr); });
+  EXPECT_NE(msg.find("completion_ids"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[1, 0]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("got 6"), std::string::npos) << msg;
+}
+
+// B * (L+1) * V > 2^31: element offsets past the int32 range. GPU only (4.9 GB of bf16 logits); rows near the
+// end are compared with the CPU backend one token at a time.
+TEST(PolicyLossLarge, BeyondInt32Offsets) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const int64_t B = 2, L = 8192, V = 150000;
+  ASSERT_GT(B * (L + 1) * V, int64_t{1} << 31);
+  TestTensor logits(DType::kBFloat16, {B, L + 1, V}), ids(DType::kInt64, {B, L}), adv(DType::kFloat32, {B}),
+      loss(DType::kFloat32, {}), logp(DType::kFloat32, {B, L});
+  logits.fill_normal(77, 2.f);
+  std::mt19937_64 rng(77);
+  std::uniform_int_distribution<int64_t> idd(0, V - 1);
+  for (int64_t i = 0; i < B * L; ++i) ids.set_index(i, idd(rng));
+  adv.set(0, 0.5f), adv.set(1, -1.25f);
+  PolicyLossOptions o;
+  o.beta = 0;
+  o.loss_type = PolicyLossType::kBnpo;
+  for (TestTensor* t : {&logits, &ids, &adv, &loss, &logp}) t->to_device();
+  PolicyLossInputs in;
+  in.logits = logits.view(true);
+  in.completion_ids = ids.view(true);
+  in.advantages = adv.view(true);
+  PolicyLossOutputs out;
+  out.loss = loss.view(true);
+  out.logp = logp.view(true);
+  DeviceScratch ws(policy_loss_workspace_bytes(in, o));
+  policy_loss_forward_backward(in, o, out, in.logits, {}, ws.ws(), nullptr);  // in place
+  device_synchronize();
+  logp.to_host();
+  // Without old_logp the gradient of token t is (-A / count) ([j == id] - p_j): check the last tokens' rows.
+  const int64_t es = 2;
+  std::vector<uint16_t> row(V);
+  for (int64_t t : {int64_t{0}, B * L - 2, B * L - 1}) {
+    const int64_t b = t / L, l = t % L;
+    double m = -INFINITY, s = 0;
+    std::vector<double> x(V);
+    for (int64_t j = 0; j < V; ++j) m = std::max(m, x[j] = logits.get((b * (L + 1) + l) * V + j));
+    for (double v : x) s += std::exp(v - m);
+    const double lse = m + std::log(s);
+    const int64_t id = ids.get_index(t);
+    EXPECT_NEAR(logp.get(t), x[id] - lse, 1e-4) << t;
+    test_copy_device_to_host(row.data(),
+                             static_cast<const char*>(logits.view(true).data) + (b * (L + 1) + l) * V * es, V * es);
+    const double c = -adv.get(b) / static_cast<double>(B * L);
+    std::vector<double> got(V), want(V);
+    for (int64_t j = 0; j < V; ++j) {
+      got[j] = bf16_bits_to_float(row[j]);
+      want[j] = c * ((j == id) - std::exp(x[j] - lse));
+    }
+    EXPECT_TRUE(all_close(got, want, tolerance(DType::kBFloat16, Quantity::kGrad), std::abs(c), "row"));
+  }
+  // The unused last position of the last sequence is zero.
+  test_copy_device_to_host(row.data(), static_cast<const char*>(logits.view(true).data) + ((B - 1) * (L + 1) + L) * V * es,
+                           V * es);
+  for (int64_t j = 0; j < V; ++j) ASSERT_EQ(row[j], 0) << j;
+}
+
+}  // namespace
+}  // namespace logitless::test
