@@ -6,6 +6,9 @@ set(LOGITLESS_CXX_SOURCES
   src/cross_entropy/api.cpp
   src/cross_entropy/cpu.cpp
   src/cross_entropy/cuda/plan.cpp
+  src/linear_cross_entropy/api.cpp
+  src/linear_cross_entropy/cpu.cpp
+  src/linear_cross_entropy/cuda/plan.cpp
   src/policy_loss/api.cpp
   src/policy_loss/cpu.cpp
   src/policy_loss/cuda/plan.cpp
@@ -15,10 +18,13 @@ set(LOGITLESS_CXX_SOURCES
 )
 # Compiled only with the CUDA backend.
 set(LOGITLESS_CUDA_SOURCES
+  src/common/cuda/cublas.cpp
   src/common/cuda/device_info.cu
   src/cross_entropy/cuda/launch.cu
   src/cross_entropy/cuda/row_resident.cu
   src/cross_entropy/cuda/streaming.cu
+  src/linear_cross_entropy/cuda/generic.cpp
+  src/linear_cross_entropy/cuda/kernels.cu
   src/policy_loss/cuda/launch.cu
   src/policy_loss/cuda/rows.cu
   src/rms_norm/cuda/forward.cu

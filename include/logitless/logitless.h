@@ -3,6 +3,7 @@
 
 #include "logitless/cross_entropy.h"
 #include "logitless/error.h"
+#include "logitless/linear_cross_entropy.h"
 #include "logitless/policy_loss.h"
 #include "logitless/rms_norm.h"
 #include "logitless/tensor.h"

@@ -1,0 +1,122 @@
+// logitless: fused linear cross-entropy. The loss of a language model's head, and its gradients, from the
+// last hidden states: the logits hidden · weightᵀ (+ bias) exist only a chunk at a time, in scratch.
+//
+// Shapes (N = number of tokens = product of the leading dimensions of `hidden`, H = hidden size, V = vocabulary):
+//   hidden        [*, H]  fp32 / fp16 / bf16; last dimension contiguous (stride 1); leading dimensions may
+//                         have any strides (a view such as h[:, :-1, :] needs no copy from the caller: rows
+//                         with one common stride >= H go to the GEMMs as they are, other layouts are copied
+//                         into the workspace first)
+//   weight        [V, H]  hidden's dtype (the lm_head / tied-embedding layout); last dimension contiguous,
+//                         row stride >= H
+//   bias          [V]     optional, hidden's dtype or float32, any stride
+//   target        [*]     int32 or int64, hidden's leading shape, any strides
+//   class_weight  [V]     float32, optional per-class weights (torch's cross-entropy `weight`), any stride
+//   loss          []      float32 for reduction sum/mean; [*] (N elements, contiguous) for reduction none
+//   lse           [*]     float32, N elements, contiguous: per-token log-sum-exp of the (soft-capped) logits;
+//                         optional in the forward, required by the backward (it is what the forward saves)
+//   grad_hidden   [*, H]  optional: hidden's dtype or float32, hidden's shape, last dimension contiguous,
+//                         rows with one common stride >= H (a fresh contiguous tensor always qualifies)
+//   grad_weight   [V, H]  optional: weight's dtype or float32, last dimension contiguous, row stride >= H
+//   grad_bias     [V]     optional: bias's dtype or float32, any stride
+// An absent (undefined) gradient output is not computed: a frozen lm_head costs no weight-gradient GEMM.
+//
+// The loss is the cross-entropy family's (include/logitless/cross_entropy.h) over the logits
+//   z_i = hidden_i · weightᵀ + bias        (bias 0 when absent)
+// with every option meaning what it means there: ignore_index, reductions (mean divides by the summed class
+// weights of the tokens not ignored; a mean over no tokens is 0 with gradient 0), label_smoothing, z_loss,
+// softcap (applied to z), class weights, and check_targets. With g = d(loss)/dz (the cross-entropy gradient
+// of the logits, times the upstream gradient):
+//   grad_hidden = g · weight      grad_weight = gᵀ · hidden      grad_bias = column sums of g
+//
+// Two exact schedules (they differ in memory and time, not in what they compute):
+//  * gradient in the forward (`linear_cross_entropy_forward_backward`, reduction sum/mean): one pass over
+//    token chunks computes, per chunk, the logits, their softmax statistics, the gradient of the chunk's
+//    logits, and the chunk's contribution to all three gradients: three GEMMs in all. The loss's backward
+//    then only multiplies the gradients by the upstream gradient (what a training step's loss.backward()
+//    passes is 1.0).
+//  * recompute (`linear_cross_entropy_forward`, then `linear_cross_entropy_backward`; needed for reduction
+//    none, whose upstream gradient is known only in the backward): the forward keeps the per-token lse; the
+//    backward recomputes the logits a vocabulary chunk at a time: four GEMMs in all, and no full-size float32
+//    gradient accumulator (each chunk of vocabulary rows of grad_weight is final when written).
+//
+// Precision (CUDA): the GEMMs accumulate in float32; each chunk of logits is kept in float32, so the loss is
+// as exact as a float32 computation from the same inputs (a bf16 chunk would round every logit by up to
+// 2^-9 relative, about 1e-3 of a typical loss); the gradient of the logits is rounded to the inputs' dtype
+// (the GEMMs that consume it need it there, as torch's own bf16 backward does); grad_weight sums over token
+// chunks in float32 and is rounded once at the end.
+//
+// CUDA scratch (*_workspace_bytes; the caller allocates it, e.g. from PyTorch's caching allocator):
+// a chunk of float32 logits and the gradient of the chunk's logits in the inputs' dtype, sized from
+// options.memory_budget; plus, where grad_weight is 16-bit and the tokens do not fit one chunk, a float32
+// grad_weight accumulator (4·V·H bytes); the gradient-in-forward schedule holds the logits' gradient of
+// every token at once instead whenever that takes no more than the budget plus that accumulator (one
+// weight-gradient GEMM, no accumulation). The recompute backward's float32 grad_hidden accumulator (4·N·H
+// bytes, when grad_hidden is 16-bit and the vocabulary takes more than one chunk) comes on top of the budget
+// likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB before), so the GEMMs allocate
+// nothing and the calls can be captured in a CUDA graph. cuBLAS runs through one handle per device and host
+// thread, created by the first call (make that call before any graph capture, as a warm-up does).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "logitless/cross_entropy.h"
+#include "logitless/tensor.h"
+
+namespace logitless {
+
+struct LinearCrossEntropyOptions {
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::kMean;
+  double label_smoothing = 0.0;  // in [0, 1]
+  double z_loss = 0.0;           // >= 0: adds z_loss * lse^2 per token
+  double softcap = 0.0;          // > 0 caps the logits as softcap * tanh(z / softcap); 0 = off
+  bool check_targets = true;     // throw on a target outside [0, V) (skipped while a CUDA graph is captured)
+  // CUDA chunking. 0: chosen from memory_budget. chunk_tokens: tokens whose logits' gradient is held at once
+  // (the forward's and the gradient-in-forward schedule's chunk); chunk_vocab: vocabulary rows per chunk of
+  // the recompute backward.
+  int64_t chunk_tokens = 0;
+  int64_t chunk_vocab = 0;
+  size_t memory_budget = size_t{512} << 20;  // bytes of chunk scratch (see above); >= 1
+};
+
+// Bytes of scratch each CUDA entry point needs for these arguments (0 on the CPU). Pass the tensors the call
+// will get (undefined gradient outputs: not computed).
+size_t linear_cross_entropy_forward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                    const TensorView& target,
+                                                    const LinearCrossEntropyOptions& options);
+size_t linear_cross_entropy_forward_backward_workspace_bytes(
+    const TensorView& hidden, const TensorView& weight, const TensorView& target, const TensorView& grad_hidden,
+    const TensorView& grad_weight, const TensorView& grad_bias, const LinearCrossEntropyOptions& options);
+size_t linear_cross_entropy_backward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                     const TensorView& target, const TensorView& grad_hidden,
+                                                     const TensorView& grad_weight, const TensorView& grad_bias,
+                                                     const LinearCrossEntropyOptions& options);
+
+// The loss (and optional lse) only: one GEMM over token chunks.
+void linear_cross_entropy_forward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                  const TensorView& target, const TensorView& class_weight,
+                                  const LinearCrossEntropyOptions& options, const TensorView& loss,
+                                  const TensorView& lse, Workspace workspace, StreamHandle stream);
+
+// The gradient-in-forward schedule: the loss and the gradients of the reduced loss, times `grad_scale` when
+// given (float32 on the device: [] for sum/mean, [*] per token for none; read on the device, so no
+// synchronization), times 1 otherwise.
+void linear_cross_entropy_forward_backward(const TensorView& hidden, const TensorView& weight,
+                                           const TensorView& bias, const TensorView& target,
+                                           const TensorView& class_weight, const LinearCrossEntropyOptions& options,
+                                           const TensorView& loss, const TensorView& lse,
+                                           const TensorView& grad_hidden, const TensorView& grad_weight,
+                                           const TensorView& grad_bias, const TensorView& grad_scale,
+                                           Workspace workspace, StreamHandle stream);
+
+// The recompute schedule's backward: the gradients times grad_loss (float32: [] for sum/mean, [*] for none),
+// from the lse the forward returned. Targets are not checked again (the forward did).
+void linear_cross_entropy_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                   const TensorView& target, const TensorView& class_weight,
+                                   const TensorView& lse, const TensorView& grad_loss,
+                                   const LinearCrossEntropyOptions& options, const TensorView& grad_hidden,
+                                   const TensorView& grad_weight, const TensorView& grad_bias, Workspace workspace,
+                                   StreamHandle stream);
+
+}  // namespace logitless

@@ -1,0 +1,347 @@
+// Linear cross-entropy: argument validation and dispatch. Every check happens here, before any backend
+// runs, so a bad call never touches memory.
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "common/check.h"
+#include "linear_cross_entropy/problem.h"
+#include "logitless/linear_cross_entropy.h"
+
+namespace logitless {
+namespace {
+
+using lce::Matrix;
+using lce::Mode;
+using lce::Problem;
+
+void check_options(const LinearCrossEntropyOptions& o) {
+  LOGITLESS_CHECK_ARG(o.reduction == Reduction::kNone || o.reduction == Reduction::kSum ||
+                          o.reduction == Reduction::kMean,
+                      "reduction", "none, sum or mean", static_cast<int>(o.reduction));
+  LOGITLESS_CHECK_ARG(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0, "label_smoothing",
+                      "a value in [0, 1]", o.label_smoothing);
+  LOGITLESS_CHECK_ARG(o.z_loss >= 0.0 && std::isfinite(o.z_loss), "z_loss", "a finite value >= 0", o.z_loss);
+  LOGITLESS_CHECK_ARG(o.softcap >= 0.0 && std::isfinite(o.softcap), "softcap",
+                      "a finite value > 0 (or 0 for no cap)", o.softcap);
+  LOGITLESS_CHECK_ARG(o.chunk_tokens >= 0, "chunk_tokens", "a count >= 1 (or 0: from memory_budget)", o.chunk_tokens);
+  LOGITLESS_CHECK_ARG(o.chunk_vocab >= 0, "chunk_vocab", "a count >= 1 (or 0: from memory_budget)", o.chunk_vocab);
+  LOGITLESS_CHECK_ARG(o.memory_budget >= 1, "memory_budget", "at least 1 byte", o.memory_budget);
+}
+
+// cuBLAS takes 32-bit sizes and leading dimensions.
+void check_gemm_extent(int64_t value, const char* name, const char* what) {
+  LOGITLESS_CHECK_ARG(value <= std::numeric_limits<int32_t>::max(), name,
+                      str_cat(what, " below 2^31 (cuBLAS's 32-bit sizes)"), value);
+}
+
+// The one row stride of a tensor's rows when its leading dimensions collapse to a single strided dimension,
+// or -1. Rows of a single-row tensor may be given any stride (`extent` then stands in).
+int64_t uniform_row_stride(const TensorView& t, const char* name, int64_t extent) {
+  const RowLayout L = collapse_rows(t.sizes, t.ndim - 1, {t.strides}, name)[0];
+  int64_t rows = 1;
+  for (int d = 0; d + 1 < t.ndim; ++d) rows *= t.sizes[d];
+  if (rows <= 1) return extent;
+  return L.nd == 1 ? L.strides[0] : -1;
+}
+
+// [first, last) bytes a view can touch (empty for no elements).
+std::pair<const char*, const char*> byte_span(const TensorView& t) {
+  if (!t.defined() || t.numel() == 0) return {nullptr, nullptr};
+  int64_t hi = 0;
+  for (int d = 0; d < t.ndim; ++d) hi += (t.sizes[d] - 1) * t.strides[d];
+  const char* b = static_cast<const char*>(t.data);
+  return {b, b + (hi + 1) * dtype_size(t.dtype)};
+}
+
+void check_disjoint(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name) {
+  const auto a = byte_span(out), b = byte_span(other);
+  if (!a.first || !b.first) return;
+  LOGITLESS_CHECK_ARG(a.second <= b.first || b.second <= a.first, out_name,
+                      str_cat("memory that does not overlap ", other_name), "an overlapping buffer");
+}
+
+// hidden, weight and target, and the options: what every entry point (and every workspace query) takes.
+Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weight, const TensorView& target,
+                     const LinearCrossEntropyOptions& o) {
+  check_options(o);
+  check_defined(hidden, "hidden");
+  check_float_dtype(hidden, "hidden");
+  LOGITLESS_CHECK_ARG(hidden.ndim >= 1, "hidden", "at least 1 dimension ([*, H])", "a 0-d tensor");
+  LOGITLESS_CHECK_ARG(hidden.device.type == DeviceType::kCPU || hidden.device.type == DeviceType::kCUDA, "hidden",
+                      "a CPU or CUDA tensor", static_cast<int>(hidden.device.type));
+  const int64_t H = hidden.size(-1);
+  LOGITLESS_CHECK_ARG(H >= 1, "hidden", "a last dimension (hidden size) of size >= 1",
+                      str_cat("shape ", shape_str(hidden)));
+  LOGITLESS_CHECK_ARG(hidden.stride(-1) == 1 || H == 1, "hidden", "a last dimension with stride 1",
+                      str_cat("stride ", hidden.stride(-1)));
+  check_nonnull(hidden, "hidden");
+  const Device dev = hidden.device;
+
+  check_defined(weight, "weight");
+  LOGITLESS_CHECK_ARG(weight.dtype == hidden.dtype, "weight", str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's)"),
+                      dtype_name(weight.dtype));
+  check_device(weight, "weight", dev);
+  LOGITLESS_CHECK_ARG(weight.ndim == 2 && weight.sizes[1] == H, "weight", str_cat("shape [V, ", H, "] ([V, H], H from hidden)"),
+                      str_cat("shape ", shape_str(weight)));
+  const int64_t V = weight.sizes[0];
+  LOGITLESS_CHECK_ARG(V >= 1, "weight", "a vocabulary (first dimension) of size >= 1", str_cat("shape ", shape_str(weight)));
+  LOGITLESS_CHECK_ARG(weight.strides[1] == 1 || H == 1, "weight", "a last dimension with stride 1",
+                      str_cat("stride ", weight.strides[1]));
+  LOGITLESS_CHECK_ARG(weight.strides[0] >= H || V == 1, "weight", str_cat("a row stride >= ", H, " (rows that do not overlap)"),
+                      str_cat("stride ", weight.strides[0]));
+  check_nonnull(weight, "weight");
+
+  check_defined(target, "target");
+  check_index_dtype(target, "target");
+  check_device(target, "target", dev);
+  check_shape(target, "target", hidden, hidden.ndim - 1, "the leading dimensions of hidden");
+  check_nonnull(target, "target");
+
+  Problem p;
+  p.mode = mode;
+  p.n_tokens = target.numel();
+  p.hidden = H;
+  p.vocab = V;
+  p.dtype = hidden.dtype;
+  p.device = dev;
+  p.options = o;
+  p.hidden_data = hidden.data;
+  p.hidden_rows = collapse_rows(hidden.sizes, hidden.ndim - 1, {hidden.strides}, "hidden")[0];
+  const int64_t ld = uniform_row_stride(hidden, "hidden", H);
+  p.hidden_uniform = ld >= H;  // stride 0 (a broadcast) or overlapping rows: a GEMM cannot read them in place
+  p.hidden_ld = p.hidden_uniform ? ld : H;
+  p.weight = Matrix{weight.data, weight.dtype, V == 1 ? H : weight.strides[0]};
+  p.target = target.data;
+  p.target_dtype = target.dtype;
+  p.target_rows = collapse_rows(target.sizes, target.ndim, {target.strides}, "target")[0];
+  if (dev.type == DeviceType::kCUDA) {
+    check_gemm_extent(p.n_tokens, "hidden", "a token count");
+    check_gemm_extent(V, "weight", "a vocabulary size");
+    check_gemm_extent(p.hidden_ld, "hidden", "a row stride");
+    check_gemm_extent(p.weight.ld, "weight", "a row stride");
+  }
+  return p;
+}
+
+// The gradient outputs (any may be absent). `bias` is null when only sizing a workspace.
+void add_grads(Problem& p, const TensorView& hidden, const TensorView& weight, const TensorView* bias,
+               const TensorView& grad_hidden, const TensorView& grad_weight, const TensorView& grad_bias) {
+  const int64_t H = p.hidden, V = p.vocab;
+  if (grad_hidden.defined()) {
+    check_defined(grad_hidden, "grad_hidden");
+    LOGITLESS_CHECK_ARG(grad_hidden.dtype == hidden.dtype || grad_hidden.dtype == DType::kFloat32, "grad_hidden",
+                        str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's) or float32"),
+                        dtype_name(grad_hidden.dtype));
+    check_device(grad_hidden, "grad_hidden", p.device);
+    check_shape(grad_hidden, "grad_hidden", hidden, hidden.ndim, "the shape of hidden");
+    LOGITLESS_CHECK_ARG(grad_hidden.stride(-1) == 1 || H == 1, "grad_hidden", "a last dimension with stride 1",
+                        str_cat("stride ", grad_hidden.stride(-1)));
+    check_nonnull(grad_hidden, "grad_hidden");
+    const int64_t ld = uniform_row_stride(grad_hidden, "grad_hidden", H);
+    LOGITLESS_CHECK_ARG(ld >= H, "grad_hidden",
+                        str_cat("rows with one common stride >= ", H, " (e.g. a contiguous tensor)"),
+                        "rows a GEMM cannot write in place");
+    if (p.device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_hidden", "a row stride");
+    p.grad_hidden = Matrix{grad_hidden.data, grad_hidden.dtype, ld};
+  }
+  if (grad_weight.defined()) {
+    check_defined(grad_weight, "grad_weight");
+    LOGITLESS_CHECK_ARG(grad_weight.dtype == weight.dtype || grad_weight.dtype == DType::kFloat32, "grad_weight",
+                        str_cat("dtype ", dtype_name(weight.dtype), " (weight's) or float32"),
+                        dtype_name(grad_weight.dtype));
+    check_device(grad_weight, "grad_weight", p.device);
+    check_shape(grad_weight, "grad_weight", weight, 2, "the shape of weight");
+    LOGITLESS_CHECK_ARG(grad_weight.strides[1] == 1 || H == 1, "grad_weight", "a last dimension with stride 1",
+                        str_cat("stride ", grad_weight.strides[1]));
+    LOGITLESS_CHECK_ARG(grad_weight.strides[0] >= H || V == 1, "grad_weight",
+                        str_cat("a row stride >= ", H, " (rows that do not overlap)"),
+                        str_cat("stride ", grad_weight.strides[0]));
+    check_nonnull(grad_weight, "grad_weight");
+    const int64_t ld = V == 1 ? H : grad_weight.strides[0];
+    if (p.device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_weight", "a row stride");
+    p.grad_weight = Matrix{grad_weight.data, grad_weight.dtype, ld};
+  }
+  if (grad_bias.defined()) {
+    check_defined(grad_bias, "grad_bias");
+    if (bias) {
+      LOGITLESS_CHECK_ARG(bias->defined(), "grad_bias", "None (there is no bias)", "a tensor");
+      LOGITLESS_CHECK_ARG(grad_bias.dtype == bias->dtype || grad_bias.dtype == DType::kFloat32, "grad_bias",
+                          str_cat("dtype ", dtype_name(bias->dtype), " (bias's) or float32"),
+                          dtype_name(grad_bias.dtype));
+    } else {
+      check_float_dtype(grad_bias, "grad_bias");
+    }
+    check_device(grad_bias, "grad_bias", p.device);
+    check_ndim(grad_bias, "grad_bias", 1);
+    LOGITLESS_CHECK_ARG(grad_bias.sizes[0] == V, "grad_bias", str_cat("shape [", V, "] (one per class)"),
+                        str_cat("shape ", shape_str(grad_bias)));
+    check_nonnull(grad_bias, "grad_bias");
+    p.grad_bias = grad_bias.data;
+    p.grad_bias_dtype = grad_bias.dtype;
+    p.grad_bias_stride = grad_bias.strides[0];
+  }
+}
+
+void add_inputs(Problem& p, const TensorView& bias, const TensorView& class_weight) {
+  if (bias.defined()) {
+    check_defined(bias, "bias");
+    LOGITLESS_CHECK_ARG(bias.dtype == p.dtype || bias.dtype == DType::kFloat32, "bias",
+                        str_cat("dtype ", dtype_name(p.dtype), " (hidden's) or float32"), dtype_name(bias.dtype));
+    check_device(bias, "bias", p.device);
+    check_ndim(bias, "bias", 1);
+    LOGITLESS_CHECK_ARG(bias.sizes[0] == p.vocab, "bias", str_cat("shape [", p.vocab, "] (one per class, V from weight)"),
+                        str_cat("shape ", shape_str(bias)));
+    check_nonnull(bias, "bias");
+    p.bias = bias.data;
+    p.bias_dtype = bias.dtype;
+    p.bias_stride = bias.strides[0];
+  }
+  if (class_weight.defined()) {
+    check_defined(class_weight, "class_weight");
+    check_dtype(class_weight, "class_weight", DType::kFloat32);
+    check_device(class_weight, "class_weight", p.device);
+    check_ndim(class_weight, "class_weight", 1);
+    LOGITLESS_CHECK_ARG(class_weight.sizes[0] == p.vocab, "class_weight",
+                        str_cat("shape [", p.vocab, "] (one weight per class)"), str_cat("shape ", shape_str(class_weight)));
+    check_nonnull(class_weight, "class_weight");
+    p.class_weight = static_cast<const float*>(class_weight.data);
+    p.class_weight_stride = class_weight.strides[0];
+  }
+}
+
+// A float32 tensor of `n` elements, contiguous.
+float* check_row_vector(const TensorView& t, const char* name, int64_t n, const Device& dev, const char* what) {
+  check_defined(t, name);
+  check_dtype(t, name, DType::kFloat32);
+  check_device(t, name, dev);
+  check_numel(t, name, n, what);
+  check_contiguous(t, name);
+  check_nonnull(t, name);
+  return static_cast<float*>(t.data);
+}
+
+void add_forward_outputs(Problem& p, const TensorView& loss, const TensorView& lse) {
+  const bool none = p.options.reduction == Reduction::kNone;
+  p.loss = check_row_vector(loss, "loss", none ? p.n_tokens : 1, p.device,
+                            none ? "one per token for reduction none" : "a scalar for reduction sum or mean");
+  if (lse.defined()) p.lse = check_row_vector(lse, "lse", p.n_tokens, p.device, "one per token");
+}
+
+const float* upstream(const Problem& p, const TensorView& t, const char* name) {
+  const bool none = p.options.reduction == Reduction::kNone;
+  return check_row_vector(t, name, none ? p.n_tokens : 1, p.device,
+                          none ? "one per token for reduction none" : "a scalar for reduction sum or mean");
+}
+
+// No gradient output may share memory with an input or with another output: the GEMMs read the inputs
+// while writing the gradients.
+void check_no_aliasing(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                       const TensorView& grad_hidden, const TensorView& grad_weight, const TensorView& grad_bias) {
+  const std::pair<const TensorView*, const char*> ins[] = {{&hidden, "hidden"}, {&weight, "weight"}, {&bias, "bias"}};
+  const std::pair<const TensorView*, const char*> outs[] = {
+      {&grad_hidden, "grad_hidden"}, {&grad_weight, "grad_weight"}, {&grad_bias, "grad_bias"}};
+  for (const auto& o : outs) {
+    for (const auto& i : ins) check_disjoint(*o.first, o.second, *i.first, i.second);
+    for (const auto& o2 : outs)
+      if (o.first != o2.first) check_disjoint(*o.first, o.second, *o2.first, o2.second);
+  }
+}
+
+size_t workspace_bytes(const Problem& p) {
+  if (p.device.type != DeviceType::kCUDA) return 0;
+#if defined(LOGITLESS_WITH_CUDA)
+  return lce::cuda_workspace_bytes(p);
+#else
+  return 0;
+#endif
+}
+
+void dispatch(const Problem& p, Workspace ws, StreamHandle stream) {
+  if (p.device.type == DeviceType::kCPU) {
+    lce::run_cpu(p);
+    return;
+  }
+#if defined(LOGITLESS_WITH_CUDA)
+  const size_t need = lce::cuda_workspace_bytes(p);
+  LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
+  LOGITLESS_CHECK_ARG(need == 0 || ws.data != nullptr, "workspace", "a non-null pointer", "nullptr");
+  lce::run_cuda(p, ws, stream);
+#else
+  (void)ws;
+  (void)stream;
+  throw_runtime("linear_cross_entropy: logitless was built without its CUDA backend; CUDA tensors are not supported");
+#endif
+}
+
+}  // namespace
+
+size_t linear_cross_entropy_forward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                    const TensorView& target,
+                                                    const LinearCrossEntropyOptions& options) {
+  return workspace_bytes(base_problem(Mode::kForward, hidden, weight, target, options));
+}
+
+size_t linear_cross_entropy_forward_backward_workspace_bytes(
+    const TensorView& hidden, const TensorView& weight, const TensorView& target, const TensorView& grad_hidden,
+    const TensorView& grad_weight, const TensorView& grad_bias, const LinearCrossEntropyOptions& options) {
+  Problem p = base_problem(Mode::kForwardBackward, hidden, weight, target, options);
+  add_grads(p, hidden, weight, nullptr, grad_hidden, grad_weight, grad_bias);
+  return workspace_bytes(p);
+}
+
+size_t linear_cross_entropy_backward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                     const TensorView& target, const TensorView& grad_hidden,
+                                                     const TensorView& grad_weight, const TensorView& grad_bias,
+                                                     const LinearCrossEntropyOptions& options) {
+  Problem p = base_problem(Mode::kBackward, hidden, weight, target, options);
+  add_grads(p, hidden, weight, nullptr, grad_hidden, grad_weight, grad_bias);
+  return workspace_bytes(p);
+}
+
+void linear_cross_entropy_forward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                  const TensorView& target, const TensorView& class_weight,
+                                  const LinearCrossEntropyOptions& options, const TensorView& loss,
+                                  const TensorView& lse, Workspace workspace, StreamHandle stream) {
+  Problem p = base_problem(Mode::kForward, hidden, weight, target, options);
+  add_inputs(p, bias, class_weight);
+  add_forward_outputs(p, loss, lse);
+  dispatch(p, workspace, stream);
+}
+
+void linear_cross_entropy_forward_backward(const TensorView& hidden, const TensorView& weight,
+                                           const TensorView& bias, const TensorView& target,
+                                           const TensorView& class_weight, const LinearCrossEntropyOptions& options,
+                                           const TensorView& loss, const TensorView& lse,
+                                           const TensorView& grad_hidden, const TensorView& grad_weight,
+                                           const TensorView& grad_bias, const TensorView& grad_scale,
+                                           Workspace workspace, StreamHandle stream) {
+  Problem p = base_problem(Mode::kForwardBackward, hidden, weight, target, options);
+  add_inputs(p, bias, class_weight);
+  add_grads(p, hidden, weight, &bias, grad_hidden, grad_weight, grad_bias);
+  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
+  add_forward_outputs(p, loss, lse);
+  if (grad_scale.defined()) {
+    p.grad_scale = upstream(p, grad_scale, "grad_scale");
+    p.grad_scale_per_row = options.reduction == Reduction::kNone;
+  }
+  dispatch(p, workspace, stream);
+}
+
+void linear_cross_entropy_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                   const TensorView& target, const TensorView& class_weight,
+                                   const TensorView& lse, const TensorView& grad_loss,
+                                   const LinearCrossEntropyOptions& options, const TensorView& grad_hidden,
+                                   const TensorView& grad_weight, const TensorView& grad_bias, Workspace workspace,
+                                   StreamHandle stream) {
+  Problem p = base_problem(Mode::kBackward, hidden, weight, target, options);
+  add_inputs(p, bias, class_weight);
+  add_grads(p, hidden, weight, &bias, grad_hidden, grad_weight, grad_bias);
+  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
+  p.lse = check_row_vector(lse, "lse", p.n_tokens, p.device, "one per token, from the forward");
+  p.grad_scale = upstream(p, grad_loss, "grad_loss");
+  p.grad_scale_per_row = options.reduction == Reduction::kNone;
+  dispatch(p, workspace, stream);
+}
+
+}  // namespace logitless

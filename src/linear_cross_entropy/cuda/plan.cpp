@@ -1,0 +1,131 @@
+#include "linear_cross_entropy/cuda/plan.h"
+
+#include <algorithm>
+
+namespace logitless::lce {
+namespace {
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A chunk length from a byte count: whole multiples of 128 (a GEMM tile edge) once there is room for 128,
+// otherwise whatever fits, and at least 1 (a budget smaller than one row still makes progress).
+int64_t fit(size_t bytes, int64_t per_item) {
+  const int64_t n = static_cast<int64_t>(bytes / static_cast<size_t>(std::max<int64_t>(per_item, 1)));
+  return n >= 128 ? n / 128 * 128 : std::max<int64_t>(n, 1);
+}
+
+class Layout {
+ public:
+  size_t add(size_t bytes) {
+    const size_t at = end_;
+    end_ += (bytes + 255) / 256 * 256;
+    return at;
+  }
+  size_t end() const { return end_; }
+
+ private:
+  size_t end_ = 0;
+};
+
+}  // namespace
+
+Plan plan_linear_cross_entropy(const PlanInputs& in) {
+  Plan p;
+  p.pass = in.pass;
+  const int64_t N = in.n, H = in.h, V = in.v, es = in.elem_bytes;
+  const size_t budget = std::max<size_t>(in.memory_budget, 1);
+  const bool grads = in.pass != Pass::kForward;
+  p.dlogits_in_place = grads && es == 4;
+
+  if (in.pass != Pass::kBackward) {
+    // Token chunks of whole rows: the statistics of a row need all of its V logits.
+    p.ld_logits = round_up(V, 8);  // 32-byte float32 rows; 16-byte rows of a 16-bit gradient alike
+    const int64_t logits_row = 4 * p.ld_logits;
+    if (in.pass == Pass::kForward || p.dlogits_in_place) {
+      p.chunk_rows = in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, logits_row);
+      p.chunk_rows = std::min(p.chunk_rows, std::max<int64_t>(N, 1));
+      p.group_rows = p.chunk_rows;
+    } else {
+      // 16-bit inputs: the GEMM writes float32 logits (the loss needs them exact) and the gradient kernel
+      // narrows them into a separate 16-bit buffer that the grad_hidden / grad_weight GEMMs read. Only the
+      // 16-bit gradient has to be held for a whole group, so the float32 chunk gets a quarter of the budget
+      // and the group the rest: 4x fewer float32 grad_weight accumulations than one shared chunk size
+      // (256-token logits chunks and 1536-token groups at V=128256 with 512 MiB).
+      const int64_t grad_row = es * p.ld_logits;
+      const int64_t max_rows = std::max<int64_t>(N, 1);
+      const int64_t chunk_fit = fit(budget / 4, logits_row);
+      if (in.chunk_tokens > 0) {
+        p.group_rows = std::min(in.chunk_tokens, max_rows);
+        p.chunk_rows = std::min(p.group_rows, chunk_fit);
+      } else {
+        p.chunk_rows = std::min(chunk_fit, max_rows);
+        const size_t used = static_cast<size_t>(p.chunk_rows * logits_row);
+        p.group_rows = std::min(std::max(fit(budget > used ? budget - used : 0, grad_row), p.chunk_rows), max_rows);
+        // Several groups with a 16-bit grad_weight need a float32 accumulator of 4 V H bytes. When holding
+        // every token's gradient takes no more than the budget plus that accumulator, do that instead: one
+        // grad_weight GEMM over all tokens, no accumulation traffic, and no more memory.
+        const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
+        if (p.group_rows < N && acc > 0 &&
+            static_cast<size_t>(p.chunk_rows * logits_row + N * grad_row) <= budget + acc)
+          p.group_rows = N;
+      }
+    }
+    p.ld_dlogits = p.ld_logits;  // in place (float32) or a 16-bit buffer of the same row length
+    p.dw_accumulator = grads && in.need_dw && !in.grad_weight_f32 && p.group_rows < N;
+    if (grads && in.need_db) p.db_partial_rows = ceil_div(p.chunk_rows, kGradRowsPerBlock);
+  } else {
+    // Vocabulary chunks over every token: each chunk of grad_weight rows is complete when written (no
+    // grad_weight accumulator); grad_hidden sums over the chunks.
+    const int64_t tokens = std::max<int64_t>(N, 1);
+    const int64_t per_col = 4 * tokens + (p.dlogits_in_place ? 0 : es * tokens);
+    if (in.chunk_vocab > 0) {
+      p.vocab_cols = std::min(in.chunk_vocab, V);
+    } else {
+      p.vocab_cols = std::min(fit(budget, per_col), V);
+      const size_t acc = in.need_dx && !in.grad_hidden_f32 ? static_cast<size_t>(4 * N * H) : 0;
+      if (p.vocab_cols < V && acc > 0 && static_cast<size_t>(per_col * round_up(V, 8)) <= budget + acc)
+        p.vocab_cols = V;
+    }
+    p.vocab_cols = std::max<int64_t>(p.vocab_cols, 1);
+    p.ld_logits = round_up(p.vocab_cols, 8);
+    p.ld_dlogits = p.ld_logits;
+    p.dx_accumulator = in.need_dx && !in.grad_hidden_f32 && p.vocab_cols < V;
+    if (in.need_db) p.db_partial_rows = ceil_div(tokens, kGradRowsPerBlock);
+  }
+
+  Layout L;
+  p.off_scalars = L.add(256);
+  p.off_targets = L.add(static_cast<size_t>(N) * 8);
+  if (in.pass != Pass::kBackward && !in.reduction_none) p.off_row_loss = L.add(static_cast<size_t>(N) * 4);
+  if (in.pass == Pass::kForwardBackward) p.off_lse = L.add(static_cast<size_t>(N) * 4);
+  if (in.pass != Pass::kBackward) {
+    p.ce_bytes = in.ce_workspace_bytes ? in.ce_workspace_bytes(p.chunk_rows) : 0;
+    if (p.ce_bytes) p.off_ce = L.add(p.ce_bytes);
+  }
+  if (N > 0) {
+    p.cublas_bytes = in.cublas_workspace_bytes;
+    if (p.cublas_bytes) p.off_cublas = L.add(p.cublas_bytes);
+    if (in.copy_hidden) p.off_hidden = L.add(static_cast<size_t>(N * H * es));
+    if (in.pass == Pass::kBackward) {
+      p.off_logits = L.add(static_cast<size_t>(N * p.ld_logits * 4));
+      if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(N * p.ld_dlogits * es));
+      if (p.dx_accumulator) p.off_dx = L.add(static_cast<size_t>(N * H * 4));
+      if (in.need_db) p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
+    } else {
+      p.off_logits = L.add(static_cast<size_t>(p.chunk_rows * p.ld_logits * 4));
+      if (grads) {
+        if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(p.group_rows * p.ld_dlogits * es));
+        if (p.dw_accumulator) p.off_dw = L.add(static_cast<size_t>(V * H * 4));
+        if (in.need_db) {
+          p.off_db = L.add(static_cast<size_t>(V * 4));
+          p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
+        }
+      }
+    }
+  }
+  p.bytes = L.end();
+  return p;
+}
+
+}  // namespace logitless::lce

@@ -1,0 +1,83 @@
+// Chunking and workspace layout of the CUDA linear cross-entropy: one pure host function (no CUDA calls), so
+// that a CPU test can check every decision. The launcher only executes a Plan.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+namespace logitless::lce {
+
+// Which implementation runs a plan. Today the generic one: cuBLAS GEMMs per chunk with the row kernels in
+// between (any GPU from sm_80). A Hopper kernel that computes the softmax statistics in the logits GEMM's
+// epilogue (WGMMA/TMA) is meant to become a second value here, chosen by the planner from the device.
+enum class Kernel : int32_t { kCublasChunked = 0 };
+
+enum class Pass : int32_t { kForward = 0, kForwardBackward = 1, kBackward = 2 };
+
+// Rows per CTA of the gradient kernel (cuda/kernels.cu): its bias-gradient partial sums are one float32 row
+// of the chunk's width per 32 rows, small enough to keep (a 256-token chunk of V=128256: 4 MB) while a
+// 256-token chunk still gives 8 CTAs per 1024 columns, about 1000 CTAs at V=128256.
+inline constexpr int64_t kGradRowsPerBlock = 32;
+
+struct PlanInputs {
+  Pass pass = Pass::kForward;
+  int64_t n = 0, h = 0, v = 0;
+  int elem_bytes = 2;              // hidden and weight (and so the logits' gradient the GEMMs read)
+  bool need_dx = false, need_dw = false, need_db = false;
+  bool grad_hidden_f32 = false;    // grad_hidden is float32 (sums into it directly, no accumulator)
+  bool grad_weight_f32 = false;
+  bool copy_hidden = false;        // hidden's rows do not have one stride a GEMM can take
+  bool reduction_none = false;     // per-token losses go straight to the output
+  int64_t chunk_tokens = 0;        // options (0: from the budget)
+  int64_t chunk_vocab = 0;
+  size_t memory_budget = size_t{512} << 20;
+  size_t cublas_workspace_bytes = size_t{32} << 20;
+  // Scratch of one cross-entropy forward call over `rows` rows of float32 logits (the cross-entropy family's
+  // own workspace query; a function here so that this file needs no CUDA).
+  std::function<size_t(int64_t rows)> ce_workspace_bytes;
+};
+
+struct Plan {
+  Kernel kernel = Kernel::kCublasChunked;
+  Pass pass = Pass::kForward;
+  // Forward and gradient in the forward: token chunks. `chunk_rows` rows of float32 logits per GEMM and
+  // cross-entropy call; `group_rows` (>= chunk_rows) rows of the logits' gradient held for one grad_hidden /
+  // grad_weight GEMM pair. Backward: `vocab_cols` vocabulary rows of the weight per chunk, every token at once.
+  int64_t chunk_rows = 0;
+  int64_t group_rows = 0;
+  int64_t vocab_cols = 0;
+  int64_t ld_logits = 0;    // elements per row of the float32 logits chunk (16-byte rows for vector loads)
+  int64_t ld_dlogits = 0;   // elements per row of the logits' gradient (its own buffer, or the logits' rows)
+  bool dlogits_in_place = false;  // float32 inputs: the gradient overwrites its float32 logits
+  bool dw_accumulator = false;    // grad_weight sums over token groups in a float32 buffer, cast at the end
+  bool dx_accumulator = false;    // (backward) grad_hidden sums over vocabulary chunks in a float32 buffer
+  int64_t db_partial_rows = 0;    // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
+
+  // Workspace layout: byte offsets (256-aligned); kNone where a region is absent.
+  static constexpr size_t kNone = ~size_t{0};
+  size_t off_scalars = kNone;   // Scalars (cuda/params.h)
+  size_t off_targets = kNone;   // int64 [N]: the targets, contiguous
+  size_t off_row_loss = kNone;  // float32 [N]: per-token losses before the reduction
+  size_t off_lse = kNone;       // float32 [N]: the gradient pass's lse when the caller asks for none (always
+                                // reserved: the workspace queries do not see the lse argument)
+  size_t off_ce = kNone;        // the cross-entropy call's own workspace
+  size_t ce_bytes = 0;
+  size_t off_cublas = kNone;    // cuBLAS's workspace
+  size_t cublas_bytes = 0;
+  size_t off_hidden = kNone;    // [N, H] contiguous copy of hidden
+  size_t off_logits = kNone;    // float32 logits chunk
+  size_t off_dlogits = kNone;   // the logits' gradient in the inputs' dtype (absent when in place)
+  size_t off_dw = kNone;        // float32 [V, H]
+  size_t off_dx = kNone;        // float32 [N, H]
+  size_t off_db = kNone;        // float32 [V]
+  size_t off_db_partial = kNone;  // float32 [db_partial_rows, width]
+  size_t bytes = 0;             // total
+};
+
+Plan plan_linear_cross_entropy(const PlanInputs& in);
+
+// cuBLAS's recommended workspace: 32 MiB on Hopper and later, 4 MiB before.
+inline size_t cublas_workspace_for(int sm_major) { return sm_major >= 9 ? size_t{32} << 20 : size_t{4} << 20; }
+
+}  // namespace logitless::lce
