@@ -97,7 +97,9 @@ struct Tol {
 };
 enum class Quantity {
   kLoss, kLse, kGrad,                   // cross-entropy
-  kNormOut, kNormRstd, kNormWeightGrad  // rms_norm: y / residual_out / grad_x; rstd; grad_weight (its dtype)
+  kNormOut, kNormRstd, kNormWeightGrad,  // rms_norm: y / residual_out / grad_x; rstd; grad_weight (its dtype)
+  kLceGrad  // linear_cross_entropy grad_hidden / grad_weight / grad_bias: rtol = relative L2 error of the
+            // tensor, atol = any element's error over the tensor's largest magnitude
 };
 // Tolerance of a backend's output in `dtype` (the logits dtype) against a more exact reference.
 Tol tolerance(DType dtype, Quantity q);

@@ -1,0 +1,873 @@
+// Linear cross-entropy: the CPU backend against a naive float64 reference, the CUDA path against the CPU
+// backend over dtype x shape x layout x options x entry point x chunking; the planner; bad input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <optional>
+#include <random>
+#include <sstream>
+
+#include "linear_cross_entropy/cuda/plan.h"
+#include "test_util.h"
+
+namespace logitless::test {
+namespace {
+
+// kPadded: hidden rows with a stride > H (one common stride: the GEMMs read them in place), a weight with
+// padded rows. kShifted: the causal-LM view h[:, :-1, :] of [B, T+1, H] (rows of two strides: copied).
+enum class Layout { kContiguous, kPadded, kShifted };
+enum class Preset { kPlain, kIgnore, kSmoothing, kWeights, kZLoss, kSoftcap, kAll, kAllIgnored, kBadTargetNoCheck };
+
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::kContiguous: return "contig";
+    case Layout::kPadded: return "padded";
+    case Layout::kShifted: return "shifted";
+  }
+  return "?";
+}
+const char* preset_name(Preset p) {
+  switch (p) {
+    case Preset::kPlain: return "plain";
+    case Preset::kIgnore: return "ignore";
+    case Preset::kSmoothing: return "smooth";
+    case Preset::kWeights: return "weights";
+    case Preset::kZLoss: return "zloss";
+    case Preset::kSoftcap: return "softcap";
+    case Preset::kAll: return "all";
+    case Preset::kAllIgnored: return "allignored";
+    case Preset::kBadTargetNoCheck: return "badnocheck";
+  }
+  return "?";
+}
+const char* reduction_name(Reduction r) { return r == Reduction::kNone ? "none" : r == Reduction::kSum ? "sum" : "mean"; }
+
+struct LceCase {
+  int64_t n, h, v;
+  DType dtype;
+  Layout layout;
+  Preset preset;
+  Reduction reduction;
+  bool bias;
+};
+
+std::string case_name(const LceCase& c) {
+  std::ostringstream os;
+  os << "N" << c.n << "_H" << c.h << "_V" << c.v << "_" << dtype_tag(c.dtype) << "_" << layout_name(c.layout) << "_"
+     << preset_name(c.preset) << "_" << reduction_name(c.reduction) << (c.bias ? "_bias" : "");
+  return os.str();
+}
+void PrintTo(const LceCase& c, std::ostream* os) { *os << case_name(c); }
+
+LinearCrossEntropyOptions options_for(const LceCase& c) {
+  LinearCrossEntropyOptions o;
+  o.reduction = c.reduction;
+  switch (c.preset) {
+    case Preset::kSmoothing: o.label_smoothing = 0.1; break;
+    case Preset::kZLoss: o.z_loss = 1e-3; break;
+    case Preset::kSoftcap: o.softcap = 4.0; break;
+    case Preset::kAll:
+      o.label_smoothing = 0.05;
+      o.z_loss = 1e-2;
+      o.softcap = 8.0;
+      o.ignore_index = 2;  // an index inside [0, V)
+      break;
+    case Preset::kBadTargetNoCheck: o.check_targets = false; break;
+    default: break;
+  }
+  return o;
+}
+
+bool uses_class_weights(Preset p) { return p == Preset::kWeights || p == Preset::kAll; }
+
+std::vector<int64_t> with_last(std::vector<int64_t> lead, int64_t last) {
+  lead.push_back(last);
+  return lead;
+}
+
+struct LceInputs {
+  LceCase c;
+  LinearCrossEntropyOptions opt;
+  TestTensor hidden, weight, bias, target, class_weight;
+  std::vector<int64_t> lead;
+
+  LceInputs(const LceCase& cs, uint64_t seed) : c(cs), opt(options_for(cs)) {
+    const int64_t N = c.n, H = c.h, V = c.v;
+    const DType tdt = V % 2 ? DType::kInt32 : DType::kInt64;
+    switch (c.layout) {
+      case Layout::kContiguous:
+        lead = {N};
+        hidden = TestTensor(c.dtype, {N, H});
+        weight = TestTensor(c.dtype, {V, H});
+        target = TestTensor(tdt, {N});
+        break;
+      case Layout::kPadded:
+        lead = {N};
+        hidden = TestTensor(c.dtype, {N, H}, {H + 5, 1}, /*offset=*/1);
+        weight = TestTensor(c.dtype, {V, H}, {H + 3, 1}, /*offset=*/2);
+        target = TestTensor(tdt, {N}, {3});
+        break;
+      case Layout::kShifted: {
+        const int64_t B = N % 2 == 0 && N > 0 ? 2 : 1, T = N / B;
+        lead = {B, T};
+        hidden = TestTensor(c.dtype, {B, T, H}, {(T + 1) * H, H, 1});
+        weight = TestTensor(c.dtype, {V, H});
+        target = TestTensor(tdt, {B, T}, {T + 1, 1}, /*offset=*/1);
+        break;
+      }
+    }
+    hidden.fill_storage_nan();
+    weight.fill_storage_nan();
+    target.fill_storage_bytes(0x7F);
+    hidden.fill_normal(seed, 1.f);
+    // Logits of about unit spread (several units with softcap, so that the cap bends them).
+    const float spread = c.preset == Preset::kSoftcap || c.preset == Preset::kAll ? 6.f : 2.f;
+    weight.fill_normal(seed + 1, spread / std::sqrt(static_cast<float>(H)));
+    if (c.bias) {
+      bias = TestTensor(c.dtype, {V});
+      bias.fill_normal(seed + 2, 0.5f);
+    }
+    std::mt19937_64 rng(seed + 3);
+    std::uniform_int_distribution<int64_t> tdist(0, V - 1);
+    for (int64_t i = 0; i < N; ++i) {
+      int64_t t = tdist(rng);
+      if (c.preset != Preset::kPlain && c.preset != Preset::kSoftcap && i % 3 == 1) t = opt.ignore_index;
+      if (c.preset == Preset::kAllIgnored) t = opt.ignore_index;
+      if (c.preset == Preset::kBadTargetNoCheck && i % 4 == 2) t = (i % 8 == 2) ? V + 5 : -7;
+      target.set_index(i, t);
+    }
+    if (uses_class_weights(c.preset)) {
+      class_weight = TestTensor(DType::kFloat32, {V});
+      std::uniform_real_distribution<float> u(0.25f, 2.f);
+      for (int64_t j = 0; j < V; ++j) class_weight.set(j, u(rng));
+    }
+  }
+  bool has_bias() const { return c.bias; }
+  bool has_class_weight() const { return uses_class_weights(c.preset); }
+  TensorView bv(bool dev) const { return has_bias() ? bias.view(dev) : TensorView{}; }
+  TensorView cwv(bool dev) const { return has_class_weight() ? class_weight.view(dev) : TensorView{}; }
+  void to_device() {
+    hidden.to_device();
+    weight.to_device();
+    target.to_device();
+    if (has_bias()) bias.to_device();
+    if (has_class_weight()) class_weight.to_device();
+  }
+};
+
+// ---- float64 reference: logits from the inputs' values, textbook cross-entropy, the three products ------
+struct Outputs {
+  std::vector<double> loss, lse;
+  std::vector<double> dx, dw, db;  // logical (flat) order
+};
+
+Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1] or [N] */) {
+  const int64_t N = in.c.n, H = in.c.h, V = in.c.v;
+  const auto& o = in.opt;
+  auto w = [&](int64_t j) { return in.has_class_weight() ? static_cast<double>(in.class_weight.get(j)) : 1.0; };
+  std::vector<double> X(N * H), Wt(V * H), z(N * V), g(N * V, 0.0);
+  for (int64_t i = 0; i < N * H; ++i) X[i] = in.hidden.get(i);
+  for (int64_t i = 0; i < V * H; ++i) Wt[i] = in.weight.get(i);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < V; ++j) {
+      double acc = in.has_bias() ? static_cast<double>(in.bias.get(j)) : 0.0;
+      for (int64_t k = 0; k < H; ++k) acc += X[i * H + k] * Wt[j * H + k];
+      z[i * V + j] = acc;
+    }
+  Outputs r;
+  std::vector<double> rows(N, 0.0), lse(N, 0.0);
+  double denom = 0, W = 0;
+  for (int64_t j = 0; j < V; ++j) W += w(j);
+  std::vector<char> valid(N, 0);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = in.target.get_index(i);
+    if (t == o.ignore_index) continue;
+    if (t < 0 || t >= V) {
+      rows[i] = lse[i] = NAN;
+      continue;
+    }
+    valid[i] = 1;
+    denom += w(t);
+    std::vector<double> x(V);
+    double m = -INFINITY;
+    for (int64_t j = 0; j < V; ++j) {
+      const double y = z[i * V + j];
+      x[j] = o.softcap > 0 ? o.softcap * std::tanh(y / o.softcap) : y;
+      m = std::max(m, x[j]);
+    }
+    double s = 0;
+    for (int64_t j = 0; j < V; ++j) s += std::exp(x[j] - m);
+    lse[i] = m + std::log(s);
+    double smooth = 0;
+    for (int64_t j = 0; j < V; ++j) smooth -= w(j) * (x[j] - lse[i]);
+    const double eps = o.label_smoothing;
+    rows[i] = -(1 - eps) * w(t) * (x[t] - lse[i]) + eps / V * smooth + o.z_loss * lse[i] * lse[i];
+  }
+  const double inv = o.reduction == Reduction::kMean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
+  if (o.reduction == Reduction::kNone) {
+    r.loss = rows;
+  } else {
+    double total = 0;
+    for (double l : rows) total += l;
+    r.loss = {total * inv};
+  }
+  r.lse = lse;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = in.target.get_index(i);
+    if (t == o.ignore_index) continue;
+    if (!valid[i]) {
+      for (int64_t j = 0; j < V; ++j) g[i * V + j] = NAN;
+      continue;
+    }
+    const double up = upstream[upstream.size() == 1 ? 0 : i] * inv, eps = o.label_smoothing;
+    for (int64_t j = 0; j < V; ++j) {
+      const double y = z[i * V + j];
+      const double xj = o.softcap > 0 ? o.softcap * std::tanh(y / o.softcap) : y;
+      const double p = std::exp(xj - lse[i]);
+      double d = (1 - eps) * w(t) * (p - (j == t ? 1.0 : 0.0));  // -(1-eps) w_t d log p_t / dx_j
+      d += eps / V * (W * p - w(j));                              // label smoothing
+      d += 2 * o.z_loss * lse[i] * p;                             // z-loss: d(lse^2) = 2 lse p_j
+      if (o.softcap > 0) d *= 1 - (xj / o.softcap) * (xj / o.softcap);
+      g[i * V + j] = up * d;
+    }
+  }
+  r.dx.assign(N * H, 0.0);
+  r.dw.assign(V * H, 0.0);
+  r.db.assign(V, 0.0);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < V; ++j) {
+      const double gij = g[i * V + j];
+      for (int64_t k = 0; k < H; ++k) {
+        r.dx[i * H + k] += gij * Wt[j * H + k];
+        r.dw[j * H + k] += gij * X[i * H + k];
+      }
+      r.db[j] += gij;
+    }
+  return r;
+}
+
+// ---- running a backend --------------------------------------------------------------------------------
+enum class Entry { kForward, kForwardBackward, kBackward };
+const char* entry_name(Entry e) {
+  return e == Entry::kForward ? "forward" : e == Entry::kForwardBackward ? "forward_backward" : "backward";
+}
+
+// How the CUDA path chunks: as the budget says by default; small explicit chunks (several token groups, so a
+// float32 grad_weight accumulator, and several vocabulary chunks, so a float32 grad_hidden accumulator); a
+// small budget (logits chunks smaller than the token groups, several vocabulary chunks).
+enum class Chunking { kDefault, kSmall, kBudget };
+const char* chunking_name(Chunking c) {
+  return c == Chunking::kDefault ? "default chunks" : c == Chunking::kSmall ? "small chunks" : "small budget";
+}
+
+LinearCrossEntropyOptions chunked(const LceInputs& in, Chunking ch) {
+  LinearCrossEntropyOptions o = in.opt;
+  if (ch == Chunking::kSmall) {
+    o.chunk_tokens = in.c.n / 3 + 1;
+    o.chunk_vocab = in.c.v / 3 + 1;
+  } else if (ch == Chunking::kBudget) {
+    const int64_t ldv = (in.c.v + 7) / 8 * 8;
+    o.memory_budget = static_cast<size_t>(4 * ldv * 64);  // 16-row logits chunks, 96-row groups (16-bit)
+  }
+  return o;
+}
+
+struct GradDtypes {
+  bool f32 = false;  // float32 gradient outputs whatever the inputs' dtype
+};
+
+Outputs run_backend(LceInputs& in, Entry e, bool dev, const std::vector<double>& upstream,
+                    const std::vector<double>* lse_in, Chunking ch = Chunking::kDefault, GradDtypes gd = {}) {
+  const int64_t N = in.c.n, H = in.c.h, V = in.c.v;
+  const bool none = in.opt.reduction == Reduction::kNone;
+  const DType gdt = gd.f32 ? DType::kFloat32 : in.c.dtype;
+  TestTensor loss(DType::kFloat32, none ? in.lead : std::vector<int64_t>{});
+  TestTensor lse(DType::kFloat32, in.lead);
+  TestTensor gx(gdt, with_last(in.lead, H)), gw(gdt, {V, H}), gb(gdt, {V});
+  // The upstream factor: [] for sum/mean, one per token for none.
+  TestTensor up(DType::kFloat32, none ? in.lead : std::vector<int64_t>{});
+  for (int64_t i = 0; i < up.numel(); ++i) up.set(i, static_cast<float>(upstream[upstream.size() == 1 ? 0 : i]));
+  if (lse_in)
+    for (int64_t i = 0; i < N; ++i) lse.set(i, static_cast<float>((*lse_in)[i]));
+  else
+    lse.fill_storage_nan();
+  loss.fill_storage_nan();
+  gx.fill_storage_nan();
+  gw.fill_storage_nan();
+  gb.fill_storage_nan();
+  if (dev) {
+    in.to_device();
+    for (TestTensor* t : {&loss, &lse, &gx, &gw, &gb, &up}) t->to_device();
+  }
+  const LinearCrossEntropyOptions o = chunked(in, ch);
+  const TensorView h = in.hidden.view(dev), w = in.weight.view(dev), t = in.target.view(dev);
+  const TensorView gxv = gx.view(dev), gwv = gw.view(dev), gbv = in.has_bias() ? gb.view(dev) : TensorView{};
+  size_t bytes = 0;
+  switch (e) {
+    case Entry::kForward: bytes = linear_cross_entropy_forward_workspace_bytes(h, w, t, o); break;
+    case Entry::kForwardBackward:
+      bytes = linear_cross_entropy_forward_backward_workspace_bytes(h, w, t, gxv, gwv, gbv, o);
+      break;
+    case Entry::kBackward: bytes = linear_cross_entropy_backward_workspace_bytes(h, w, t, gxv, gwv, gbv, o); break;
+  }
+  if (!dev) EXPECT_EQ(bytes, 0u);
+  DeviceScratch ws(dev ? bytes : 0);
+  switch (e) {
+    case Entry::kForward:
+      linear_cross_entropy_forward(h, w, in.bv(dev), t, in.cwv(dev), o, loss.view(dev), lse.view(dev), ws.ws(), nullptr);
+      break;
+    case Entry::kForwardBackward:
+      linear_cross_entropy_forward_backward(h, w, in.bv(dev), t, in.cwv(dev), o, loss.view(dev), lse.view(dev), gxv, gwv,
+                                            gbv, up.view(dev), ws.ws(), nullptr);
+      break;
+    case Entry::kBackward:
+      linear_cross_entropy_backward(h, w, in.bv(dev), t, in.cwv(dev), lse.view(dev), up.view(dev), o, gxv, gwv, gbv,
+                                    ws.ws(), nullptr);
+      break;
+  }
+  if (dev) {
+    device_synchronize();
+    for (TestTensor* x : {&loss, &lse, &gx, &gw, &gb}) x->to_host();
+  }
+  Outputs out;
+  auto doubles = [](const TestTensor& x) {
+    const std::vector<float> f = x.gather_float();
+    return std::vector<double>(f.begin(), f.end());
+  };
+  if (e != Entry::kBackward) {
+    out.loss = doubles(loss);
+    out.lse = doubles(lse);
+  }
+  if (e != Entry::kForward) {
+    out.dx = doubles(gx);
+    out.dw = doubles(gw);
+    if (in.has_bias()) out.db = doubles(gb);
+  }
+  return out;
+}
+
+std::vector<double> upstream_for(const LceInputs& in, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.5, 1.5);
+  std::vector<double> up(in.opt.reduction == Reduction::kNone ? std::max<int64_t>(in.c.n, 0) : 1);
+  for (auto& v : up) v = static_cast<float>(u(rng));  // float32-exact
+  if (up.empty()) up.push_back(1.0);  // reduction none over no tokens: a [0] tensor (not read)
+  return up;
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v)
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  return m;
+}
+
+// Relative L2 error over the elements finite in both (NaN patterns are checked elementwise), and every element
+// within atol of the largest magnitude.
+::testing::AssertionResult grad_close(const std::vector<double>& got, const std::vector<double>& want, Tol tol,
+                                      const std::string& what) {
+  const auto elementwise = all_close(got, want, Tol{0.0, tol.atol}, max_abs(want), what);
+  if (!elementwise) return elementwise;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(want[i]) || !std::isfinite(got[i])) continue;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  if (rel <= tol.rtol) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": relative L2 error " << rel << " > " << tol.rtol;
+}
+
+// 1/denominator for mean, 1 for sum: the natural size of a reduced loss's terms.
+double loss_unit(const LceInputs& in) {
+  if (in.opt.reduction != Reduction::kMean) return 1.0;
+  double denom = 0;
+  for (int64_t i = 0; i < in.c.n; ++i) {
+    const int64_t t = in.target.get_index(i);
+    if (t != in.opt.ignore_index && t >= 0 && t < in.c.v) denom += in.has_class_weight() ? in.class_weight.get(t) : 1.0;
+  }
+  return denom > 0 ? 1.0 / denom : 1.0;
+}
+
+void expect_outputs(const LceInputs& in, Entry e, const Outputs& got, const Outputs& want, const std::string& who,
+                    DType grad_dtype) {
+  const std::string tag = who + " " + entry_name(e);
+  if (e != Entry::kBackward) {
+    // A reduced loss sums rows whose float32 rounding error scales with their lse (lse - x_t cancels).
+    double loss_scale = std::max(1.0, max_abs(want.loss));
+    if (in.opt.reduction != Reduction::kNone) {
+      double acc = 0;
+      for (double l : want.lse)
+        if (std::isfinite(l)) acc += std::abs(l);
+      loss_scale = std::max(loss_scale, acc * loss_unit(in));
+    }
+    EXPECT_TRUE(all_close(got.loss, want.loss, tolerance(in.c.dtype, Quantity::kLoss), loss_scale, tag + " loss"));
+    EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(in.c.dtype, Quantity::kLse), std::max(1.0, max_abs(want.lse)),
+                          tag + " lse"));
+  }
+  if (e != Entry::kForward) {
+    const Tol tol = tolerance(grad_dtype, Quantity::kLceGrad);
+    EXPECT_TRUE(grad_close(got.dx, want.dx, tol, tag + " grad_hidden"));
+    EXPECT_TRUE(grad_close(got.dw, want.dw, tol, tag + " grad_weight"));
+    if (in.has_bias()) EXPECT_TRUE(grad_close(got.db, want.db, tol, tag + " grad_bias"));
+  }
+}
+
+// ---- the case lists ------------------------------------------------------------------------------------
+std::vector<LceCase> make_cpu_cases() {
+  std::vector<LceCase> cases;
+  const DType dts[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  struct Shape {
+    int64_t n, h, v;
+  };
+  // N=0 and N=1, V=1 and odd V and H, H=1; every preset at one shape per dtype.
+  const Shape shapes[] = {{0, 8, 11}, {1, 5, 1}, {1, 16, 37}, {7, 1, 13}, {7, 33, 101}, {24, 48, 1000}};
+  for (DType dt : dts) {
+    for (const Shape& s : shapes) {
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false});
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kPadded, Preset::kIgnore, Reduction::kSum, true});
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kShifted, Preset::kAll, Reduction::kNone, true});
+    }
+    for (Preset p : {Preset::kSmoothing, Preset::kWeights, Preset::kZLoss, Preset::kSoftcap, Preset::kAll,
+                     Preset::kAllIgnored, Preset::kBadTargetNoCheck})
+      for (Reduction r : {Reduction::kMean, Reduction::kNone})
+        cases.push_back({12, 20, 53, dt, Layout::kContiguous, p, r, p == Preset::kAll});
+  }
+  return cases;
+}
+
+std::vector<LceCase> make_cuda_cases() {
+  std::vector<LceCase> cases;
+  const DType dts[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  struct Shape {
+    int64_t n, h, v;
+  };
+  // The CPU oracle (double sums) bounds the sizes: at most ~1e9 multiply-adds per product.
+  const Shape shapes[] = {{0, 64, 1000}, {1, 64, 32003}, {7, 33, 1000}, {333, 96, 7777}, {256, 128, 32003},
+                          {64, 128, 128256}, {1024, 256, 4099}};
+  for (DType dt : dts) {
+    for (const Shape& s : shapes) {
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false});
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kShifted, Preset::kAll, Reduction::kNone, true});
+      if (s.n * s.v > 2e7 && dt != DType::kBFloat16) continue;
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kPadded, Preset::kIgnore, Reduction::kSum, true});
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kContiguous, Preset::kSmoothing, Reduction::kMean, false});
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kContiguous, Preset::kWeights, Reduction::kMean, true});
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kShifted, Preset::kSoftcap, Reduction::kSum, false});
+      cases.push_back({s.n, s.h, s.v, dt, Layout::kContiguous, Preset::kZLoss, Reduction::kNone, false});
+    }
+    for (Preset p : {Preset::kAllIgnored, Preset::kBadTargetNoCheck})
+      cases.push_back({96, 40, 1001, dt, Layout::kContiguous, p, Reduction::kMean, true});
+  }
+  return cases;
+}
+
+uint64_t seed_of(const LceCase& c) { return std::hash<std::string>{}(case_name(c)); }
+std::string param_name(const ::testing::TestParamInfo<LceCase>& info) { return case_name(info.param); }
+
+class LinearCrossEntropyCpu : public ::testing::TestWithParam<LceCase> {};
+class LinearCrossEntropyCuda : public ::testing::TestWithParam<LceCase> {};
+
+TEST_P(LinearCrossEntropyCpu, MatchesFloat64Reference) {
+  LceInputs in(GetParam(), seed_of(GetParam()));
+  const auto up = upstream_for(in, seed_of(GetParam()) + 1);
+  const Outputs want = reference(in, up);
+  for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+    SCOPED_TRACE(entry_name(e));
+    const Outputs got = run_backend(in, e, /*dev=*/false, up, &want.lse);
+    expect_outputs(in, e, got, want, "cpu", in.c.dtype);
+  }
+}
+
+TEST_P(LinearCrossEntropyCuda, MatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  LceInputs in(GetParam(), seed_of(GetParam()));
+  const auto up = upstream_for(in, seed_of(GetParam()) + 1);
+  // One CPU run is the expectation of every entry point and chunking: the forward's loss and lse, the
+  // gradients with the same upstream factor (the backward gets the CPU's lse and that factor as grad_loss).
+  const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+  for (Chunking ch : {Chunking::kDefault, Chunking::kSmall, Chunking::kBudget}) {
+    SCOPED_TRACE(chunking_name(ch));
+    for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+      SCOPED_TRACE(entry_name(e));
+      const Outputs got = run_backend(in, e, /*dev=*/true, up, &want.lse, ch);
+      expect_outputs(in, e, got, want, "cuda", in.c.dtype);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearCrossEntropyCpu, ::testing::ValuesIn(make_cpu_cases()), param_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearCrossEntropyCuda, ::testing::ValuesIn(make_cuda_cases()), param_name);
+
+// float32 gradient outputs for 16-bit inputs (e.g. float32 main gradients): summed into directly, no accumulator.
+TEST(LinearCrossEntropy, Float32GradientsOf16BitInputs) {
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    LceCase c{200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true};
+    LceInputs in(c, 17);
+    const auto up = upstream_for(in, 18);
+    const Outputs want = reference(in, up);
+    for (Chunking ch : {Chunking::kDefault, Chunking::kSmall}) {
+      for (Entry e : {Entry::kForwardBackward, Entry::kBackward}) {
+        SCOPED_TRACE(std::string(dev ? "cuda " : "cpu ") + chunking_name(ch) + " " + entry_name(e));
+        const Outputs got = run_backend(in, e, dev, up, &want.lse, ch, GradDtypes{true});
+        // The CUDA path still rounds the logits' gradient to bf16 before the GEMMs.
+        expect_outputs(in, e, got, want, dev ? "cuda" : "cpu", dev ? DType::kBFloat16 : DType::kFloat32);
+      }
+    }
+  }
+}
+
+// A float32 bias beside 16-bit hidden states and weights.
+TEST(LinearCrossEntropy, Float32Bias) {
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    LceCase c{50, 24, 301, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kSum, true};
+    LceInputs in(c, 23);
+    TestTensor b32(DType::kFloat32, {c.v});
+    b32.fill_normal(24, 0.5f);
+    in.bias = std::move(b32);
+    const auto up = upstream_for(in, 25);
+    const Outputs want = reference(in, up);
+    for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+      SCOPED_TRACE(std::string(dev ? "cuda " : "cpu ") + entry_name(e));
+      // grad_bias comes in bias's dtype: run_backend allocates the inputs' dtype, so compare through floats.
+      const Outputs got = run_backend(in, e, dev, up, &want.lse, Chunking::kDefault, GradDtypes{true});
+      expect_outputs(in, e, got, want, dev ? "cuda" : "cpu", dev ? DType::kBFloat16 : DType::kFloat32);
+    }
+  }
+}
+
+// Hidden states broadcast over tokens (a stride-0 leading dimension, which no GEMM can take): copied first.
+TEST(LinearCrossEntropy, BroadcastHiddenRows) {
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    LceCase c{9, 16, 40, DType::kFloat32, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false};
+    LceInputs in(c, 31);
+    TestTensor row(DType::kFloat32, {c.n, c.h}, {0, 1});
+    row.fill_normal(32, 1.f);
+    in.hidden = std::move(row);
+    const auto up = upstream_for(in, 33);
+    const Outputs want = reference(in, up);
+    for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+      SCOPED_TRACE(std::string(dev ? "cuda " : "cpu ") + entry_name(e));
+      const Outputs got = run_backend(in, e, dev, up, &want.lse);
+      expect_outputs(in, e, got, want, dev ? "cuda" : "cpu", DType::kFloat32);
+    }
+  }
+}
+
+// Same inputs, same GPU: the same bits (fixed-order reductions, cuBLAS without atomics).
+TEST(LinearCrossEntropyCudaNumerics, Deterministic) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  LceCase c{300, 64, 5000, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true};
+  LceInputs in(c, 41);
+  const std::vector<double> up{1.0};
+  for (Entry e : {Entry::kForwardBackward, Entry::kBackward}) {
+    const Outputs a = run_backend(in, e, true, up, nullptr, Chunking::kSmall);
+    const Outputs b = run_backend(in, e, true, up, nullptr, Chunking::kSmall);
+    EXPECT_EQ(a.loss, b.loss) << entry_name(e);
+    EXPECT_EQ(a.dx, b.dx) << entry_name(e);
+    EXPECT_EQ(a.dw, b.dw) << entry_name(e);
+    EXPECT_EQ(a.db, b.db) << entry_name(e);
+  }
+}
+
+// ---- the reference itself: its gradients against central differences of its loss ---------------------------
+TEST(LinearCrossEntropyReference, GradientsMatchFiniteDifferences) {
+  for (Preset p : {Preset::kPlain, Preset::kAll}) {
+    LceCase c{3, 4, 7, DType::kFloat32, Layout::kContiguous, p, Reduction::kSum, true};
+    LceInputs in(c, 99);
+    const Outputs r = reference(in, {1.0});
+    const double h = 1e-3;
+    auto check = [&](TestTensor& t, const std::vector<double>& grad, const char* what) {
+      for (int64_t k = 0; k < t.numel(); ++k) {
+        const float x0 = t.get(k);
+        t.set(k, x0 + static_cast<float>(h));
+        const double fp = reference(in, {1.0}).loss[0];
+        t.set(k, x0 - static_cast<float>(h));
+        const double fm = reference(in, {1.0}).loss[0];
+        t.set(k, x0);
+        EXPECT_NEAR(grad[k], (fp - fm) / (2 * h), 2e-3) << preset_name(p) << " " << what << " element " << k;
+      }
+    };
+    check(in.hidden, r.dx, "hidden");
+    check(in.weight, r.dw, "weight");
+    check(in.bias, r.db, "bias");
+  }
+}
+
+// ---- the planner (a pure host function) ------------------------------------------------------------------
+lce::PlanInputs llama_inputs(lce::Pass pass, int64_t n, int64_t h, int64_t v) {
+  lce::PlanInputs in;
+  in.pass = pass;
+  in.n = n;
+  in.h = h;
+  in.v = v;
+  in.elem_bytes = 2;
+  in.need_dx = in.need_dw = true;
+  in.ce_workspace_bytes = [](int64_t rows) { return static_cast<size_t>(256 + 4 * rows); };
+  return in;
+}
+
+// Every region lies inside the total and no two overlap.
+void expect_layout_sound(const lce::Plan& p) {
+  std::vector<std::pair<size_t, size_t>> regions;
+  auto add = [&](size_t off, size_t bytes) {
+    if (off != lce::Plan::kNone && bytes) regions.push_back({off, off + bytes});
+  };
+  add(p.off_ce, p.ce_bytes);
+  add(p.off_cublas, p.cublas_bytes);
+  std::sort(regions.begin(), regions.end());
+  for (size_t i = 0; i < regions.size(); ++i) {
+    EXPECT_LE(regions[i].second, p.bytes);
+    EXPECT_EQ(regions[i].first % 256, 0u);
+    if (i) EXPECT_LE(regions[i - 1].second, regions[i].first);
+  }
+  const size_t offs[] = {p.off_scalars, p.off_targets, p.off_row_loss, p.off_lse, p.off_hidden, p.off_logits,
+                         p.off_dlogits, p.off_dw, p.off_dx, p.off_db, p.off_db_partial};
+  for (size_t off : offs)
+    if (off != lce::Plan::kNone) {
+      EXPECT_EQ(off % 256, 0u);
+      EXPECT_LE(off, p.bytes);
+    }
+}
+
+TEST(LinearCrossEntropyPlan, GradientInForwardAtLlamaShapes) {
+  // bf16, N=8192, H=4096, V=128256, 512 MiB: 256-token float32 logits chunks; holding every token's bf16
+  // gradient (2.1 GB) costs no more than budget + the float32 grad_weight accumulator (2.1 GB) would, so one
+  // group and no accumulator.
+  lce::Plan p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256));
+  EXPECT_EQ(p.chunk_rows, 256);
+  EXPECT_EQ(p.group_rows, 8192);
+  EXPECT_FALSE(p.dw_accumulator);
+  EXPECT_FALSE(p.dlogits_in_place);
+  EXPECT_EQ(p.ld_logits, 128256);
+  EXPECT_LE(p.bytes, size_t{2400} << 20);
+  expect_layout_sound(p);
+  // Gemma-2-like: V=256000, H=2304: every token's gradient (4.2 GB) would exceed budget + accumulator (2.9 GB).
+  p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000));
+  EXPECT_EQ(p.chunk_rows, 128);
+  EXPECT_EQ(p.group_rows, 768);
+  EXPECT_TRUE(p.dw_accumulator);
+  EXPECT_LE(p.chunk_rows * p.ld_logits * 4 + p.group_rows * p.ld_dlogits * 2, int64_t{512} << 20);
+  expect_layout_sound(p);
+  // A float32 grad_weight takes the sums itself: groups from the budget, no accumulator.
+  lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
+  in.grad_weight_f32 = true;
+  p = lce::plan_linear_cross_entropy(in);
+  EXPECT_EQ(p.group_rows, 1536);
+  EXPECT_FALSE(p.dw_accumulator);
+  EXPECT_EQ(p.off_dw, lce::Plan::kNone);
+  // A frozen weight (no grad_weight): no accumulator to trade against, groups from the budget.
+  in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
+  in.need_dw = false;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).group_rows, 1536);
+}
+
+TEST(LinearCrossEntropyPlan, Float32InputsOverwriteTheirLogits) {
+  lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
+  in.elem_bytes = 4;
+  in.grad_weight_f32 = true;
+  const lce::Plan p = lce::plan_linear_cross_entropy(in);
+  EXPECT_TRUE(p.dlogits_in_place);
+  EXPECT_EQ(p.off_dlogits, lce::Plan::kNone);
+  EXPECT_EQ(p.chunk_rows, p.group_rows);
+  EXPECT_EQ(p.chunk_rows, 1024);  // 512 MiB / (4 x 128256) = 1046
+  expect_layout_sound(p);
+}
+
+TEST(LinearCrossEntropyPlan, ForwardAndBackward) {
+  lce::Plan f = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForward, 8192, 4096, 128256));
+  EXPECT_EQ(f.chunk_rows, 1024);
+  EXPECT_EQ(f.off_dlogits, lce::Plan::kNone);
+  EXPECT_EQ(f.ce_bytes, size_t{256 + 4 * 1024});
+  expect_layout_sound(f);
+  // Backward: vocabulary chunks of 512 MiB / (6 bytes x 8192 tokens) = 10922 -> 10880 columns; grad_hidden
+  // sums over 12 chunks in float32.
+  lce::Plan b = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kBackward, 8192, 4096, 128256));
+  EXPECT_EQ(b.vocab_cols, 10880);
+  EXPECT_EQ(b.ld_logits % 8, 0);
+  EXPECT_TRUE(b.dx_accumulator);
+  EXPECT_NE(b.off_dx, lce::Plan::kNone);
+  EXPECT_EQ(b.off_dw, lce::Plan::kNone);  // each chunk of grad_weight rows is final when written
+  expect_layout_sound(b);
+  // Few tokens: the whole vocabulary in one chunk costs no more than the budget plus that accumulator.
+  b = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kBackward, 256, 4096, 128256));
+  EXPECT_EQ(b.vocab_cols, 128256);
+  EXPECT_FALSE(b.dx_accumulator);
+}
+
+TEST(LinearCrossEntropyPlan, ExplicitChunksAndTinyBudgets) {
+  lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 100, 16, 1000);
+  in.chunk_tokens = 7;
+  lce::Plan p = lce::plan_linear_cross_entropy(in);
+  EXPECT_EQ(p.group_rows, 7);
+  EXPECT_LE(p.chunk_rows, 7);
+  EXPECT_TRUE(p.dw_accumulator);
+  in.chunk_tokens = 0;
+  in.memory_budget = 1;  // smaller than one row: still one row at a time
+  p = lce::plan_linear_cross_entropy(in);
+  EXPECT_EQ(p.chunk_rows, 1);
+  EXPECT_GE(p.group_rows, 1);
+  expect_layout_sound(p);
+  in = llama_inputs(lce::Pass::kBackward, 100, 16, 1000);
+  in.chunk_vocab = 333;
+  p = lce::plan_linear_cross_entropy(in);
+  EXPECT_EQ(p.vocab_cols, 333);
+  EXPECT_EQ(p.ld_logits, 336);
+  in.chunk_vocab = 5000;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).vocab_cols, 1000);
+  // No tokens: nothing but the scalars.
+  in = llama_inputs(lce::Pass::kForwardBackward, 0, 16, 1000);
+  p = lce::plan_linear_cross_entropy(in);
+  EXPECT_EQ(p.off_logits, lce::Plan::kNone);
+  EXPECT_EQ(p.off_cublas, lce::Plan::kNone);
+}
+
+// ---- bad input ----------------------------------------------------------------------------------------------
+std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (kind) *kind = e.kind();
+    return e.what();
+  }
+  return "";
+}
+
+struct Small {
+  int64_t N = 4, H = 6, V = 5;
+  TestTensor hidden{DType::kFloat32, {4, 6}}, weight{DType::kFloat32, {5, 6}}, target{DType::kInt64, {4}},
+      loss{DType::kFloat32, {}}, lse{DType::kFloat32, {4}}, gx{DType::kFloat32, {4, 6}}, gw{DType::kFloat32, {5, 6}},
+      bias{DType::kFloat32, {5}}, gb{DType::kFloat32, {5}};
+  Small() {
+    hidden.fill_normal(1, 1.f);
+    weight.fill_normal(2, 1.f);
+    bias.fill_normal(3, 1.f);
+    for (int64_t i = 0; i < 4; ++i) target.set_index(i, i);
+    lse.fill_storage_bytes(0);
+  }
+  std::string forward(const TensorView& h, const TensorView& w, const TensorView& b, const TensorView& t,
+                      const TensorView& l, LinearCrossEntropyOptions o = {}) {
+    return error_of([&] { linear_cross_entropy_forward(h, w, b, t, {}, o, l, {}, {}, nullptr); });
+  }
+  std::string fwd_bwd(const TensorView& gxv, const TensorView& gwv, const TensorView& gbv, const TensorView& b) {
+    return error_of([&] {
+      linear_cross_entropy_forward_backward(hidden.host_view(), weight.host_view(), b, target.host_view(), {}, {},
+                                            loss.host_view(), {}, gxv, gwv, gbv, {}, {}, nullptr);
+    });
+  }
+};
+
+bool has(const std::string& msg, const std::string& what) { return msg.find(what) != std::string::npos; }
+
+TEST(LinearCrossEntropyErrors, ShapesAndDtypes) {
+  Small s;
+  const TensorView h = s.hidden.host_view(), w = s.weight.host_view(), t = s.target.host_view(), l = s.loss.host_view();
+  TestTensor w7(DType::kFloat32, {5, 7});
+  EXPECT_TRUE(has(s.forward(h, w7.host_view(), {}, t, l), "weight: expected shape [V, 6]"));
+  TestTensor wbf(DType::kBFloat16, {5, 6});
+  EXPECT_TRUE(has(s.forward(h, wbf.host_view(), {}, t, l), "weight: expected dtype float32 (hidden's), got bfloat16"));
+  TestTensor b4(DType::kFloat32, {4});
+  EXPECT_TRUE(has(s.forward(h, w, b4.host_view(), t, l), "bias: expected shape [5]"));
+  TestTensor t3(DType::kInt64, {3});
+  EXPECT_TRUE(has(s.forward(h, w, {}, t3.host_view(), l), "target: expected shape [4]"));
+  TestTensor tf(DType::kFloat32, {4});
+  EXPECT_TRUE(has(s.forward(h, w, {}, tf.host_view(), l), "target: expected dtype int32 or int64"));
+  TestTensor hi(DType::kInt32, {4, 6});
+  EXPECT_TRUE(has(s.forward(hi.host_view(), w, {}, t, l), "hidden: expected dtype float32, float16 or bfloat16"));
+  TestTensor l4(DType::kFloat32, {4});
+  EXPECT_TRUE(has(s.forward(h, w, {}, t, l4.host_view()), "loss: expected 1 elements"));
+  TensorView strided_w = w;
+  strided_w.strides[1] = 2;
+  EXPECT_TRUE(has(s.forward(h, strided_w, {}, t, l), "weight: expected a last dimension with stride 1"));
+  TensorView overlapping_w = w;
+  overlapping_w.strides[0] = 3;
+  EXPECT_TRUE(has(s.forward(h, overlapping_w, {}, t, l), "weight: expected a row stride >= 6"));
+  TensorView strided_h = h;
+  strided_h.strides[1] = 2;
+  EXPECT_TRUE(has(s.forward(strided_h, w, {}, t, l), "hidden: expected a last dimension with stride 1"));
+  TensorView cuda_w = w;
+  cuda_w.device = {DeviceType::kCUDA, 0};
+  EXPECT_TRUE(has(s.forward(h, cuda_w, {}, t, l), "weight: expected device cpu, got cuda:0"));
+  LinearCrossEntropyOptions o;
+  o.label_smoothing = 1.5;
+  EXPECT_TRUE(has(s.forward(h, w, {}, t, l, o), "label_smoothing"));
+  o = {};
+  o.memory_budget = 0;
+  EXPECT_TRUE(has(s.forward(h, w, {}, t, l, o), "memory_budget"));
+  o = {};
+  o.chunk_tokens = -1;
+  EXPECT_TRUE(has(s.forward(h, w, {}, t, l, o), "chunk_tokens"));
+}
+
+TEST(LinearCrossEntropyErrors, GradientOutputs) {
+  Small s;
+  const TensorView gx = s.gx.host_view(), gw = s.gw.host_view();
+  // Rows of two strides cannot be written by one GEMM.
+  TestTensor gx3(DType::kFloat32, {2, 2, 6}, {18, 6, 1});
+  TensorView gx_view = gx3.host_view();
+  TestTensor h3(DType::kFloat32, {2, 2, 6});
+  h3.fill_normal(5, 1.f);
+  TestTensor t3(DType::kInt64, {2, 2});
+  for (int64_t i = 0; i < 4; ++i) t3.set_index(i, i);
+  const std::string m = error_of([&] {
+    linear_cross_entropy_forward_backward(h3.host_view(), s.weight.host_view(), {}, t3.host_view(), {}, {},
+                                          s.loss.host_view(), {}, gx_view, {}, {}, {}, {}, nullptr);
+  });
+  EXPECT_TRUE(has(m, "grad_hidden: expected rows with one common stride")) << m;
+  TestTensor gw16(DType::kFloat16, {5, 6});
+  EXPECT_TRUE(has(s.fwd_bwd(gx, gw16.host_view(), {}, {}), "grad_weight: expected dtype float32 (weight's)"));
+  EXPECT_TRUE(has(s.fwd_bwd(gx, gw, s.gb.host_view(), {}), "grad_bias: expected None (there is no bias)"));
+  // A gradient output may not share memory with an input.
+  EXPECT_TRUE(has(s.fwd_bwd(s.hidden.host_view(), gw, {}, {}), "grad_hidden: expected memory that does not overlap hidden"));
+  EXPECT_TRUE(has(s.fwd_bwd(gx, s.weight.host_view(), {}, {}), "grad_weight: expected memory that does not overlap weight"));
+  // The backward needs the forward's lse.
+  const std::string b = error_of([&] {
+    linear_cross_entropy_backward(s.hidden.host_view(), s.weight.host_view(), {}, s.target.host_view(), {}, {},
+                                  s.loss.host_view(), {}, gx, gw, {}, {}, nullptr);
+  });
+  EXPECT_TRUE(has(b, "lse: expected a tensor, got None")) << b;
+}
+
+TEST(LinearCrossEntropyErrors, BadTargetNamesFirstRowAndWritesNothing) {
+  Small s;
+  s.target.set_index(2, 5);
+  s.target.set_index(3, -1);
+  s.loss.fill_storage_nan();
+  Error::Kind kind{};
+  const std::string msg = error_of(
+      [&] {
+        linear_cross_entropy_forward(s.hidden.host_view(), s.weight.host_view(), {}, s.target.host_view(), {}, {},
+                                     s.loss.host_view(), {}, {}, nullptr);
+      },
+      &kind);
+  EXPECT_TRUE(has(msg, "target: expected values in [0, 5)")) << msg;
+  EXPECT_TRUE(has(msg, "got 5 at row 2")) << msg;
+  EXPECT_EQ(kind, Error::Kind::kInvalidArgument);
+  EXPECT_TRUE(std::isnan(s.loss.get(0)));
+}
+
+TEST(LinearCrossEntropyCudaErrors, BadTargetAndSmallWorkspace) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  Small s;
+  s.target.set_index(1, 9);
+  for (TestTensor* t : {&s.hidden, &s.weight, &s.target, &s.loss}) t->to_device();
+  const TensorView h = s.hidden.view(true), w = s.weight.view(true), t = s.target.view(true), l = s.loss.view(true);
+  const size_t bytes = linear_cross_entropy_forward_workspace_bytes(h, w, t, {});
+  EXPECT_GT(bytes, 0u);
+  DeviceScratch ws(bytes);
+  std::string msg = error_of([&] { linear_cross_entropy_forward(h, w, {}, t, {}, {}, l, {}, ws.ws(), nullptr); });
+  EXPECT_TRUE(has(msg, "got 9 at row 1")) << msg;
+  msg = error_of([&] {
+    linear_cross_entropy_forward(h, w, {}, t, {}, {}, l, {}, Workspace{ws.ws().data, bytes - 1}, nullptr);
+  });
+  EXPECT_TRUE(has(msg, "workspace: expected >=")) << msg;
+}
+
+}  // namespace
+}  // namespace logitless::test
