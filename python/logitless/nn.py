@@ -7,9 +7,10 @@ import torch
 from torch import Tensor
 
 from .cross_entropy import cross_entropy
+from .linear_cross_entropy import DEFAULT_MEMORY_BUDGET, linear_cross_entropy
 from .rms_norm import CASTING_MODES, rms_norm
 
-__all__ = ["CrossEntropyLoss", "RMSNorm"]
+__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "RMSNorm"]
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -60,6 +61,59 @@ class CrossEntropyLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         parts = [f"ignore_index={self.ignore_index}", f"reduction={self.reduction!r}"]
         for name, off in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None), ("inplace_backward", False)):
+            if getattr(self, name) != off:
+                parts.append(f"{name}={getattr(self, name)!r}")
+        return ", ".join(parts)
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Cross-entropy of a linear head's logits from its hidden states: ``logitless.linear_cross_entropy``.
+
+    ``LinearCrossEntropyLoss(ignore_index=-100, reduction="mean", label_smoothing=0.0, *, z_loss=0.0,
+    softcap=None, class_weight=None, schedule="auto", chunk_tokens=None, chunk_vocab=None,
+    memory_budget=512 MiB)``; ``forward(hidden, weight, target, bias=None)`` with hidden [*, H], weight [V, H]
+    (e.g. ``model.lm_head.weight``), target [*], and returns the float32 loss. ``class_weight`` (torch's
+    cross-entropy ``weight``) is a buffer, so ``.to(device)`` moves it. The argument order of ``forward`` is
+    the function's (hidden first; Liger's module takes the weight first).
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        *,
+        z_loss: float = 0.0,
+        softcap: Optional[float] = None,
+        class_weight: Optional[Tensor] = None,
+        schedule: str = "auto",
+        chunk_tokens: Optional[int] = None,
+        chunk_vocab: Optional[int] = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("class_weight", class_weight)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.schedule = schedule
+        self.chunk_tokens = chunk_tokens
+        self.chunk_vocab = chunk_vocab
+        self.memory_budget = memory_budget
+
+    def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        return linear_cross_entropy(hidden, weight, target, bias, ignore_index=self.ignore_index,
+                                    reduction=self.reduction, label_smoothing=self.label_smoothing,
+                                    z_loss=self.z_loss, softcap=self.softcap, class_weight=self.class_weight,
+                                    schedule=self.schedule, chunk_tokens=self.chunk_tokens,
+                                    chunk_vocab=self.chunk_vocab, memory_budget=self.memory_budget)
+
+    def extra_repr(self) -> str:
+        parts = [f"ignore_index={self.ignore_index}", f"reduction={self.reduction!r}"]
+        for name, off in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None), ("schedule", "auto"),
+                          ("chunk_tokens", None), ("chunk_vocab", None), ("memory_budget", DEFAULT_MEMORY_BUDGET)):
             if getattr(self, name) != off:
                 parts.append(f"{name}={getattr(self, name)!r}")
         return ", ".join(parts)

@@ -1,0 +1,309 @@
+"""Fused linear cross-entropy: the loss of a language model's head from its hidden states, the logits
+``hidden @ weight.T (+ bias)`` never held in full. The torch ops (custom_op + fake + autograd) and
+`linear_cross_entropy`.
+
+Two schedules (include/logitless/linear_cross_entropy.h has the details), both exact:
+
+* gradient in the forward (reduction sum/mean): ``logitless::linear_cross_entropy_forward_backward_out``
+  computes the loss and the gradients for hidden, weight and bias in one pass over token chunks (three GEMMs in
+  all) into buffers allocated inside `_FusedLinearCrossEntropy`; its backward multiplies them by the incoming
+  gradient in place (``logitless::scale_rows_``, which skips a factor of exactly 1, so the usual
+  ``loss.backward()`` costs three small launches) and hands them on. Why an autograd.Function around a
+  mutating op rather than a functional op: see `logitless.cross_entropy._FusedCrossEntropy`, the same design.
+* recompute (reduction none, float16 inputs, or ``schedule="recompute"``): ``logitless::linear_cross_entropy_
+  forward`` keeps the per-token lse; its registered backward ``logitless::linear_cross_entropy_backward``
+  recomputes the logits a vocabulary chunk at a time (four GEMMs in all, the least memory).
+
+float16 takes the recompute schedule under "auto": its gradient of the logits, formed before the incoming
+gradient is known, would be too small for float16 (a loss scaler's factor arrives only in the backward) and
+flush to zero; the recompute backward forms it with that factor applied.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._tensor import descriptor, stream, workspace
+from .cross_entropy import REDUCTIONS, _enum, _scale_rows
+
+__all__ = ["linear_cross_entropy", "SCHEDULES", "DEFAULT_MEMORY_BUDGET"]
+
+SCHEDULES = ("auto", "gradient_in_forward", "recompute")
+DEFAULT_MEMORY_BUDGET = 512 << 20
+_NONE = REDUCTIONS["none"]
+
+# ----------------------------------------------------------------------------------------------------
+# Calls into C++. Every op takes, after its tensors, the LinearCrossEntropyOptions fields in the binding's
+# order: ignore_index, reduction (the C++ enum value), label_smoothing, z_loss, softcap, check_targets,
+# chunk_tokens, chunk_vocab, memory_budget (0 for the chunk counts: from the budget).
+
+
+def _new_outputs(hidden: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor, Tensor]:
+    # loss: [] for sum/mean, the leading shape [*] for none; lse: [*]. Always float32.
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    return torch.empty(target.shape if reduction == _NONE else (), **f32), torch.empty(target.shape, **f32)
+
+
+def _grad_outputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_hidden: bool, need_weight: bool,
+                  need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    # A custom op cannot return None: a gradient nobody needs is an empty tensor.
+    def make(like: Optional[Tensor], need: bool) -> Tensor:
+        if like is None or not need:
+            return torch.empty(0, dtype=hidden.dtype, device=hidden.device)
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+    return make(hidden, need_hidden), make(weight, need_weight), make(bias, need_bias)
+
+
+def _run_forward_backward(hidden, weight, bias, target, class_weight, options, grad_hidden, grad_weight, grad_bias):
+    loss, lse = _new_outputs(hidden, target, options[1])
+    h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
+    gh, gw, gb = (descriptor(grad_hidden, "grad_hidden"), descriptor(grad_weight, "grad_weight"),
+                  descriptor(grad_bias, "grad_bias"))
+    owner, ws = workspace(_C.linear_cross_entropy_forward_backward_workspace_bytes(h, w, t, gh, gw, gb, options),
+                          hidden.device)
+    _C.linear_cross_entropy_forward_backward(h, w, descriptor(bias, "bias"), t, descriptor(class_weight, "class_weight"),
+                                             options, descriptor(loss, "loss"), descriptor(lse, "lse"), gh, gw, gb,
+                                             None, ws, stream(hidden.device))
+    del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
+    return loss, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# The ops.
+
+
+@torch.library.custom_op("logitless::linear_cross_entropy_forward", mutates_args=(), device_types=("cpu", "cuda"))
+def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+             ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
+             check_targets: bool, chunk_tokens: int, chunk_vocab: int, memory_budget: int) -> Tuple[Tensor, Tensor]:
+    """(loss, lse): one GEMM over token chunks; lse is what the backward needs."""
+    options = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens, chunk_vocab,
+               memory_budget)
+    loss, lse = _new_outputs(hidden, target, reduction)
+    h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
+    owner, ws = workspace(_C.linear_cross_entropy_forward_workspace_bytes(h, w, t, options), hidden.device)
+    _C.linear_cross_entropy_forward(h, w, descriptor(bias, "bias"), t, descriptor(class_weight, "class_weight"),
+                                    options, descriptor(loss, "loss"), descriptor(lse, "lse"), ws,
+                                    stream(hidden.device))
+    del owner
+    return loss, lse
+
+
+@_forward.register_fake
+def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *options):
+    return _new_outputs(hidden, target, reduction)
+
+
+@torch.library.custom_op("logitless::linear_cross_entropy_forward_backward_out",
+                         mutates_args=("grad_hidden", "grad_weight", "grad_bias"), device_types=("cpu", "cuda"))
+def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                          class_weight: Optional[Tensor], ignore_index: int, reduction: int, label_smoothing: float,
+                          z_loss: float, softcap: float, check_targets: bool, chunk_tokens: int, chunk_vocab: int,
+                          memory_budget: int, grad_hidden: Optional[Tensor], grad_weight: Optional[Tensor],
+                          grad_bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """(loss, lse), and the gradients of the reduced loss (upstream gradient 1) written into the given buffers
+    (None: not computed) in the same pass."""
+    options = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens, chunk_vocab,
+               memory_budget)
+    return _run_forward_backward(hidden, weight, bias, target, class_weight, options, grad_hidden, grad_weight,
+                                 grad_bias)
+
+
+@_forward_backward_out.register_fake
+def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest):
+    return _new_outputs(hidden, target, reduction)
+
+
+@torch.library.custom_op("logitless::linear_cross_entropy_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
+              lse: Tensor, grad_loss: Tensor, ignore_index: int, reduction: int, label_smoothing: float,
+              z_loss: float, softcap: float, check_targets: bool, chunk_tokens: int, chunk_vocab: int,
+              memory_budget: int, need_hidden: bool, need_weight: bool,
+              need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias) from the forward's lse, times grad_loss (float32: [] for sum/mean,
+    [*] contiguous for none); a gradient not needed comes back empty."""
+    options = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens, chunk_vocab,
+               memory_budget)
+    gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
+    d = lambda t, need, name: descriptor(t, name) if need else None  # noqa: E731
+    h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
+    ghd, gwd, gbd = d(gh, need_hidden, "grad_hidden"), d(gw, need_weight, "grad_weight"), d(gb, need_bias, "grad_bias")
+    owner, ws = workspace(_C.linear_cross_entropy_backward_workspace_bytes(h, w, t, ghd, gwd, gbd, options),
+                          hidden.device)
+    _C.linear_cross_entropy_backward(h, w, descriptor(bias, "bias"), t, descriptor(class_weight, "class_weight"),
+                                     descriptor(lse, "lse"), descriptor(grad_loss, "grad_loss"), options, ghd, gwd, gbd,
+                                     ws, stream(hidden.device))
+    del owner
+    return gh, gw, gb
+
+
+@_backward.register_fake
+def _(hidden, weight, bias, target, class_weight, lse, grad_loss, *rest):
+    need_hidden, need_weight, need_bias = rest[-3:]
+    return _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autograd.
+
+
+def _no_double_backward():
+    # Backward runs with grad mode on only under create_graph=True. The gradients computed here have no graph
+    # of their own, so a second derivative would silently miss this loss's term: refuse instead.
+    if torch.is_grad_enabled():
+        raise RuntimeError("logitless.linear_cross_entropy: double backward (create_graph=True) is not supported")
+
+
+def _forward_setup(ctx, inputs, output):
+    hidden, weight, bias, target, class_weight, *options = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
+    ctx.options = options
+
+
+def _forward_grad(ctx, grad_loss, grad_lse):
+    _no_double_backward()
+    hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    if not any(need):
+        return (None,) * 14
+    # An upstream gradient may be expanded (loss.sum() gives a stride-0 one); C++ wants it contiguous.
+    g = grad_loss.to(torch.float32).contiguous()
+    gh, gw, gb = _backward(hidden, weight, bias, target, class_weight, lse, g, *ctx.options, need[0], need[1],
+                           need[2] and bias is not None)
+    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 11
+
+
+_forward.register_autograd(_forward_grad, setup_context=_forward_setup)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Loss and gradients in one pass (reduction sum/mean); backward scales the saved gradients in place."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, class_weight, options):
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_bias = bias is not None and ctx.needs_input_grad[2]
+        gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
+        loss, lse = _forward_backward_out(hidden, weight, bias, target, class_weight, *options,
+                                          gh if need_hidden else None, gw if need_weight else None,
+                                          gb if need_bias else None)
+        ctx.mark_non_differentiable(lse)
+        ctx.needs = (need_hidden, need_weight, need_bias)
+        # Saved after they were written: a later write to them (or a second backward over a retained graph,
+        # after the in-place scaling below) fails autograd's version check instead of reusing them.
+        ctx.save_for_backward(gh, gw, gb)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        _no_double_backward()
+        grads = ctx.saved_tensors
+        scale = grad_loss.to(torch.float32).contiguous()
+        out = []
+        for g, need in zip(grads, ctx.needs):
+            if need:
+                _scale_rows(g, scale)
+            out.append(g if need else None)
+        return tuple(out) + (None, None, None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The public function.
+
+
+def _rows_ready(t: Tensor) -> Tensor:
+    # The C++ side takes any row strides but wants the last dimension contiguous.
+    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    class_weight: Optional[Tensor] = None,
+    return_lse: bool = False,
+    schedule: str = "auto",
+    chunk_tokens: Optional[int] = None,
+    chunk_vocab: Optional[int] = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    check_targets: bool = True,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Cross-entropy of the logits ``hidden @ weight.T + bias`` against class indices `target`, without
+    the logits in memory: ``F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, -2), target.flatten())``
+    (with z-loss and softcap as in `logitless.cross_entropy`), computed a chunk of logits at a time.
+
+    Args:
+        hidden: [*, H] float32, float16 or bfloat16 on the CPU or a CUDA device. Leading dimensions may have
+            any strides: ``h[:, :-1, :]`` goes in without a copy by the caller.
+        weight: [V, H], hidden's dtype (an lm_head's ``weight`` or a tied embedding).
+        target: [*] int32 or int64 class indices, the leading shape of `hidden`, any strides.
+        bias: optional [V], hidden's dtype or float32.
+        ignore_index, reduction, label_smoothing, z_loss, softcap: as in `logitless.cross_entropy` (torch's
+            names and meaning; z_loss adds ``z_loss * lse**2`` per token; softcap caps the logits as
+            ``softcap * tanh(logits / softcap)``). A mean over only ignored tokens (or none) is 0 with
+            gradient 0, where torch gives NaN.
+        class_weight: optional [V] per-class weights (torch's cross-entropy ``weight``), any float dtype, used
+            as float32; no gradient flows to it.
+        return_lse: also return the per-token log-sum-exp [*] (float32, of the capped logits; 0 for ignored
+            tokens; detached).
+        schedule: "auto", "gradient_in_forward" (reduction sum/mean: gradients computed in the forward, the
+            backward only scales them; three GEMMs) or "recompute" (the forward keeps lse, the backward
+            recomputes the logits; four GEMMs, the least memory). "auto" takes gradient_in_forward for sum/mean
+            and recompute for reduction none and for float16 (see the module docstring).
+        chunk_tokens, chunk_vocab: CUDA chunk sizes (tokens per chunk; vocabulary rows per chunk of the
+            recompute backward). None: from `memory_budget`.
+        memory_budget: bytes of chunk scratch on CUDA (default 512 MiB); see linear_cross_entropy.h for what
+            comes on top (a float32 grad_weight accumulator where needed, cuBLAS's workspace).
+        check_targets: raise on a target outside [0, V) that is not ignore_index (on CUDA this reads one number
+            back, a host synchronization per call; skipped while a CUDA graph is captured, where such a
+            token's loss is NaN instead).
+
+    Returns:
+        The float32 loss ([] for sum/mean, [*] for none), or ``(loss, lse)`` with return_lse.
+
+    Raises:
+        ValueError: on a bad argument, naming it (shapes, dtypes, a target out of range with its row).
+
+    Autograd: gradients flow to hidden, weight and bias. With gradient_in_forward the gradients are computed
+    once and consumed by the backward: a second backward through the same call (retain_graph=True) raises
+    torch's "modified by an inplace operation" error; use schedule="recompute" for that. Double backward is
+    not supported.
+    """
+    red = _enum(REDUCTIONS, reduction, "reduction")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
+    if schedule == "gradient_in_forward" and red == _NONE:
+        raise ValueError("schedule: expected 'auto' or 'recompute' for reduction='none' (its upstream gradient is "
+                         "known only in the backward), got 'gradient_in_forward'")
+    for name, value in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: expected a count >= 1 (or None: from memory_budget), got {value!r}")
+    if not isinstance(memory_budget, int) or memory_budget < 1:
+        raise ValueError(f"memory_budget: expected a number of bytes >= 1, got {memory_budget!r}")
+    if class_weight is not None:
+        class_weight = class_weight.detach().to(torch.float32)
+    hidden, weight = _rows_ready(hidden), _rows_ready(weight)
+    options = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap or 0.0),
+               bool(check_targets), int(chunk_tokens or 0), int(chunk_vocab or 0), int(memory_budget))
+
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
+                                              (bias is not None and bias.requires_grad))
+    recompute = schedule == "recompute" or (schedule == "auto" and (red == _NONE or hidden.dtype == torch.float16))
+    if not needs_grad or recompute:
+        loss, lse = _forward(hidden, weight, bias, target, class_weight, *options)
+    else:
+        loss, lse = _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, options)
+    return (loss, lse) if return_lse else loss
