@@ -1,0 +1,678 @@
+"""logitless.linear_cross_entropy and logitless.nn.LinearCrossEntropyLoss against a float64 torch reference
+(F.linear + F.cross_entropy, plus z-loss and softcap by hand).
+
+CPU tests run everywhere (the CPU backend is a real backend); CUDA tests skip without a GPU.
+Run: PYTHONPATH=build/<dir>/python python -m pytest tests/python -q
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import logitless
+from logitless import linear_cross_entropy
+
+HAS_CUDA = torch.cuda.is_available() and logitless._C.built_with_cuda()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of logitless")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REDUCTIONS = ["mean", "sum", "none"]
+SCHEDULES = ["gradient_in_forward", "recompute"]
+
+# Error budget against the float64 reference evaluated on the same (already rounded) inputs. The loss is
+# float32 whatever the dtype, from float32 logits (CUDA) or double sums (CPU). Gradients come in the inputs'
+# dtype; on CUDA they also carry the rounding of the logits' gradient to that dtype before the two GEMMs that
+# consume it (as torch's own bf16 backward does): tolerances are relative to each gradient's largest element.
+LOSS_RTOL = {"cpu": 2e-5, "cuda": 1e-4}
+GRAD_TOL = {
+    "cpu": {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2},
+    "cuda": {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2.5e-2},
+}
+
+OPTIONS = {
+    "plain": {},
+    "class_weight": {"class_weight": True},
+    "smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"z_loss": 1e-2},
+    "softcap": {"softcap": 3.0},
+    "ignore": {"ignore_index": 2},
+    "all": {"class_weight": True, "label_smoothing": 0.2, "z_loss": 1e-3, "softcap": 5.0},
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reference and helpers
+
+
+def reference(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+              z_loss=0.0, softcap=None, class_weight=None):
+    """float64 (loss, lse), autograd-capable in hidden/weight/bias: torch's cross-entropy of F.linear plus the
+    z-loss and softcap terms, with the documented mean over no tokens = 0."""
+    x = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    V = x.shape[-1]
+    x2, t = x.reshape(-1, V), target.reshape(-1).long()
+    w = None if class_weight is None else class_weight.double()
+    valid = t != ignore_index
+    rows = (F.cross_entropy(x2, t, weight=w, ignore_index=ignore_index, reduction="none",
+                            label_smoothing=label_smoothing) if t.numel() else x2.sum(-1))
+    lse = torch.where(valid, torch.logsumexp(x2, -1), torch.zeros_like(rows))
+    rows = rows + z_loss * lse * lse
+    if reduction == "none":
+        return rows.reshape(target.shape), lse.reshape(target.shape)
+    total = rows.sum()
+    if reduction == "mean":
+        denom = (w[t[valid]] if w is not None else torch.ones_like(rows[valid])).sum()
+        total = total / denom if denom != 0 else total * 0
+    return total, lse.reshape(target.shape)
+
+
+def make_inputs(shape, H, V, dtype, device="cpu", bias=False, ignore_frac=0.2, ignore_index=-100, seed=0,
+                spread=2.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) * (spread / H ** 0.5)).to(dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
+    target = torch.randint(0, V, shape, generator=g)
+    if ignore_frac:
+        target[torch.rand(shape, generator=g) < ignore_frac] = ignore_index
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(hidden), to(weight), to(b), target.to(device)
+
+
+def resolve(opts, V, device="cpu"):
+    opts = dict(opts)
+    if opts.pop("class_weight", False):
+        opts["class_weight"] = (torch.rand(V, generator=torch.Generator().manual_seed(7)) + 0.25).to(device)
+    return opts
+
+
+def upstream_grad(loss, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(loss.shape, generator=g) + 0.5).to(loss.device)
+
+
+def assert_grad_close(got, want, dtype, device):
+    tol = GRAD_TOL[device][dtype]
+    scale = want.abs().max().item() if want.numel() else 0.0
+    torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=tol * scale + 1e-12)
+
+
+def assert_loss_close(got, want, device):
+    rtol = LOSS_RTOL[device]
+    torch.testing.assert_close(got.double(), want.detach(), rtol=rtol, atol=rtol)
+
+
+def check_against_reference(hidden, weight, target, bias=None, reduction="mean", schedule="auto", **opts):
+    """Loss, lse and the gradients of hidden, weight and bias (with a non-trivial upstream gradient)."""
+    device = hidden.device.type
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight)]
+    leaves.append(None if bias is None else bias.detach().clone().requires_grad_(True))
+    refs = [None if t is None else t.detach().clone().requires_grad_(True) for t in leaves]
+    want, want_lse = reference(refs[0], refs[1], target, refs[2], reduction=reduction, **opts)
+    gout = upstream_grad(want)
+    want.backward(gout.double())
+
+    loss, lse = linear_cross_entropy(leaves[0], leaves[1], target, leaves[2], reduction=reduction,
+                                     return_lse=True, schedule=schedule, **opts)
+    assert loss.dtype == torch.float32 and loss.shape == want.shape
+    assert lse.shape == target.shape and not lse.requires_grad
+    assert_loss_close(loss, want, device)
+    assert_loss_close(lse, want_lse, device)
+    loss.backward(gout.to(loss.dtype))
+    for got, ref in zip(leaves, refs):
+        if got is not None:
+            assert got.grad is not None and got.grad.dtype == got.dtype and got.grad.shape == got.shape
+            assert_grad_close(got.grad, ref.grad, hidden.dtype, device)
+
+
+def schedules_for(reduction):
+    return ["recompute"] if reduction == "none" else SCHEDULES
+
+
+# ----------------------------------------------------------------------------------------------------
+# Values and gradients (CPU backend)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference(dtype, reduction, option):
+    V, H = 37, 12
+    opts = resolve(OPTIONS[option], V)
+    hidden, weight, bias, target = make_inputs((3, 5), H, V, dtype, bias=option in ("plain", "all"),
+                                               ignore_index=opts.get("ignore_index", -100))
+    for schedule in schedules_for(reduction):
+        check_against_reference(hidden, weight, target, bias, reduction=reduction, schedule=schedule, **opts)
+
+
+@pytest.mark.parametrize(
+    "shape,H,V",
+    [((0,), 8, 7), ((1,), 8, 7), ((5,), 4, 1), ((4,), 1, 3), ((2,), 9, 32003), ((2, 3, 4), 6, 11), ((), 5, 9)],
+    ids=["N0", "N1", "V1", "H1", "V32003", "3d", "unbatched"],
+)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_shapes(shape, H, V, reduction):
+    hidden, weight, bias, target = make_inputs(shape, H, V, torch.float32, bias=True, ignore_frac=0.0)
+    for schedule in schedules_for(reduction):
+        check_against_reference(hidden, weight, target, bias, reduction=reduction, schedule=schedule)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shifted_view_goes_in(dtype):
+    # The language-model shift: hidden[:, :-1] predicts tokens[:, 1:]; both are non-contiguous views.
+    B, T, H, V = 2, 6, 10, 29
+    full, weight, bias, tokens = make_inputs((B, T + 1), H, V, dtype, bias=True, ignore_frac=0.1)
+    hidden, target = full[:, :-1, :], tokens[:, 1:]
+    assert not hidden.is_contiguous() and not target.is_contiguous()
+    for reduction in REDUCTIONS:
+        for schedule in schedules_for(reduction):
+            check_against_reference(hidden, weight, target, bias, reduction=reduction, schedule=schedule,
+                                    label_smoothing=0.1)
+
+
+def test_strided_weight_and_target():
+    # A weight that is a slice of a wider matrix (row stride > H), targets every other element.
+    H, V = 8, 13
+    hidden, wide, _, _ = make_inputs((6,), H + 3, V, torch.float32)
+    hidden = hidden[:, :H].contiguous()
+    weight = wide[:, :H]
+    target = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(3))[::2]
+    assert weight.stride(0) == H + 3 and target.stride(0) == 2
+    for reduction in REDUCTIONS:
+        check_against_reference(hidden, weight, target, reduction=reduction, z_loss=1e-3)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.int32, torch.int64], ids=str)
+def test_target_dtypes(target_dtype):
+    hidden, weight, _, target = make_inputs((8,), 6, 13, torch.float32)
+    check_against_reference(hidden, weight, target.to(target_dtype))
+
+
+def test_float32_bias_with_bf16_inputs():
+    hidden, weight, _, target = make_inputs((6,), 8, 11, torch.bfloat16)
+    bias = torch.randn(11, generator=torch.Generator().manual_seed(4))
+    check_against_reference(hidden, weight, target, bias)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("trainable", ["hidden", "weight", "bias"])
+def test_only_some_inputs_need_grad(trainable, schedule):
+    # A frozen lm_head (LoRA), frozen features, a bias alone: only the gradients asked for are computed.
+    hidden, weight, bias, target = make_inputs((5,), 6, 9, torch.float32, bias=True)
+    leaves = {"hidden": hidden.clone(), "weight": weight.clone(), "bias": bias.clone()}
+    leaves[trainable].requires_grad_(True)
+    linear_cross_entropy(leaves["hidden"], leaves["weight"], target, leaves["bias"], schedule=schedule).backward()
+    refs = {k: v.detach().clone().requires_grad_(k == trainable) for k, v in leaves.items()}
+    reference(refs["hidden"], refs["weight"], target, refs["bias"])[0].backward()
+    for k, v in leaves.items():
+        if k == trainable:
+            torch.testing.assert_close(v.grad, refs[k].grad.float(), rtol=1e-5, atol=1e-6)
+        else:
+            assert v.grad is None
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_ignored_mean_is_zero_not_nan(reduction):
+    hidden = torch.randn(4, 6, requires_grad=True)
+    weight = torch.randn(9, 6, requires_grad=True)
+    target = torch.full((4,), -100)
+    for schedule in schedules_for(reduction):
+        hidden.grad = weight.grad = None
+        loss = linear_cross_entropy(hidden, weight, target, reduction=reduction, schedule=schedule)
+        assert (loss == 0).all()
+        loss.sum().backward()
+        assert (hidden.grad == 0).all() and (weight.grad == 0).all()
+
+
+def test_return_lse_and_no_grad():
+    hidden, weight, bias, target = make_inputs((5,), 6, 8, torch.float32, bias=True)
+    loss, lse = linear_cross_entropy(hidden, weight, target, bias, return_lse=True)
+    _, want_lse = reference(hidden, weight, target, bias)
+    assert_loss_close(lse, want_lse, "cpu")
+    assert (lse[target == -100] == 0).all()
+    with torch.no_grad():
+        h = hidden.clone().requires_grad_(True)
+        out = linear_cross_entropy(h, weight, target, bias)
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, loss)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_schedules_agree(reduction):
+    hidden, weight, bias, target = make_inputs((16,), 12, 50, torch.bfloat16, bias=True)
+    grads = []
+    for schedule in SCHEDULES:
+        leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+        linear_cross_entropy(*leaves[:2], target, leaves[2], reduction=reduction, label_smoothing=0.1,
+                             schedule=schedule).backward(torch.tensor(1.7))
+        grads.append([t.grad.float() for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Finite differences. The C++ API takes float32/16/bf16 only, so gradcheck runs in float32 with a wide step
+# and loose tolerances: enough to catch a wrong formula (a sign, a missing term, a bad chain rule); the
+# precise check is test_matches_reference against the float64 reference's autograd.
+
+GRADCHECK_OPTS = dict(label_smoothing=0.1, z_loss=1e-2, softcap=4.0)
+
+
+def _gradcheck_inputs():
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 5, generator=g, requires_grad=True)
+    w = (torch.randn(7, 5, generator=g) * 0.7).requires_grad_(True)
+    b = (torch.randn(7, generator=g) * 0.3).requires_grad_(True)
+    t = torch.tensor([1, -100, 6])
+    cw = torch.rand(7, generator=g) + 0.5
+    return h, w, b, t, cw
+
+
+@pytest.mark.filterwarnings("ignore:Input #[0-9]+ requires gradient and is not a double")
+def test_gradcheck_recompute():
+    # The recompute schedule's backward is a pure function of saved tensors: gradcheck may call it many times.
+    h, w, b, t, cw = _gradcheck_inputs()
+    fn = lambda h, w, b: linear_cross_entropy(h, w, t, b, class_weight=cw, reduction="none",  # noqa: E731
+                                              **GRADCHECK_OPTS)
+    assert torch.autograd.gradcheck(fn, (h, w, b), eps=1e-3, atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_finite_differences_gradient_in_forward(reduction):
+    # This schedule computes the gradients once, in the forward, and its backward consumes them (a second
+    # backward over the same graph raises), which gradcheck's repeated backward passes trip over. Same
+    # central differences, by hand.
+    h, w, b, t, cw = _gradcheck_inputs()
+    f = lambda h_, w_, b_: linear_cross_entropy(h_, w_, t, b_, class_weight=cw, reduction=reduction,  # noqa: E731
+                                                schedule="gradient_in_forward", **GRADCHECK_OPTS)
+    (2.0 * f(h, w, b)).backward()
+    eps = 1e-3
+    with torch.no_grad():
+        for i, x in enumerate((h, w, b)):
+            numeric = torch.zeros_like(x)
+            flat = x.detach().clone().reshape(-1)
+            for k in range(flat.numel()):
+                args = [h.detach(), w.detach(), b.detach()]
+                old = flat[k].item()
+                flat[k] = old + eps
+                args[i] = flat.view_as(x)
+                hi = f(*args).item()
+                flat[k] = old - eps
+                lo = f(*args).item()
+                flat[k] = old
+                numeric.reshape(-1)[k] = 2.0 * (hi - lo) / (2 * eps)
+            torch.testing.assert_close(x.grad, numeric, atol=2e-3, rtol=2e-2)
+
+
+def test_second_backward_over_retained_graph():
+    h, w, b, t, cw = _gradcheck_inputs()
+    loss = linear_cross_entropy(h, w, t, b, schedule="gradient_in_forward")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    h.grad = w.grad = b.grad = None
+    loss = linear_cross_entropy(h, w, t, b, schedule="recompute")
+    loss.backward(retain_graph=True)
+    first = h.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(h.grad, 2 * first)
+
+
+def test_double_backward_raises():
+    h, w, b, t, cw = _gradcheck_inputs()
+    for schedule in SCHEDULES:
+        loss = linear_cross_entropy(h, w, t, b, schedule=schedule)
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(loss, h, create_graph=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(reduction="avg"), "reduction"),
+        (dict(schedule="fastest"), "schedule"),
+        (dict(schedule="gradient_in_forward", reduction="none"), "schedule"),
+        (dict(chunk_tokens=0), "chunk_tokens"),
+        (dict(chunk_vocab=-3), "chunk_vocab"),
+        (dict(memory_budget=0), "memory_budget"),
+        (dict(label_smoothing=1.5), "label_smoothing"),
+        (dict(z_loss=-1.0), "z_loss"),
+        (dict(softcap=-2.0), "softcap"),
+        (dict(weight=torch.randn(7, 5)), "weight"),                       # H mismatch
+        (dict(weight=torch.randn(7, 6, dtype=torch.float64)), "weight"),  # dtype
+        (dict(weight=torch.randn(7, 6).bfloat16()), "weight"),            # mixed dtypes
+        (dict(bias=torch.randn(6)), "bias"),                              # wrong length
+        (dict(class_weight=torch.ones(5)), "class_weight"),
+        (dict(target=torch.zeros(4)), "target"),
+        (dict(target=torch.zeros(3, dtype=torch.long)), "target"),
+        (dict(hidden=torch.randn(4, 6, dtype=torch.float64)), "hidden"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_arguments_raise_value_error_naming_them(kwargs, name):
+    args = dict(hidden=torch.randn(4, 6), weight=torch.randn(7, 6), target=torch.tensor([0, 1, 2, 3]))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        linear_cross_entropy(**args)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_target_out_of_range_names_first_bad_row(schedule):
+    h = torch.randn(5, 6, requires_grad=True)
+    w = torch.randn(7, 6, requires_grad=True)
+    t = torch.tensor([0, 1, -100, 7, -3])
+    with pytest.raises(ValueError, match="target.*got 7 at row 3"):
+        linear_cross_entropy(h, w, t, schedule=schedule)
+
+
+def test_unchecked_bad_target_gives_nan_row():
+    h = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(7, 6)
+    t = torch.tensor([0, 9, 2, -100])
+    loss = linear_cross_entropy(h, w, t, reduction="none", check_targets=False)
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2, 3]]).all()
+    loss.sum().backward()
+    assert torch.isnan(h.grad[1]).all() and torch.isfinite(h.grad[[0, 2, 3]]).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch.library and torch.compile
+
+
+def _op_samples(device="cpu"):
+    hidden, weight, bias, target = make_inputs((4,), 6, 9, torch.float32, device=device, bias=True)
+    cw = torch.rand(9, device=device) + 0.5
+    options = (-100, 2, 0.1, 1e-2, 0.0, True, 0, 0, 1 << 20)
+    none_options = (-100, 0, 0.0, 0.0, 2.0, True, 2, 4, 1 << 20)
+    lse = torch.logsumexp(F.linear(hidden, weight, bias), -1)
+    ops = torch.ops.logitless
+    req = lambda t: t.clone().requires_grad_(True)  # noqa: E731
+    return [
+        (ops.linear_cross_entropy_forward, (hidden, weight, bias, target, cw) + options),
+        (ops.linear_cross_entropy_forward, (req(hidden), req(weight), req(bias), target, None) + none_options),
+        (ops.linear_cross_entropy_forward, (req(hidden), weight, None, target, cw) + options),
+        (ops.linear_cross_entropy_forward_backward_out,
+         (hidden, weight, bias, target, cw) + options + (torch.empty_like(hidden), torch.empty_like(weight),
+                                                         torch.empty_like(bias))),
+        (ops.linear_cross_entropy_forward_backward_out,
+         (hidden, weight, None, target, None) + options + (None, torch.empty_like(weight), None)),
+        (ops.linear_cross_entropy_backward,
+         (hidden, weight, bias, target, cw, lse, torch.tensor(1.5, device=device)) + options + (True, True, True)),
+        (ops.linear_cross_entropy_backward,
+         (hidden, weight, None, target, None, lse, torch.rand(4, device=device)) + none_options + (True, False, False)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_opcheck(index):
+    op, args = _op_samples()[index]
+    torch.library.opcheck(op, args)
+
+
+def _model(h, W, b, t, reduction, schedule):
+    loss = linear_cross_entropy(h, W, t, b, reduction=reduction, schedule=schedule, label_smoothing=0.1,
+                                z_loss=1e-3, softcap=8.0)
+    return loss.sum() if reduction == "none" else loss
+
+
+@pytest.mark.parametrize("reduction,schedule", [("mean", "gradient_in_forward"), ("mean", "recompute"),
+                                                ("none", "recompute")])
+def test_compile_fullgraph_matches_eager(reduction, schedule):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(12, 16, generator=g, requires_grad=True)
+    W = torch.randn(33, 16, generator=g, requires_grad=True)
+    b = torch.randn(33, generator=g, requires_grad=True)
+    t = torch.randint(0, 33, (12,), generator=g)
+    results = []
+    for fn in (_model, torch.compile(_model, fullgraph=True)):
+        h.grad = W.grad = b.grad = None
+        loss = fn(h, W, b, t, reduction, schedule)
+        (2 * loss).backward()
+        results.append((loss.detach(), h.grad.clone(), W.grad.clone(), b.grad.clone()))
+    for a, c in zip(*results):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_dynamic_shapes():
+    torch._dynamo.reset()
+    W = torch.randn(13, 8, requires_grad=True)
+    fn = torch.compile(lambda h, W, t, red: linear_cross_entropy(h, W, t, reduction=red).sum(), fullgraph=True,
+                       dynamic=True)
+    for n in (5, 9):
+        for reduction in ("mean", "none"):
+            h = torch.randn(n, 8, requires_grad=True)
+            t = torch.randint(0, 13, (n,))
+            loss = fn(h, W, t, reduction)
+            loss.backward()
+            hr = h.detach().clone().requires_grad_(True)
+            want = F.cross_entropy(hr @ W.detach().t(), t, reduction=reduction).sum()
+            want.backward()
+            torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(h.grad, hr.grad, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# nn.LinearCrossEntropyLoss
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "sum"}, {"reduction": "none"}, {"ignore_index": 1},
+                                    {"label_smoothing": 0.15}, {"class_weight": True, "z_loss": 1e-3}],
+                         ids=["default", "sum", "none", "ignore", "smoothing", "weighted"])
+def test_nn_module_matches_function_and_torch(kwargs):
+    V, H = 12, 7
+    kwargs = resolve(kwargs, V)
+    hidden, weight, bias, target = make_inputs((10,), H, V, torch.float32, bias=True, ignore_frac=0.0)
+    m = logitless.nn.LinearCrossEntropyLoss(**kwargs)
+    h = hidden.clone().requires_grad_(True)
+    loss = m(h, weight, target, bias)
+    opts = {k: v for k, v in kwargs.items()}
+    want, _ = reference(hidden, weight, target, bias, **opts)
+    assert_loss_close(loss, want, "cpu")
+    loss.sum().backward()
+    assert h.grad is not None
+    if not kwargs.get("z_loss"):
+        torch_loss = torch.nn.CrossEntropyLoss(weight=kwargs.get("class_weight"), ignore_index=m.ignore_index,
+                                               reduction=m.reduction, label_smoothing=m.label_smoothing)
+        torch.testing.assert_close(loss, torch_loss(F.linear(hidden, weight, bias), target), rtol=1e-5, atol=1e-6)
+
+
+def test_nn_module_state_and_repr():
+    cw = torch.rand(8) + 0.5
+    m = logitless.nn.LinearCrossEntropyLoss(class_weight=cw, z_loss=1e-2, softcap=4.0, schedule="recompute",
+                                            chunk_tokens=64)
+    assert "class_weight" in dict(m.named_buffers())
+    r = repr(m)
+    assert "z_loss=0.01" in r and "schedule='recompute'" in r and "chunk_tokens=64" in r
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU)
+
+
+@needs_cuda
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("V", [1, 3, 4099, 32003, 128256])
+def test_cuda_matches_reference(V, dtype, reduction):
+    N, H = (5, 64) if V >= 32003 else (37, 96)
+    opts = resolve(OPTIONS["all"], V, device="cuda")
+    hidden, weight, bias, target = make_inputs((N,), H, V, dtype, device="cuda", bias=True, spread=6.0)
+    for schedule in schedules_for(reduction):
+        check_against_reference(hidden, weight, target, bias, reduction=reduction, schedule=schedule, **opts)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_matches_cpu_backend(dtype):
+    # Same inputs on both backends, through the shifted view; small chunks force several token groups and
+    # vocabulary chunks on the GPU.
+    V, H = 5003, 48
+    full, weight, bias, tokens = make_inputs((2, 65), H, V, dtype, bias=True, ignore_frac=0.1)
+    for schedule in SCHEDULES:
+        outs = []
+        for device, chunks in (("cpu", {}), ("cuda", {}), ("cuda", dict(chunk_tokens=37, chunk_vocab=999))):
+            leaves = [t.detach().to(device).requires_grad_(True) for t in (full, weight, bias)]
+            loss, lse = linear_cross_entropy(leaves[0][:, :-1, :], leaves[1], tokens.to(device)[:, 1:], leaves[2],
+                                             label_smoothing=0.1, z_loss=1e-4, return_lse=True, schedule=schedule,
+                                             **chunks)
+            loss.backward()
+            outs.append([loss.cpu(), lse.cpu()] + [t.grad.cpu() for t in leaves])
+        for got in outs[1:]:
+            torch.testing.assert_close(got[0], outs[0][0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got[1], outs[0][1], rtol=1e-5, atol=1e-4)
+            for g, w in zip(got[2:], outs[0][2:]):
+                assert_grad_close(g, w, dtype, "cuda")
+
+
+def _rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_precision_against_torch_bf16(schedule):
+    # Against float32 math on the same bf16 values: the loss to 1e-5 relative; grad_hidden and grad_weight no
+    # worse than 1.5x torch's own bf16 eager error on the same inputs.
+    N, H, V = 2048, 1024, 32000
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(N, H, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5 * 2).bfloat16()
+    target = torch.randint(0, V, (N,), device="cuda", generator=g)
+
+    def grads(fn, dtype):
+        h = hidden.to(dtype).requires_grad_(True)
+        w = weight.to(dtype).requires_grad_(True)
+        loss = fn(h, w)
+        loss.backward()
+        return loss.detach().double(), h.grad, w.grad
+
+    exact = grads(lambda h, w: F.cross_entropy(h @ w.t(), target), torch.float64)
+    torch_bf16 = grads(lambda h, w: F.cross_entropy(h @ w.t(), target), torch.bfloat16)
+    ours = grads(lambda h, w: linear_cross_entropy(h, w, target, schedule=schedule), torch.bfloat16)
+    assert abs(ours[0].item() - exact[0].item()) <= 1e-5 * abs(exact[0].item())
+    for i, name in ((1, "grad_hidden"), (2, "grad_weight")):
+        theirs, mine = _rel_l2(torch_bf16[i], exact[i]), _rel_l2(ours[i], exact[i])
+        assert mine <= 1.5 * theirs, f"{name}: relative L2 error {mine:.3g} vs torch bf16 {theirs:.3g}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_runs_on_the_current_stream(schedule):
+    # The input is written on a side stream behind a long sleep: anything launched on another stream would
+    # read it before it is there.
+    hidden, weight, _, target = make_inputs((512,), 256, 8000, torch.bfloat16, device="cuda")
+    want = linear_cross_entropy(hidden, weight, target)
+    leaf = torch.zeros_like(hidden, requires_grad=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        got = linear_cross_entropy(leaf + hidden, weight, target, schedule=schedule)
+        got.backward()
+    side.synchronize()
+    ref = hidden.detach().clone().requires_grad_(True)
+    reference(ref, weight, target)[0].backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_grad_close(leaf.grad, ref.grad, torch.bfloat16, "cuda")
+
+
+@needs_cuda
+def test_cuda_bad_target_raises_eagerly():
+    h = torch.randn(6, 32, device="cuda")
+    w = torch.randn(100, 32, device="cuda")
+    t = torch.tensor([0, 1, 2, 3, 100, 5], device="cuda")
+    with pytest.raises(ValueError, match="target.*row 4"):
+        linear_cross_entropy(h, w, t)
+
+
+@needs_cuda
+@pytest.mark.parametrize("reduction,schedule", [("mean", "gradient_in_forward"), ("mean", "recompute"),
+                                                ("none", "recompute")])
+def test_cuda_graph_capture(reduction, schedule):
+    N, H, V = 256, 64, 4099
+    g = torch.Generator().manual_seed(21)
+    h = torch.randn(N, H, generator=g).cuda().requires_grad_(True)
+    W = (torch.randn(V, H, generator=g) * 0.2).cuda().requires_grad_(True)
+    b = torch.randn(V, generator=g).cuda().requires_grad_(True)
+    t = torch.randint(0, V, (N,), generator=g).cuda()
+    opts = dict(reduction=reduction, schedule=schedule, label_smoothing=0.1, z_loss=1e-3, chunk_tokens=100,
+                chunk_vocab=1500)
+
+    def step():
+        loss = linear_cross_entropy(h, W, t, b, **opts)
+        (loss.sum() if reduction == "none" else loss).backward()
+        return loss.detach()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (cuBLAS handles, allocations) outside the capture
+        for _ in range(2):
+            h.grad = W.grad = b.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    h.grad = W.grad = b.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            h.copy_(torch.randn(N, H, generator=gen).cuda())
+            t.copy_(torch.randint(0, V, (N,), generator=gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        leaves = [x.detach().clone().requires_grad_(True) for x in (h, W, b)]
+        want = linear_cross_entropy(*leaves[:2], t, leaves[2], **opts)
+        (want.sum() if reduction == "none" else want).backward()
+        torch.testing.assert_close(static_loss, want.detach(), rtol=1e-5, atol=1e-5)
+        for x, y in zip((h, W, b), leaves):
+            torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+def test_cuda_compile_fullgraph():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(256, 64, generator=g).cuda().requires_grad_(True)
+    W = torch.randn(4099, 64, generator=g).cuda().requires_grad_(True)
+    b = torch.randn(4099, generator=g).cuda().requires_grad_(True)
+    t = torch.randint(0, 4099, (256,), generator=g).cuda()
+    for reduction, schedule in [("mean", "gradient_in_forward"), ("mean", "recompute"), ("none", "recompute")]:
+        results = []
+        for fn in (_model, torch.compile(_model, fullgraph=True)):
+            h.grad = W.grad = b.grad = None
+            loss = fn(h, W, b, t, reduction, schedule)
+            loss.backward()
+            results.append((loss.detach(), h.grad.clone(), W.grad.clone(), b.grad.clone()))
+        for x, y in zip(*results):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+def test_cuda_opcheck():
+    for op, args in _op_samples("cuda"):
+        torch.library.opcheck(op, args)
+
+
+@needs_cuda
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_logits_never_in_memory(schedule):
+    # Peak memory beyond the inputs stays below one bf16 copy of the logits (gradients included).
+    N, H, V = 4096, 512, 32000
+    hidden, weight, _, target = make_inputs((N,), H, V, torch.bfloat16, device="cuda")
+    logits_bytes = N * V * 2
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    linear_cross_entropy(h, w, target, schedule=schedule, memory_budget=64 << 20).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < logits_bytes, f"{extra / 2**20:.0f} MiB extra for {logits_bytes / 2**20:.0f} MiB of bf16 logits"
