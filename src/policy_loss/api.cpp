@@ -143,7 +143,7 @@ void check_grad_logits(const TensorView& g, const TensorView& logits) {
   }
 }
 
-Problem make_policy_problem(Mode mode, const PolicyLossInputs& in, const PolicyLossOptions& o,
+Problem build_policy_problem(Mode mode, const PolicyLossInputs& in, const PolicyLossOptions& o,
                             const PolicyLossOutputs& out, const TensorView* grad_logits) {
   check_options(o);
   const TensorView& logits = in.logits;
@@ -326,6 +326,13 @@ void check_workspace(size_t need, Workspace ws) {
 
 }  // namespace
 
+namespace pl {
+Problem make_policy_problem(Mode mode, const PolicyLossInputs& inputs, const PolicyLossOptions& options,
+                            const PolicyLossOutputs& outputs, const TensorView* grad_logits) {
+  return build_policy_problem(mode, inputs, options, outputs, grad_logits);
+}
+}  // namespace pl
+
 size_t policy_loss_workspace_bytes(const PolicyLossInputs& inputs, const PolicyLossOptions& options) {
   check_defined(inputs.logits, "logits");
   if (inputs.logits.device.type != DeviceType::kCUDA) return 0;
@@ -342,7 +349,7 @@ size_t policy_loss_workspace_bytes(const PolicyLossInputs& inputs, const PolicyL
 
 void policy_loss_forward(const PolicyLossInputs& inputs, const PolicyLossOptions& options,
                          const PolicyLossOutputs& outputs, Workspace workspace, StreamHandle stream) {
-  const Problem p = make_policy_problem(Mode::kForward, inputs, options, outputs, nullptr);
+  const Problem p = build_policy_problem(Mode::kForward, inputs, options, outputs, nullptr);
   check_workspace(policy_loss_workspace_bytes(inputs, options), workspace);
   dispatch(p, workspace, stream, "policy_loss");
 }
@@ -350,7 +357,7 @@ void policy_loss_forward(const PolicyLossInputs& inputs, const PolicyLossOptions
 void policy_loss_forward_backward(const PolicyLossInputs& inputs, const PolicyLossOptions& options,
                                   const PolicyLossOutputs& outputs, const TensorView& grad_logits,
                                   const TensorView& grad_scale, Workspace workspace, StreamHandle stream) {
-  Problem p = make_policy_problem(Mode::kForwardBackward, inputs, options, outputs, &grad_logits);
+  Problem p = build_policy_problem(Mode::kForwardBackward, inputs, options, outputs, &grad_logits);
   if (grad_scale.defined()) p.grad_scale = check_float_input(grad_scale, "grad_scale", 1, p.device, "a scalar");
   check_workspace(policy_loss_workspace_bytes(inputs, options), workspace);
   dispatch(p, workspace, stream, "policy_loss");

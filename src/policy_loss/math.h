@@ -88,6 +88,13 @@ struct TokenTerms {
               // level's ratio term reaches logp through S_b and is added by the caller (see seq_ratio_coeff)
 };
 
+// The KL output without a reference: 0, or NaN for a token whose logp is NaN (a bad id or NaN logits), whose
+// every output is NaN.
+template <typename F>
+LOGITLESS_HD F no_kl(F logp) {
+  return logp != logp ? logp : F(0);
+}
+
 // Token level: r = exp(logp - old) (old absent: r = exp(logp - logp) = 1 with d r / d logp = 1, the
 // exp(logp - logp.detach()) trick; written as the difference so that a NaN logp stays NaN).
 template <typename F>
@@ -95,7 +102,7 @@ LOGITLESS_HD TokenTerms<F> token_terms(F logp, F old_logp, F ref_logp, F adv, co
   const F r = pexp(logp - (o.has_old ? old_logp : logp));
   const ClipTerm<F> c = clip_term(r, adv, o.eps_low, o.eps_high);
   TokenTerms<F> t;
-  t.kl = F(0);
+  t.kl = no_kl(logp);
   F dkl = F(0);
   if (o.has_ref) {
     const KlTerm<F> k = k3(logp, ref_logp);
@@ -113,7 +120,7 @@ template <typename F>
 LOGITLESS_HD TokenTerms<F> token_terms_seq(F logp, F ref_logp, F adv, F ratio, const TermOptions<F>& o) {
   const ClipTerm<F> c = clip_term(ratio, adv, o.eps_low, o.eps_high);
   TokenTerms<F> t;
-  t.kl = F(0);
+  t.kl = no_kl(logp);
   F dkl = F(0);
   if (o.has_ref) {
     const KlTerm<F> k = k3(logp, ref_logp);

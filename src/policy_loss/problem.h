@@ -88,6 +88,11 @@ inline double mask_weight(const void* mask, DType dt, int64_t off) {
   }
 }
 
+// The validated problem of a policy_loss_forward (grad_logits nullptr) or policy_loss_forward_backward call, as
+// api.cpp builds it: for callers that run the steps themselves (cuda/steps.h).
+Problem make_policy_problem(Mode mode, const PolicyLossInputs& inputs, const PolicyLossOptions& options,
+                            const PolicyLossOutputs& outputs, const TensorView* grad_logits);
+
 void run_cpu(const Problem& p);
 
 #if defined(LOGITLESS_WITH_CUDA)

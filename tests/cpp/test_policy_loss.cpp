@@ -17,7 +17,12 @@
 #include <random>
 #include <sstream>
 
+#include "policy_loss/cuda/plan.h"
 #include "test_util.h"
+
+#if defined(LOGITLESS_WITH_CUDA)
+#include "policy_loss/cuda/steps.h"
+#endif
 
 namespace logitless::test {
 namespace {
@@ -1038,6 +1043,118 @@ TEST(PolicyLossLarge, BeyondInt32Offsets) {
                            V * es);
   for (int64_t j = 0; j < V; ++j) ASSERT_EQ(row[j], 0) << j;
 }
+
+
+// ---- the tile planner (a pure host function) ------------------------------------------------------------------
+pl::RowsPlanInputs hopper(int64_t V, int elem_bytes, bool fused) {
+  pl::RowsPlanInputs in;
+  in.vocab = V;
+  in.elem_bytes = elem_bytes;
+  in.fused = fused;
+  in.cluster_capable = true;
+  in.ctas_per_sm = 2;  // 512 threads at 64 registers
+  return in;
+}
+
+TEST(PolicyLossPlan, ClusterOnlyForLongFusedRowsWithinTheL2Budget) {
+  const pl::RowsPlan a = pl::plan_rows(hopper(150000, 2, true));
+  EXPECT_EQ(a.algo, PolicyLossAlgo::kCluster);
+  EXPECT_EQ(a.threads, 512);
+  // 2 resident CTAs x 300 KB / C within 160 KB per SM: C = 4.
+  EXPECT_EQ(a.cluster, 4);
+  EXPECT_GE(a.slice * a.cluster, 150000);
+  EXPECT_EQ(a.slice % 8, 0);  // whole 16-byte chunks
+  EXPECT_LE(2 * a.slice * 2, pl::kSliceBudgetPerSm);
+  const pl::RowsPlan f32 = pl::plan_rows(hopper(256000, 4, true));
+  EXPECT_EQ(f32.cluster, 8);  // capped at the portable size
+  EXPECT_EQ(f32.slice % 4, 0);
+
+  pl::RowsPlanInputs in = hopper(150000, 2, false);  // one read: nothing to keep in L2
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kStreaming);
+  EXPECT_EQ(pl::plan_rows(in).cluster, 1);
+  EXPECT_EQ(pl::plan_rows(in).threads, 256);
+  EXPECT_EQ(pl::plan_rows(in).slice, 150000);
+  in = hopper(16000, 2, true);  // 32 KB rows: the streaming kernel's second read hits L2 already
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kStreaming);
+  in = hopper(150000, 2, true);
+  in.cluster_capable = false;  // an A100, or a build without sm_90
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kStreaming);
+  in.requested = PolicyLossAlgo::kCluster;  // asked for explicitly: refused (the launcher raises)
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kAuto);
+}
+
+TEST(PolicyLossPlan, ExplicitTilesAreKept) {
+  pl::RowsPlanInputs in = hopper(1000, 2, false);
+  in.requested = PolicyLossAlgo::kCluster;
+  in.cluster_size = 8;
+  in.threads = 128;
+  const pl::RowsPlan p = pl::plan_rows(in);
+  EXPECT_EQ(p.algo, PolicyLossAlgo::kCluster);
+  EXPECT_EQ(p.cluster, 8);
+  EXPECT_EQ(p.threads, 128);
+  EXPECT_EQ(p.slice, 128);  // ceil(1000 / 8) = 125, rounded up to whole chunks of 8
+  in.requested = PolicyLossAlgo::kStreaming;
+  EXPECT_EQ(pl::plan_rows(in).cluster, 1);
+  EXPECT_EQ(pl::plan_rows(in).threads, 128);
+}
+
+#if defined(LOGITLESS_WITH_CUDA)
+// The steps a fused linear head would run chunk by chunk (cuda/steps.h) give what one call gives, at both levels.
+TEST(PolicyLossSteps, ChunkedCallsMatchOneCall) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  for (auto level : {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence}) {
+    SCOPED_TRACE(level_name(level));
+    const PlCase c{4, 24, 5003, DType::kBFloat16, PlLayout::kAligned, PlPreset::kFull, PolicyLossType::kGrpo, level};
+    PlInputs in(c, 31);
+    const PlOut want = run_backend(in, PlEntry::kForwardBackward, true, 1.f, /*want_entropy=*/false);
+
+    const int64_t B = c.B, L = c.L, V = c.V, N = B * L;
+    TestTensor loss(DType::kFloat32, {}), ptl(DType::kFloat32, {B, L}), logp(DType::kFloat32, {B, L}),
+        grad(c.dtype, {B, L, V});
+    for (TestTensor* t : {&loss, &ptl, &logp, &grad}) {
+      t->fill_storage_nan();
+      t->to_device();
+    }
+    PolicyLossOutputs out;
+    out.loss = loss.view(true);
+    out.per_token_loss = ptl.view(true);
+    out.logp = logp.view(true);
+    const TensorView g = grad.view(true);
+    const PolicyLossInputs pin = in.view(true);
+    const pl::Problem pr = pl::make_policy_problem(pl::Mode::kForwardBackward, pin, in.opt, out, &g);
+    DeviceScratch ws(policy_loss_workspace_bytes(pin, in.opt));
+    pl::PolicySteps steps(pr, ws.ws(), nullptr);
+    // Chunks of uneven sizes that cut sequences: tokens [0, 7), [7, 50), [50, N).
+    std::vector<pl::Chunk> chunks;
+    const int64_t es = dtype_size(c.dtype), ls = V + 3;  // the aligned layout's row stride
+    for (auto [t0, t1] : {std::pair<int64_t, int64_t>{0, 7}, {7, 50}, {50, N}}) {
+      pl::Chunk k;
+      k.first_token = t0;
+      k.n_tokens = t1 - t0;
+      k.logits = static_cast<const char*>(pin.logits.data) + t0 * ls * es;
+      k.logits_rows.strides[0] = ls;
+      k.grad = static_cast<char*>(g.data) + t0 * V * es;
+      k.grad_rows.strides[0] = V;
+      chunks.push_back(k);
+    }
+    steps.begin();
+    for (const auto& k : chunks) steps.rows(k);
+    steps.sequence();
+    if (level == ImportanceSamplingLevel::kSequence)
+      for (const auto& k : chunks) steps.rows_backward(k);
+    steps.finish();
+    device_synchronize();
+    for (TestTensor* t : {&loss, &ptl, &logp, &grad}) t->to_host();
+    const Tol exact{0, 0};
+    EXPECT_TRUE(all_close(std::vector<double>{loss.get(0)}, std::vector<double>{want.loss}, exact, 1, "loss"));
+    std::vector<double> p1(N), p2(N);
+    for (int64_t t = 0; t < N; ++t) p1[t] = ptl.get(t), p2[t] = logp.get(t);
+    EXPECT_TRUE(all_close(p1, want.per_token_loss, exact, 1, "per_token_loss"));
+    EXPECT_TRUE(all_close(p2, want.logp, exact, 1, "logp"));
+    EXPECT_TRUE(all_close(grad.gather_float(), want.grad, exact, 1, "grad"));
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace logitless::test

@@ -12,6 +12,7 @@
 
 #include "common/cuda/check.cuh"
 #include "policy_loss/cuda/kernels.h"
+#include "policy_loss/cuda/steps.h"
 #include "policy_loss/math.h"
 #include "policy_loss/problem.h"
 
@@ -298,70 +299,115 @@ void run_rows(const Problem& pr, const KernelParams& base, RowsVariant v, bool f
   launch_rows(pr.dtype, v, p, streaming, info.sm_count, stream);
 }
 
+KernelParams with_chunk(const KernelParams& base, const Chunk& c) {
+  KernelParams k = base;
+  k.logits = static_cast<const char*>(c.logits);
+  k.logits_rows = c.logits_rows;
+  k.grad = static_cast<char*>(c.grad);
+  k.grad_rows = c.grad_rows;
+  k.first_token = c.first_token;
+  k.n_rows = c.n_tokens;
+  return k;
+}
+
 }  // namespace
 
 size_t cuda_workspace_bytes(Op op, int64_t n_seqs, int64_t n_rows, ImportanceSamplingLevel level) {
   return layout_of(op, n_seqs, n_rows, level).total;
 }
 
+PolicySteps::PolicySteps(const Problem& pr, Workspace ws, cudaStream_t stream)
+    : pr_(pr), ws_(static_cast<char*>(ws.data)), stream_(stream) {
+  const WorkspaceLayout wl = layout_of(pr.op, pr.n_seqs, pr.n_rows, pr.level);
+  base_ = make_params(pr, ws_, wl);
+  if (pr.sequence_level()) {
+    // The statistics pass keeps logp and lse for the sequence kernel and the gradient pass (the caller's outputs
+    // when it asked for them, workspace otherwise).
+    if (!base_.out_logp) base_.out_logp = reinterpret_cast<float*>(ws_ + wl.logp);
+    if (!base_.out_lse) base_.out_lse = reinterpret_cast<float*>(ws_ + wl.lse);
+  }
+}
+
+Chunk PolicySteps::whole() const {
+  Chunk c;
+  c.logits = pr_.logits;
+  c.logits_rows = pr_.logits_rows;
+  c.grad = pr_.grad;
+  c.grad_rows = pr_.grad_rows;
+  c.first_token = 0;
+  c.n_tokens = pr_.n_rows;
+  return c;
+}
+
+void PolicySteps::begin() {
+  if (pr_.n_rows <= 0) return;
+  const int64_t n_segs = segments(pr_.op, pr_.n_seqs, pr_.n_rows);
+  const int64_t seg_len = pr_.op == Op::kSelective ? kSelectiveSegment : base_.seq_len;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n_segs, 65535));
+  prepass_kernel<<<grid, kSeqThreads, 0, stream_>>>(base_, seg_len, n_segs);
+  LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss prepass");
+  totals_kernel<<<1, kReduceThreads, 0, stream_>>>(base_, n_segs, pr_.loss_type, pr_.max_completion_length,
+                                                    pr_.num_items_in_batch);
+  LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss totals");
+  if (pr_.check_ids && !stream_is_capturing(stream_)) throw_if_bad_id(pr_, base_.scalars, stream_);
+}
+
+void PolicySteps::rows(const Chunk& c) {
+  if (c.n_tokens <= 0) return;
+  KernelParams k = with_chunk(base_, c);
+  const bool seq_level = pr_.sequence_level();
+  if (seq_level) k.grad = nullptr;  // the sequence level's gradient needs every sequence's ratio first
+  // Token level: outputs, the loss's shares and (with a gradient) the gradient, in one pass over each row.
+  run_rows(pr_, k, RowsVariant{false, k.out_entropy != nullptr}, k.grad != nullptr, stream_);
+}
+
+void PolicySteps::sequence() {
+  if (!pr_.sequence_level() || pr_.n_seqs <= 0 || pr_.n_rows <= 0) return;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pr_.n_seqs, 65535));
+  sequence_kernel<<<grid, kSeqThreads, 0, stream_>>>(base_);
+  LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss sequence terms");
+}
+
+void PolicySteps::rows_backward(const Chunk& c) {
+  if (c.n_tokens <= 0 || !c.grad) return;
+  KernelParams k = with_chunk(base_, c);
+  if (pr_.op == Op::kSelective) {
+    k.lse_in = pr_.lse_in;
+    k.grad_logp = pr_.grad_logp;
+  } else {
+    k.lse_in = base_.out_lse;
+    k.logp_in = base_.out_logp;
+  }
+  run_rows(pr_, k, RowsVariant{true, false}, false, stream_);
+}
+
+void PolicySteps::finish() {
+  if (pr_.op != Op::kPolicy) return;
+  if (pr_.n_rows > 0) {
+    finalize_kernel<<<1, kReduceThreads, 0, stream_>>>(base_, pr_.sequence_level() ? 1 : 0, pr_.loss);
+  } else {
+    zero_scalar_kernel<<<1, 1, 0, stream_>>>(pr_.loss);  // no tokens: loss 0
+  }
+  LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss finalize");
+}
+
 void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(pr.device.index);
-  char* wsp = static_cast<char*>(ws.data);
-  const WorkspaceLayout wl = layout_of(pr.op, pr.n_seqs, pr.n_rows, pr.level);
-  KernelParams kp = make_params(pr, wsp, wl);
-  const bool policy = pr.op == Op::kPolicy, seq_level = pr.sequence_level();
-  const bool want_grad = pr.mode != Mode::kForward;
-
-  if (pr.n_rows > 0) {
-    const int64_t n_segs = segments(pr.op, pr.n_seqs, pr.n_rows);
-    const int64_t seg_len = pr.op == Op::kSelective ? kSelectiveSegment : kp.seq_len;
-    if (pr.mode != Mode::kBackward) {
-      const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n_segs, 65535));
-      prepass_kernel<<<grid, kSeqThreads, 0, stream>>>(kp, seg_len, n_segs);
-      LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss prepass");
-      totals_kernel<<<1, kReduceThreads, 0, stream>>>(kp, n_segs, pr.loss_type, pr.max_completion_length,
-                                                      pr.num_items_in_batch);
-      LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss totals");
-      if (pr.check_ids && !stream_is_capturing(stream)) throw_if_bad_id(pr, kp.scalars, stream);
-    }
-    if (pr.op == Op::kSelective) {
-      if (pr.mode == Mode::kBackward) {
-        kp.lse_in = pr.lse_in;
-        kp.grad_logp = pr.grad_logp;
-        run_rows(pr, kp, RowsVariant{true, false}, false, stream);
-      } else {
-        run_rows(pr, kp, RowsVariant{false, kp.out_entropy != nullptr}, false, stream);
-      }
-    } else if (!seq_level) {
-      // Token level: outputs, the loss's shares and (fused) the gradient, in one pass.
-      run_rows(pr, kp, RowsVariant{false, kp.out_entropy != nullptr}, want_grad, stream);
-    } else {
-      // Sequence level: statistics (logp and lse kept), the sequence terms, then the gradient from the saved lse.
-      KernelParams st = kp;
-      st.grad = nullptr;
-      if (!st.out_logp) st.out_logp = reinterpret_cast<float*>(wsp + wl.logp);
-      if (!st.out_lse) st.out_lse = reinterpret_cast<float*>(wsp + wl.lse);
-      run_rows(pr, st, RowsVariant{false, st.out_entropy != nullptr}, false, stream);
-      const unsigned grid = static_cast<unsigned>(std::min<int64_t>(pr.n_seqs, 65535));
-      sequence_kernel<<<grid, kSeqThreads, 0, stream>>>(st);
-      LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss sequence terms");
-      if (want_grad) {
-        KernelParams bw = kp;
-        bw.lse_in = st.out_lse;
-        bw.logp_in = st.out_logp;
-        run_rows(pr, bw, RowsVariant{true, false}, false, stream);
-      }
-    }
-    if (policy) {
-      finalize_kernel<<<1, kReduceThreads, 0, stream>>>(kp, seq_level ? 1 : 0, pr.loss);
-      LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss finalize");
-    }
-  } else if (policy) {
-    zero_scalar_kernel<<<1, 1, 0, stream>>>(pr.loss);  // no tokens: loss 0
-    LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss finalize");
+  PolicySteps s(pr, ws, stream);
+  const Chunk all = s.whole();
+  if (pr.mode == Mode::kBackward) {  // selective log-softmax from the saved lse: one read, one write
+    s.rows_backward(all);
+    return;
   }
-  if (policy && want_grad && pr.n_pad > 0)
+  s.begin();
+  s.rows(all);
+  if (pr.sequence_level()) {
+    s.sequence();
+    if (pr.mode == Mode::kForwardBackward) s.rows_backward(all);
+  }
+  s.finish();
+  if (pr.op == Op::kPolicy && pr.mode == Mode::kForwardBackward && pr.n_pad > 0)
     launch_zero_rows(pr.dtype, pr.grad_pad, pr.grad_pad_stride, pr.n_pad, pr.vocab, stream);
 }
 

@@ -66,7 +66,9 @@ struct KernelParams {
   SeqStats* seq = nullptr;
   Scalars* scalars = nullptr;
 
-  int64_t n_rows = 0;
+  int64_t n_rows = 0;       // rows of this launch (a chunk's tokens); the prepass and the loss: every token
+  int64_t first_token = 0;  // the token of row 0: per-token arrays are indexed by first_token + row, the logits
+                            // and gradient rows by row (a chunk of logits computed from hidden states)
   int64_t vocab = 0;
   int64_t seq_len = 1;  // tokens per sequence (row r belongs to sequence r / seq_len)
   int64_t n_seqs = 0;

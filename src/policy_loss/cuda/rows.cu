@@ -205,15 +205,15 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_const
   const float gscale = p.grad_scale ? p.grad_scale[0] : 1.f;
 
   Token cur;
-  if (group < p.n_rows) cur = load_token(p, group);
+  if (group < p.n_rows) cur = load_token(p, p.first_token + group);
   for (int64_t row = group; row < p.n_rows; row += groups) {
     const int64_t next = row + groups;
     const Token tk = cur;
-    if (next < p.n_rows) cur = load_token(p, next);  // consumed by the next iteration
+    if (next < p.n_rows) cur = load_token(p, p.first_token + next);  // consumed by the next iteration
     const int kind = kind_of(p, tk);
     char* gdst = p.grad ? p.grad + (p.grad_rows.offset(row) + slice_begin) * kEs : nullptr;
     if (kind != kValid) {
-      if (!kWithLse && rank == 0 && tid == 0) write_skipped(p, row, kind);
+      if (!kWithLse && rank == 0 && tid == 0) write_skipped(p, p.first_token + row, kind);
       if (gdst) {
         const ChunkSpan<T> gspan(gdst, len);
         float v[kVec];
@@ -233,12 +233,12 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_const
     const bool owns_t = t_local >= 0 && t_local < len;
     float lse, c;
     if constexpr (kWithLse) {
-      const TokenInputs in = load_inputs<true>(p, row);
+      const TokenInputs in = load_inputs<true>(p, p.first_token + row);
       lse = in.lse;
       c = backward_coeff(p, in, tk.w, gscale);
     } else {
       // Issued before the statistics pass, consumed after it: the loop hides their latency.
-      const TokenInputs in = load_inputs<false>(p, row);
+      const TokenInputs in = load_inputs<false>(p, p.first_token + row);
       typename Elem::Acc acc;
       loops.stats(span.base, q_lo, q_hi, j0, acc);
       if (part >= 0) {
@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_const
       lse = acc.m == -INFINITY ? NAN : fmaf(acc.m, p.inv_temp, logf(acc.s));
       const float logp = fmaf(xt, p.inv_temp, -lse);
       const float entropy = kEntropy ? online_entropy(acc.s, acc.u) : 0.f;
-      c = forward_epilogue(p, row, in, tk.w, lse, logp, entropy, rank == 0 && tid == 0, gscale);
+      c = forward_epilogue(p, p.first_token + row, in, tk.w, lse, logp, entropy, rank == 0 && tid == 0, gscale);
     }
     if (!gdst) continue;
     // grad_j = c ([j == id] - p_j) / T = a p_j - [j == id] b with a = b = -c / T.

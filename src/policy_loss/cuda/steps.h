@@ -1,0 +1,52 @@
+// The steps of one policy-loss call on CUDA. run_cuda composes them over the given logits; a caller that produces
+// the logits a chunk of tokens at a time (a fused linear head computes them from hidden states and consumes their
+// gradient) composes them itself:
+//
+//   PolicySteps s(problem, workspace, stream);   // problem: the token-level inputs and outputs (its logits unused)
+//   s.begin();                                   // everything that needs no logits: weights, factors, id check
+//   for each chunk: s.rows(chunk);               // statistics, outputs, loss shares; token level: the gradient
+//   if sequence level: s.sequence();             //   the shared ratios, once every chunk's statistics are in
+//                      for each chunk: s.rows_backward(chunk);   // the gradient from the saved lse
+//   s.finish();                                  // the loss
+//
+// A chunk is a set of consecutive tokens [first_token, first_token + n_tokens) with its own logits rows (any
+// layout, e.g. a GEMM's [n_tokens, V] output) and gradient rows (may be the logits, in place).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/layout.h"
+#include "policy_loss/cuda/params.h"
+#include "policy_loss/problem.h"
+
+namespace logitless::pl {
+
+struct Chunk {
+  const void* logits = nullptr;
+  RowLayout logits_rows;
+  void* grad = nullptr;  // nullptr: no gradient
+  RowLayout grad_rows;
+  int64_t first_token = 0;
+  int64_t n_tokens = 0;
+};
+
+class PolicySteps {
+ public:
+  PolicySteps(const Problem& pr, Workspace ws, cudaStream_t stream);
+  void begin();
+  void rows(const Chunk& c);
+  void sequence();
+  void rows_backward(const Chunk& c);
+  void finish();
+
+  // The chunk covering every token of the problem with its own logits and gradient.
+  Chunk whole() const;
+
+ private:
+  const Problem& pr_;
+  char* ws_;
+  cudaStream_t stream_;
+  KernelParams base_;
+};
+
+}  // namespace logitless::pl
