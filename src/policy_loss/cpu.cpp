@@ -77,7 +77,8 @@ struct Ctx {
 
 [[noreturn]] void throw_bad_id(const Problem& p, int64_t r, int64_t t) {
   if (p.op == Op::kSelective)
-    throw_invalid(str_cat("ids: expected values in [0, ", p.vocab, "), got ", t, " at row ", r, " (the first bad row)"));
+    throw_invalid(
+        str_cat("ids: expected values in [0, ", p.vocab, "), got ", t, " at row ", r, " (the first bad row)"));
   throw_invalid(str_cat("completion_ids: expected values in [0, ", p.vocab, ") at unmasked tokens, got ", t,
                         " at [", r / p.seq_len, ", ", r % p.seq_len, "] (the first bad token)"));
 }
@@ -141,14 +142,16 @@ void run_cpu(const Problem& p) {
 
   // Per sequence: the weight sums, the reduction's factor, and (sequence level) the shared ratio.
   const TermOptions<double> o{p.beta, p.eps_low, p.eps_high, p.old_logp != nullptr, p.ref_logp != nullptr};
-  std::vector<double> wsum(static_cast<size_t>(B), 0.0), factor(static_cast<size_t>(B)), ratio(static_cast<size_t>(B), 1.0),
-      ratio_coeff(static_cast<size_t>(B), 0.0);
+  const size_t nb = static_cast<size_t>(B);
+  std::vector<double> wsum(nb, 0.0), factor(nb), ratio(nb, 1.0), ratio_coeff(nb, 0.0);
   double total = 0;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t l = 0; l < L; ++l) wsum[b] += w[b * L + l];
     total += wsum[b];
   }
-  auto old_of = [&](int64_t r) { return p.old_logp ? static_cast<double>(p.old_logp[p.old_rows.offset(r)]) : st[r].logp; };
+  auto old_of = [&](int64_t r) {
+    return p.old_logp ? static_cast<double>(p.old_logp[p.old_rows.offset(r)]) : st[r].logp;
+  };
   auto ref_of = [&](int64_t r) { return p.ref_logp ? static_cast<double>(p.ref_logp[p.ref_rows.offset(r)]) : 0.0; };
   auto adv_of = [&](int64_t b) { return static_cast<double>(p.advantages[b * p.adv_stride]); };
   for (int64_t b = 0; b < B; ++b) {

@@ -194,11 +194,13 @@ struct PlInputs {
       std::normal_distribution<double> n_old(0.0, 0.3), n_ref(0.0, 0.5);
       if (has_old) {
         old = token_tensor(DType::kFloat32);
-        for (int64_t r = 0; r < B * L; ++r) old.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_old(rng)));
+        for (int64_t r = 0; r < B * L; ++r)
+          old.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_old(rng)));
       }
       if (has_ref) {
         ref = token_tensor(DType::kFloat32);
-        for (int64_t r = 0; r < B * L; ++r) ref.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_ref(rng)));
+        for (int64_t r = 0; r < B * L; ++r)
+          ref.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_ref(rng)));
       }
     }
   }
@@ -856,7 +858,8 @@ TEST(PolicyLossErrors, ShapesNameTheArgument) {
             std::string::npos);
   EXPECT_NE(with([&](auto& p) { p.advantages = adv3.host_view(); }).find("advantages: expected shape [2]"),
             std::string::npos);
-  EXPECT_NE(with([&](auto& p) { p.completion_mask = mask2.host_view(); }).find("completion_mask: expected shape [2, 3]"),
+  EXPECT_NE(with([&](auto& p) { p.completion_mask = mask2.host_view(); })
+                .find("completion_mask: expected shape [2, 3]"),
             std::string::npos);
   EXPECT_NE(with([&](auto& p) { p.ref_logp = ref2.host_view(); }).find("ref_logp: expected shape [2, 3]"),
             std::string::npos);
@@ -867,7 +870,8 @@ TEST(PolicyLossErrors, ShapesNameTheArgument) {
   EXPECT_NE(with([&](auto& p) { p.completion_mask = mask_f16.host_view(); }).find("completion_mask: expected dtype"),
             std::string::npos);
   TestTensor ids_f(DType::kFloat32, {2, 3});
-  EXPECT_NE(with([&](auto& p) { p.completion_ids = ids_f.host_view(); }).find("completion_ids: expected dtype int32 or int64"),
+  EXPECT_NE(with([&](auto& p) { p.completion_ids = ids_f.host_view(); })
+                .find("completion_ids: expected dtype int32 or int64"),
             std::string::npos);
   TensorView strided = s.logits.host_view();
   strided.strides[2] = 2;
@@ -934,7 +938,8 @@ TEST(PolicyLossErrors, OutputsAndSelective) {
             std::string::npos);
   o.kl = {};
   o.is_clipped = clip_f.host_view();
-  EXPECT_NE(error_of([&] { policy_loss_forward(s.in(), s.opt, o, {}, nullptr); }).find("is_clipped: expected dtype bool"),
+  EXPECT_NE(error_of([&] { policy_loss_forward(s.in(), s.opt, o, {}, nullptr); })
+                .find("is_clipped: expected dtype bool"),
             std::string::npos);
 
   TestTensor logits(DType::kFloat32, {4, 5}), ids(DType::kInt64, {4}), logp(DType::kFloat32, {4}),
@@ -1039,8 +1044,8 @@ TEST(PolicyLossLarge, BeyondInt32Offsets) {
     EXPECT_TRUE(all_close(got, want, tolerance(DType::kBFloat16, Quantity::kGrad), std::abs(c), "row"));
   }
   // The unused last position of the last sequence is zero.
-  test_copy_device_to_host(row.data(), static_cast<const char*>(logits.view(true).data) + ((B - 1) * (L + 1) + L) * V * es,
-                           V * es);
+  const char* last = static_cast<const char*>(logits.view(true).data) + ((B - 1) * (L + 1) + L) * V * es;
+  test_copy_device_to_host(row.data(), last, V * es);
   for (int64_t j = 0; j < V; ++j) ASSERT_EQ(row[j], 0) << j;
 }
 

@@ -302,7 +302,8 @@ def test_finite_differences(level, inplace):
         ratio_term = -(adv[:, None] * w * lp / w.sum(-1, keepdim=True).clamp(min=1)).sum() / ids.shape[0]
     else:  # d/dlogp of -A exp(S): -A * w / D at S = 0, times the sequence's factor sum_l w / (B D)
         D = w.sum(-1, keepdim=True).clamp(min=1)
-        ratio_term = -(adv[:, None] * (w * lp / D).sum(-1, keepdim=True) * w.sum(-1, keepdim=True) / D).sum() / ids.shape[0]
+        per_seq = (w * lp / D).sum(-1, keepdim=True) * w.sum(-1, keepdim=True) / D
+        ratio_term = -(adv[:, None] * per_seq).sum() / ids.shape[0]
     (2.0 * ratio_term).backward()
     torch.testing.assert_close(x.grad, numeric + xr.grad, atol=2e-3, rtol=2e-2)
 
