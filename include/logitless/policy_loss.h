@@ -56,7 +56,8 @@
 //
 // Ids outside [0, V) at unmasked tokens: with check_ids (and a stream that is not capturing a CUDA graph) the
 // call throws an Error naming the first such token; otherwise that token's outputs and gradient row are NaN
-// (and so is the loss). A token whose logits hold a NaN or +inf gets NaN outputs and gradient likewise.
+// (and so is the loss; at the sequence level, every per_token_loss and gradient row of its sequence). A token
+// whose logits hold a NaN or +inf gets NaN outputs and gradient likewise.
 #pragma once
 
 #include <cstddef>
