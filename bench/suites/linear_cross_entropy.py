@@ -111,7 +111,7 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
 
         # The yardstick: the three products, as torch.matmul runs them (cuBLAS), with a bf16 dZ of the logits'
         # shape standing in for the gradient of the logits.
-        dz = torch.randn(N, V, device=ctx.device, generator=gen).to(DTYPE)
+        dz = torch.randn(N, V, device=ctx.device, dtype=DTYPE, generator=gen)
         x, w_ = hidden.detach(), weight.detach()
         gemms = [
             ("cuBLAS X·Wᵀ [N,V]", lambda: torch.matmul(x, w_.t()), 2.0 * N * H * V),
