@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <random>
@@ -560,20 +561,53 @@ TEST(LinearCrossEntropy, BroadcastHiddenRows) {
   }
 }
 
-// Same inputs, same GPU: the same bits (fixed-order reductions, cuBLAS without atomics).
+// Bit equality of two runs' outputs, and every element finite: two NaN results would be equal bits of a broken
+// run (and EXPECT_EQ on NaNs fails however the bits compare), so a NaN-producing regression must fail here.
+::testing::AssertionResult same_finite_bits(const std::vector<double>& a, const std::vector<double>& b,
+                                            const std::string& what) {
+  if (a.size() != b.size())
+    return ::testing::AssertionFailure() << what << ": " << a.size() << " vs " << b.size() << " elements";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i]))
+      return ::testing::AssertionFailure() << what << "[" << i << "]: " << a[i] << " and " << b[i]
+                                           << " (expected finite)";
+    // The values are floats widened exactly to double: equal double bits are equal float bits (-0 != +0).
+    if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0)
+      return ::testing::AssertionFailure() << what << "[" << i << "]: " << std::hexfloat << a[i] << " vs " << b[i];
+  }
+  return ::testing::AssertionSuccess();
+}
+
+void expect_same_finite_bits(const Outputs& a, const Outputs& b, const std::string& what) {
+  EXPECT_TRUE(same_finite_bits(a.loss, b.loss, what + " loss"));
+  EXPECT_TRUE(same_finite_bits(a.lse, b.lse, what + " lse"));
+  EXPECT_TRUE(same_finite_bits(a.dx, b.dx, what + " grad_hidden"));
+  EXPECT_TRUE(same_finite_bits(a.dw, b.dw, what + " grad_weight"));
+  EXPECT_TRUE(same_finite_bits(a.db, b.db, what + " grad_bias"));
+}
+
+// Same inputs, same GPU: the same bits (fixed-order reductions, cuBLAS without atomics). The backward gets the
+// lse that the gradient-in-forward run produced, as a training step's backward gets its forward's.
 TEST(LinearCrossEntropyCudaNumerics, Deterministic) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   LceCase c{300, 64, 5000, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true};
   LceInputs in(c, 41);
   const std::vector<double> up{1.0};
-  for (Entry e : {Entry::kForwardBackward, Entry::kBackward}) {
-    const Outputs a = run_backend(in, e, true, up, nullptr, Chunking::kSmall);
-    const Outputs b = run_backend(in, e, true, up, nullptr, Chunking::kSmall);
-    EXPECT_EQ(a.loss, b.loss) << entry_name(e);
-    EXPECT_EQ(a.dx, b.dx) << entry_name(e);
-    EXPECT_EQ(a.dw, b.dw) << entry_name(e);
-    EXPECT_EQ(a.db, b.db) << entry_name(e);
-  }
+  const Outputs fa = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kSmall);
+  const Outputs fb = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kSmall);
+  // Every output is there (an empty vector would compare equal and finite).
+  ASSERT_EQ(fa.loss.size(), 1u);
+  ASSERT_EQ(fa.lse.size(), static_cast<size_t>(c.n));
+  ASSERT_EQ(fa.dx.size(), static_cast<size_t>(c.n * c.h));
+  ASSERT_EQ(fa.dw.size(), static_cast<size_t>(c.v * c.h));
+  ASSERT_EQ(fa.db.size(), static_cast<size_t>(c.v));
+  expect_same_finite_bits(fa, fb, "forward_backward");
+  const Outputs ba = run_backend(in, Entry::kBackward, true, up, &fa.lse, Chunking::kSmall);
+  const Outputs bb = run_backend(in, Entry::kBackward, true, up, &fa.lse, Chunking::kSmall);
+  ASSERT_EQ(ba.dx.size(), fa.dx.size());
+  ASSERT_EQ(ba.dw.size(), fa.dw.size());
+  ASSERT_EQ(ba.db.size(), fa.db.size());
+  expect_same_finite_bits(ba, bb, "backward");
 }
 
 // ---- the reference itself: its gradients against central differences of its loss ---------------------------
