@@ -10,6 +10,7 @@
 #include <random>
 #include <sstream>
 
+#include "linear_cross_entropy/cuda/grad_columns.h"
 #include "linear_cross_entropy/cuda/plan.h"
 #include "test_util.h"
 
@@ -631,6 +632,113 @@ TEST(LinearCrossEntropyReference, GradientsMatchFiniteDifferences) {
     check(in.hidden, r.dx, "hidden");
     check(in.weight, r.dw, "weight");
     check(in.bias, r.db, "bias");
+  }
+}
+
+// ---- the gradient kernel's column groups (grad_columns.h: the code the kernel runs per thread and row) -----
+// Whole rows and every vocabulary slice of several slicings, with widths of every residue modulo kGradCols: each
+// class of a chunk is loaded, evaluated, stored and summed exactly once, and nothing outside the chunk is
+// touched: not the logits' padding, not the class weights of classes at V and beyond (the out-of-bounds read
+// of label smoothing with class weights at V = 32003), not the next slice's classes.
+TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
+  constexpr int K = lce::kGradCols;
+  for (int64_t V : {1, 2, 3, 4, 5, 7, 8, 9, 37, 1001, 32003}) {
+    // Chunk widths: whole rows, the tests' small vocabulary chunks (V / 3 + 1), and narrow ones.
+    for (int64_t C : {V, V / 3 + 1, int64_t{1}, int64_t{5}, int64_t{8}, int64_t{13}}) {
+      C = std::min(C, V);
+      SCOPED_TRACE("V=" + std::to_string(V) + " chunk=" + std::to_string(C));
+      const int64_t ld = (C + 7) / 8 * 8;  // the planner's row length
+      std::vector<float> weight(V);        // exactly V class weights, as the caller's tensor
+      for (int64_t j = 0; j < V; ++j) weight[j] = 0.5f + static_cast<float>(j % 7);
+      std::vector<int> loaded(V, 0), evaluated(V, 0), stored(V, 0);
+      std::string violation;  // the first access outside the chunk
+      auto outside = [&](const std::string& what, int64_t col, int64_t width) {
+        if (violation.empty())
+          violation = what + " at column " + std::to_string(col) + " of a chunk " + std::to_string(width) + " wide";
+      };
+      for (int64_t v0 = 0; v0 < V; v0 += C) {
+        const int64_t width = std::min(C, V - v0);
+        // Two rows of logits, padding poisoned; the gradient and the column sums poisoned everywhere.
+        std::vector<float> logits(2 * ld, NAN), grad(2 * ld, NAN), sums(ld, NAN);
+        for (int r = 0; r < 2; ++r)
+          for (int64_t col = 0; col < width; ++col) logits[r * ld + col] = static_cast<float>(r + 1) + 0.001f * col;
+        for (int64_t c = 0; c < width; c += K) {
+          const uint32_t mask = lce::grad_slot_mask(c, width);
+          EXPECT_EQ(__builtin_popcount(mask), std::min<int64_t>(K, width - c)) << "group at " << c;
+          float colsum[K] = {0.f, 0.f, 0.f, 0.f};
+          for (int r = 0; r < 2; ++r) {
+            const float* src = logits.data() + r * ld + c;
+            float* dst = grad.data() + r * ld + c;
+            const auto load_full = [&](float* x) {
+              for (int k = 0; k < K; ++k) {
+                if (c + k >= width) outside("full load", c + k, width);
+                else if (r == 0) ++loaded[v0 + c + k];
+                x[k] = src[k];
+              }
+            };
+            const auto load_one = [&](int k) {
+              if (c + k >= width) outside("load", c + k, width);
+              else if (r == 0) ++loaded[v0 + c + k];
+              return src[k];
+            };
+            // The label-smoothing gradient's class-weight read, as ce::grad_elem does it.
+            const auto elem = [&](float x, int k) {
+              const int64_t j = v0 + c + k;
+              if (c + k >= width || j >= V) {
+                outside("gradient of class " + std::to_string(j), c + k, width);
+                return NAN;
+              }
+              if (r == 0) ++evaluated[j];
+              return x * weight[j];
+            };
+            float v[K];
+            lce::grad_group_values(mask, load_full, load_one, elem, v);
+            for (int k = 0; k < K; ++k)
+              if (!((mask >> k) & 1u)) EXPECT_EQ(v[k], 0.f) << "slot " << k << " of the group at " << c;
+            const auto store_full = [&](const float* w) {
+              for (int k = 0; k < K; ++k) {
+                if (c + k >= width) outside("full store", c + k, width);
+                else if (r == 0) ++stored[v0 + c + k];
+                dst[k] = w[k];
+              }
+            };
+            const auto store_one = [&](int k, float w) {
+              if (c + k >= width) outside("store", c + k, width);
+              else if (r == 0) ++stored[v0 + c + k];
+              dst[k] = w;
+            };
+            lce::grad_group_store(mask, v, store_full, store_one, colsum);
+          }
+          lce::grad_group_store_sums(mask, colsum, sums.data() + c);
+        }
+        // Values: x * w in the chunk, the poison left in the padding.
+        for (int64_t col = 0; col < ld; ++col) {
+          const bool in = col < width;
+          double want_sum = 0;
+          for (int r = 0; r < 2; ++r) {
+            const float g = grad[r * ld + col];
+            if (in) {
+              const float want = logits[r * ld + col] * weight[v0 + col];
+              EXPECT_EQ(g, want) << "row " << r << " column " << col << " of the slice at " << v0;
+              want_sum += want;
+            } else {
+              EXPECT_TRUE(std::isnan(g)) << "padding column " << col << " written";
+            }
+          }
+          if (in) {
+            EXPECT_FLOAT_EQ(sums[col], static_cast<float>(want_sum)) << "column sum " << col;
+          } else {
+            EXPECT_TRUE(std::isnan(sums[col])) << "padding column sum " << col << " written";
+          }
+        }
+      }
+      EXPECT_EQ(violation, "");
+      for (int64_t j = 0; j < V; ++j) {
+        ASSERT_EQ(loaded[j], 1) << "class " << j;
+        ASSERT_EQ(evaluated[j], 1) << "class " << j;
+        ASSERT_EQ(stored[j], 1) << "class " << j;
+      }
+    }
   }
 }
 

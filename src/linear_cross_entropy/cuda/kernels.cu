@@ -7,6 +7,7 @@
 
 #include "common/cuda/check.cuh"
 #include "cross_entropy/cuda/device.cuh"
+#include "linear_cross_entropy/cuda/grad_columns.h"
 #include "linear_cross_entropy/cuda/kernels.h"
 #include "linear_cross_entropy/cuda/plan.h"
 
@@ -15,7 +16,6 @@ namespace {
 
 constexpr int kReduceThreads = 1024;
 constexpr int kGradThreads = 256;
-constexpr int kGradCols = 4;  // float32 columns per thread: one 16-byte load per row
 constexpr int kEltThreads = 256;
 
 __device__ __forceinline__ float load_as_float(const void* p, DType dt, int64_t i) {
@@ -104,15 +104,18 @@ __device__ __forceinline__ void store4(void* row, int64_t c, const float* v) {
   }
 }
 
-// One thread: kGradCols adjacent columns over the kGradRowsPerBlock rows of a row block, with those columns'
-// sums in registers (the bias gradient's partials). kGeneral covers soft-capping and label smoothing (a tanh
-// and a class-weight load per element); without them the element is one exp2 and a compare, as in the
-// cross-entropy kernels' plain loops.
+// One thread: the kGradCols adjacent columns of its group (grad_columns.h) over the kGradRowsPerBlock rows of a
+// row block, with those columns' sums in registers (the bias gradient's partials). kGeneral covers soft-capping
+// and label smoothing (a tanh and a class-weight load per element); without them the element is one exp2 and a
+// compare, as in the cross-entropy kernels' plain loops. Every per-slot access (logits, class weights through
+// the element, gradient, partials) goes through grad_columns.h, which touches only the slots inside the chunk;
+// the per-row ones (target, lse, upstream, the target's class weight) are of rows r < p.rows and of a valid
+// target only.
 template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constant__ GradParams p) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kGradThreads + threadIdx.x) * kGradCols;
   if (c >= p.width) return;
-  const bool full = c + kGradCols <= p.width;
+  const uint32_t mask = grad_slot_mask(c, p.width);
   const float W = p.scalars->weight_sum, inv_denom = p.scalars->inv_denom;
   const int64_t row_blocks = (p.rows + kGradRowsPerBlock - 1) / kGradRowsPerBlock;
   for (int64_t rb = blockIdx.y; rb < row_blocks; rb += gridDim.y) {
@@ -124,14 +127,6 @@ __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constan
       float v[kGradCols];
       if (kind == ce::RowKind::kValid) {
         const float* src = p.logits + r * p.ld_logits + c;
-        float x[kGradCols];
-        if (full) {
-          const float4 x4 = *reinterpret_cast<const float4*>(src);
-          x[0] = x4.x, x[1] = x4.y, x[2] = x4.z, x[3] = x4.w;
-        } else {
-#pragma unroll
-          for (int k = 0; k < kGradCols; ++k) x[k] = c + k < p.width ? src[k] : 0.f;
-        }
         const float lse = p.lse[r];
         float scale = inv_denom;
         if (p.upstream) scale *= p.upstream[p.upstream_per_row ? r : 0];
@@ -139,36 +134,35 @@ __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constan
             ce::row_grad_coeffs(lse, ce::class_weight(p.ce, t), W, p.ce.eps, p.ce.inv_v, p.ce.z, scale);
         const float lse_l2 = lse * ce::kLog2e;
         const int64_t j0 = p.col0 + c;
-#pragma unroll
-        for (int k = 0; k < kGradCols; ++k) {
-          if constexpr (kGeneral) {
-            v[k] = ce::grad_elem(p.ce, g, lse_l2, ce::capped(p.ce, x[k]), j0 + k, t);
-          } else {
-            v[k] = g.a * ce::fast_exp2(fmaf(x[k], ce::kLog2e, -lse_l2));
-            if (j0 + k == t) v[k] -= g.b;
-          }
+        // 16-byte aligned: ld_logits is a multiple of 8 columns, c of 4, and the chunk buffers 256-byte aligned.
+        const auto load_full = [&](float* x) {
+          const float4 x4 = *reinterpret_cast<const float4*>(src);
+          x[0] = x4.x, x[1] = x4.y, x[2] = x4.z, x[3] = x4.w;
+        };
+        const auto load_one = [&](int k) { return src[k]; };
+        if constexpr (kGeneral) {
+          grad_group_values(
+              mask, load_full, load_one,
+              [&](float x, int k) { return ce::grad_elem(p.ce, g, lse_l2, ce::capped(p.ce, x), j0 + k, t); }, v);
+        } else {
+          grad_group_values(
+              mask, load_full, load_one,
+              [&](float x, int k) {
+                const float d = g.a * ce::fast_exp2(fmaf(x, ce::kLog2e, -lse_l2));
+                return j0 + k == t ? d - g.b : d;
+              },
+              v);
         }
       } else {
         // Ignored tokens have gradient 0; a bad target (unchecked) makes its row NaN, as in the cross-entropy.
-#pragma unroll
-        for (int k = 0; k < kGradCols; ++k) v[k] = kind == ce::RowKind::kBad ? NAN : 0.f;
+        grad_group_fill(mask, kind == ce::RowKind::kBad ? NAN : 0.f, v);
       }
       T* dst = static_cast<T*>(p.dlogits) + r * p.ld_dlogits;
-      if (full) {
-        store4<T>(dst, c, v);
-#pragma unroll
-        for (int k = 0; k < kGradCols; ++k) colsum[k] += v[k];
-      } else {
-        for (int k = 0; k < kGradCols && c + k < p.width; ++k) {
-          store_as(dst, kDTypeOf<T>, c + k, v[k]);
-          colsum[k] += v[k];
-        }
-      }
+      grad_group_store(
+          mask, v, [&](const float* w) { store4<T>(dst, c, w); },
+          [&](int k, float w) { store_as(dst, kDTypeOf<T>, c + k, w); }, colsum);
     }
-    if (p.db_partial) {
-      float* out = p.db_partial + rb * p.ld_logits + c;
-      for (int k = 0; k < kGradCols && c + k < p.width; ++k) out[k] = colsum[k];
-    }
+    if (p.db_partial) grad_group_store_sums(mask, colsum, p.db_partial + rb * p.ld_logits + c);
   }
 }
 
