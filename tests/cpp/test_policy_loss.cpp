@@ -259,7 +259,8 @@ struct PlRef {
   std::vector<double> logp, lse, entropy, per_token_loss, kl, dlogp;  // [B*L], 0 at masked tokens
   std::vector<uint8_t> clipped;
   std::vector<double> grad;  // [B*Lg*V] in the logits view's flat order, upstream factor applied
-  double grad_unit = 0;      // the largest |d(loss)/d(logp)| / T: the natural size of a gradient row
+  double grad_unit = 0;      // the largest |d(loss)/d(logp)| / T (upstream included): the natural size of a
+                             // gradient row, which is that coefficient times ([j == id] - p_j)
   double loss_scale = 1;     // the size the loss's rounding errors scale with
 };
 
@@ -319,7 +320,9 @@ double reference_loss(const PlInputs& in, const std::vector<double>& lp, const s
   return loss;
 }
 
-PlRef reference(const PlInputs& in, double upstream, bool want_grad) {
+// The coefficients d(loss)/d(logp) (and with them grad_unit) are always computed: every gradient comparison scales
+// its tolerance with them, the CUDA tests' too. `want_logits_grad` adds the [B*Lg*V] gradient itself.
+PlRef reference(const PlInputs& in, double upstream, bool want_logits_grad) {
   const int64_t B = in.c.B, L = in.c.L, V = in.c.V, N = B * L;
   PlRef r;
   for (auto* v : {&r.logp, &r.lse, &r.entropy, &r.per_token_loss, &r.kl, &r.dlogp}) v->assign(N, 0.0);
@@ -349,8 +352,8 @@ PlRef reference(const PlInputs& in, double upstream, bool want_grad) {
   for (int64_t t = 0; t < N; ++t) {
     if (in.w[t] != 0 && in.bad(t)) r.per_token_loss[t] = r.kl[t] = NAN;
   }
-  if (!want_grad) return r;
-  // d(loss)/d(logp_t) by central differences in double (the detached base stays fixed).
+  // d(loss)/d(logp_t) by central differences in double (the detached base stays fixed): O(N^2), cheap beside the
+  // O(N V) rows at every shape the suites use.
   const double h = 1e-6;
   for (int64_t t = 0; t < N; ++t) {
     if (in.w[t] == 0) continue;
@@ -366,6 +369,7 @@ PlRef reference(const PlInputs& in, double upstream, bool want_grad) {
     r.dlogp[t] = upstream * (fp - fm) / (2 * h);
     if (std::isfinite(r.dlogp[t])) r.grad_unit = std::max(r.grad_unit, std::abs(r.dlogp[t]) / in.opt.temperature);
   }
+  if (!want_logits_grad) return r;
   r.grad.assign(static_cast<size_t>(B * in.Lg * V), 0.0);
   for (int64_t t = 0; t < N; ++t) {
     const int64_t b = t / L, l = t % L;
@@ -488,6 +492,9 @@ void expect_outputs(const PlInputs& in, PlEntry e, const PlOut& got, const PlOut
     if (got.clipped[t] != want.clipped[t]) clip_mismatch++, first = first < 0 ? static_cast<int64_t>(t) : first;
   EXPECT_EQ(clip_mismatch, 0) << tag << " is_clipped differs first at token " << first;
   if (e != PlEntry::kForward) {
+    // A gradient element is c ([j == id] - p_j) / T: its errors are roundings of c (carrying logp's, hence u) and
+    // of p_j, so they scale with the token's coefficient |c| / T (ref.grad_unit, the largest), also where the
+    // element itself cancels to 0 (p = 1 at V = 1).
     double gmax = 0;
     for (float x : want.grad)
       if (std::isfinite(x)) gmax = std::max(gmax, static_cast<double>(std::abs(x)));
@@ -565,7 +572,7 @@ const PlEntry kEntries[] = {PlEntry::kForward, PlEntry::kForwardBackward, PlEntr
 TEST_P(PolicyLossCpu, MatchesFloat64Reference) {
   PlInputs in(GetParam(), seed_of(GetParam()));
   const float up = 1.25f;
-  const PlRef ref = reference(in, up, true);
+  const PlRef ref = reference(in, up, /*want_logits_grad=*/true);
   PlOut want = from_reference(ref);
   for (PlEntry e : kEntries) {
     SCOPED_TRACE(entry_name(e));
@@ -587,14 +594,15 @@ TEST_P(PolicyLossCuda, MatchesCpuBackend) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   PlInputs in(GetParam(), seed_of(GetParam()));
   const float up = 0.75f;
-  const PlRef ref = reference(in, up, false);  // sizes for the tolerances only
-  PlRef sized = ref;
-  // The gradient's natural size from the CPU's own result.
+  // The sizes the tolerances scale with, the gradient's unit among them. That unit is the reference's coefficient,
+  // not the CPU result's largest element: at V = 1 every gradient element cancels to exactly 0 (p = 1), while the
+  // kernel's p carries float32 rounding, so its error is a rounding of the coefficient, not of 0.
+  const PlRef ref = reference(in, up, /*want_logits_grad=*/false);
   const PlOut want = run_backend(in, PlEntry::kForwardBackward, false, up);
   for (PlEntry e : kEntries) {
     SCOPED_TRACE(entry_name(e));
     const PlOut got = run_backend(in, e, /*dev=*/true, up);
-    expect_outputs(in, e, got, want, sized, "cuda");
+    expect_outputs(in, e, got, want, ref, "cuda");
   }
 }
 
@@ -605,7 +613,7 @@ TEST_P(PolicyLossCuda, EveryAlgorithmMatchesCpuBackend) {
   if (c.preset != PlPreset::kFull && c.preset != PlPreset::kFloatMask) GTEST_SKIP() << "covered by MatchesCpuBackend";
   PlInputs in(c, seed_of(c) + 3);
   const float up = 1.5f;
-  const PlRef ref = reference(in, up, false);
+  const PlRef ref = reference(in, up, /*want_logits_grad=*/false);  // tolerance sizes, as in MatchesCpuBackend
   const PlOut want = run_backend(in, PlEntry::kForwardBackward, false, up);
   struct Variant {
     PolicyLossAlgo algo;
@@ -644,14 +652,14 @@ TEST(PolicyLossReference, GradientMatchesFiniteDifferences) {
       for (auto type : {PolicyLossType::kGrpo, PolicyLossType::kDrGrpo}) {
         PlCase c{2, 3, 5, DType::kFloat32, PlLayout::kShifted, preset, type, level};
         PlInputs in(c, 17);
-        const PlRef r = reference(in, 1.0, true);
+        const PlRef r = reference(in, 1.0, /*want_logits_grad=*/true);
         const double h = 1e-5;
         const std::vector<double> base = r.logp;  // the detached logp stays at its unperturbed value
         for (int64_t k = 0; k < in.logits.numel(); ++k) {
           auto loss_at = [&](double step) {
             in.perturb_at = k;
             in.perturb_by = step;
-            const PlRef q = reference(in, 1.0, false);
+            const PlRef q = reference(in, 1.0, /*want_logits_grad=*/false);
             return reference_loss(in, q.logp, base, nullptr);
           };
           const double fp = loss_at(h), fm = loss_at(-h);
@@ -670,7 +678,7 @@ TEST(PolicyLossReference, SeedSettingByHand) {
   PlCase c{2, 2, 4, DType::kFloat32, PlLayout::kShifted, PlPreset::kSeedLike, PolicyLossType::kBnpo,
            ImportanceSamplingLevel::kToken};
   PlInputs in(c, 5);
-  const PlRef r = reference(in, 1.0, true);
+  const PlRef r = reference(in, 1.0, /*want_logits_grad=*/true);
   double total_w = 0, loss = 0;
   for (double v : in.w) total_w += v;
   for (int64_t t = 0; t < 4; ++t) {
