@@ -155,6 +155,24 @@ def _(grad, scale):
     return None
 
 
+def _scale_saved(grad: Tensor, scale: Tensor) -> Tensor:
+    """The backward of a gradient computed in the forward: `grad` times the upstream `scale` (float32, [] or one
+    per row), in place in eager mode (free: rows with scale 1 are skipped) and out of place under torch.compile.
+
+    Functionalization turns an in-place scale of a saved tensor into a copy plus a scale of the copy, so in place
+    saves nothing there, and that copy goes wrong where inductor lays the saved tensor out differently from eager:
+    the copy is an as_strided with the strides traced in eager. Inductor pads the rows of intermediates (on CUDA by
+    default: a float32 row of 4099 gets a stride of 4128); when the logits are a view of such a buffer (a matmul's
+    output reshaped) an in-place forward writes the gradient into it and saves it with padded strides, and the copy
+    read it as if contiguous. A product reads the real strides.
+    """
+    if torch.compiler.is_compiling():
+        s = scale if scale.dim() == 0 else scale.reshape(scale.shape + (1,) * (grad.dim() - scale.dim()))
+        return (grad * s).to(grad.dtype)
+    _scale_rows(grad, scale)
+    return grad
+
+
 # ----------------------------------------------------------------------------------------------------
 # Autograd.
 
@@ -220,8 +238,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse, grad_z):
         _no_double_backward()
         (grad,) = ctx.saved_tensors
-        _scale_rows(grad, grad_loss.to(torch.float32).contiguous())
-        return (grad,) + (None,) * 10
+        return (_scale_saved(grad, grad_loss.to(torch.float32).contiguous()),) + (None,) * 10
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import _C
 from ._tensor import descriptor, stream, workspace
-from .cross_entropy import REDUCTIONS, _enum, _scale_rows
+from .cross_entropy import REDUCTIONS, _enum, _scale_saved
 
 __all__ = ["linear_cross_entropy", "SCHEDULES", "DEFAULT_MEMORY_BUDGET"]
 
@@ -207,9 +207,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.to(torch.float32).contiguous()
         out = []
         for g, need in zip(grads, ctx.needs):
-            if need:
-                _scale_rows(g, scale)
-            out.append(g if need else None)
+            out.append(_scale_saved(g, scale) if need else None)
         return tuple(out) + (None, None, None)
 
 

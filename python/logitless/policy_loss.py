@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import _C
 from ._tensor import descriptor, stream, workspace
-from .cross_entropy import _scale_rows
+from .cross_entropy import _scale_saved
 
 __all__ = ["grpo_loss", "selective_log_softmax", "PolicyLossOutputs", "LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS"]
 
@@ -192,8 +192,7 @@ class _FusedPolicyLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *unused):
         _no_double_backward()
         (grad,) = ctx.saved_tensors
-        _scale_rows(grad, grad_loss.to(torch.float32).contiguous())
-        return (grad,) + (None,) * 20
+        return (_scale_saved(grad, grad_loss.to(torch.float32).contiguous()),) + (None,) * 20
 
 
 def _enum(table: dict, value, name: str) -> int:

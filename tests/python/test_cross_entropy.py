@@ -479,6 +479,37 @@ def test_compile_fullgraph_matches_eager(reduction, inplace_backward):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+# Inductor pads the rows of intermediates on CUDA (comprehensive padding), and on the CPU when asked: the logits are
+# then a matmul's output with padded rows, the in-place forward writes the gradient into that buffer and saves it
+# with those strides. The backward must read them as they are (a scale in place compiled into a copy that read
+# the saved gradient as contiguous).
+@pytest.mark.parametrize("shape", [(12,), (3, 4)])
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_compile_fullgraph_with_padded_rows_matches_eager(shape, inplace_backward):
+    cfg = torch._inductor.config
+    if not hasattr(cfg, "disable_padding_cpu"):
+        pytest.skip("this torch has no switch for inductor's padding on the CPU")
+    from torch._inductor import metrics
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    V = 1031  # more than inductor's 1024-element threshold and not a multiple of 32: rows padded to 1056
+    h = torch.randn(*shape, 16, generator=g, requires_grad=True)
+    W = torch.randn(V, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, V, shape, generator=g)
+    results = []
+    with cfg.patch(disable_padding_cpu=False, comprehensive_padding=True, fx_graph_cache=False):
+        metrics.reset()
+        for fn in (_model, torch.compile(_model, fullgraph=True)):
+            h.grad = W.grad = None
+            loss = fn(h, W, t, "mean", inplace_backward)
+            (2 * loss).backward()
+            results.append((loss.detach(), h.grad.clone(), W.grad.clone()))
+        assert metrics.num_comprehensive_padding > 0, "the test needs inductor to pad the matmul's rows"
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_compile_dynamic_shapes():
     torch._dynamo.reset()
     W = torch.randn(13, 8, requires_grad=True)

@@ -48,10 +48,23 @@ def reference(logits, ids, adv, mask=None, old=None, ref=None, beta=0.04, eps_lo
         x = x[:, :-1]
     x = x / temperature
     logprobs = x.log_softmax(-1)
-    w = torch.ones(B, L, dtype=torch.float64, device=x.device) if mask is None else mask.double()
-    valid = w != 0
+    valid = torch.ones(B, L, dtype=torch.bool, device=x.device) if mask is None else mask != 0
     safe = torch.where(valid, ids.long(), torch.zeros_like(ids.long()))
     logp = logprobs.gather(-1, safe[..., None])[..., 0]
+    loss, per_token = reference_from_logp(logp, adv, mask, old, ref, beta, eps_low, eps_high, loss_type,
+                                          importance_sampling_level, max_completion_length, num_items_in_batch)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    per_token["entropy"] = torch.where(valid, entropy, torch.zeros_like(entropy)).detach()
+    return loss, per_token
+
+
+def reference_from_logp(logp, adv, mask=None, old=None, ref=None, beta=0.04, eps_low=0.2, eps_high=0.2,
+                        loss_type="grpo", importance_sampling_level="token", max_completion_length=None,
+                        num_items_in_batch=None):
+    """The loss as a function of the float64 per-token log-probabilities [B, L] (the rest of `reference`)."""
+    B, L = logp.shape
+    w = torch.ones(B, L, dtype=torch.float64, device=logp.device) if mask is None else mask.double()
+    valid = w != 0
     old_ = old.double() if old is not None else logp.detach()
     if importance_sampling_level == "token":
         log_ratio = logp - old_
@@ -76,12 +89,22 @@ def reference(logits, ids, adv, mask=None, old=None, ref=None, beta=0.04, eps_lo
         norm = num_items_in_batch if num_items_in_batch else w.sum().clamp(min=1.0)
         loss = (w * tok).sum() / norm
     clipped = ((A > 0) & (ratio > 1 + eps_high)) | ((A < 0) & (ratio < 1 - eps_low))
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
     zero = torch.zeros_like(logp)
     per_token = dict(per_token_loss=tok.detach(), kl=torch.where(valid, kl, zero).detach(),
-                     is_clipped=(clipped & valid).detach(), logp=torch.where(valid, logp, zero).detach(),
-                     entropy=torch.where(valid, entropy, zero).detach())
+                     is_clipped=(clipped & valid).detach(), logp=torch.where(valid, logp, zero).detach())
     return loss, per_token
+
+
+def grad_unit(logp, adv, upstream=1.0, temperature=1.0, **options):
+    """The natural size of the logits' gradient: the largest per-token coefficient |upstream * dloss/dlogp| / T,
+    which multiplies ([j == id] - p_j) in every element of the token's row (float64, at the given logp, with the
+    `reference_from_logp` options)."""
+    lp = logp.detach().double().requires_grad_(True)
+    loss, _ = reference_from_logp(lp, adv, **options)
+    if lp.numel() == 0:
+        return 0.0
+    (d,) = torch.autograd.grad(loss, lp)
+    return abs(upstream) * d.abs().max().item() / temperature
 
 
 def make_inputs(B, L, V, dtype, option="full", device="cpu", aligned=False, seed=0):
@@ -121,6 +144,22 @@ def assert_close(got, want, tol, scale=None):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * max(s, 1.0))
 
 
+def assert_grad_close(got, want, tol, unit):
+    """A gradient of the logits: `tol` relative to each element and, absolutely, to the gradient's natural size
+    `unit` (grad_unit: the largest per-token coefficient of ([j == id] - p_j)). Neither max|want| alone (0 where
+    every row cancels exactly, as at V = 1, where an error still scales with the coefficient) nor a floor of 1
+    (for a loss averaged over tokens, tens of times the coefficient)."""
+    want = want.to(torch.float64)
+    s = max(want.abs().max().item() if want.numel() else 0.0, unit)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * s)
+
+
+def reference_kwargs(kw):
+    """grpo_loss's keyword arguments under the names `reference` takes."""
+    names = dict(completion_mask="mask", old_logp="old", ref_logp="ref")
+    return {names.get(k, k): v for k, v in kw.items()}
+
+
 def check_against_reference(inputs, loss_type="grpo", level="token", inplace=False, upstream=1.3, algo="auto",
                             extra=None):
     """Loss, every per-token output and the gradient (through a non-trivial upstream gradient)."""
@@ -129,8 +168,7 @@ def check_against_reference(inputs, loss_type="grpo", level="token", inplace=Fal
         extra.setdefault("max_completion_length", inputs["completion_ids"].shape[1] + 3)
     (logits, ids, adv), kw = split(inputs)
     ref_in = logits.detach().clone().requires_grad_(True)
-    rkw = {("mask" if k == "completion_mask" else "old" if k == "old_logp" else "ref" if k == "ref_logp" else k): v
-           for k, v in kw.items()}
+    rkw = reference_kwargs(kw)
     want, want_tok = reference(ref_in, ids, adv, loss_type=loss_type, importance_sampling_level=level, **rkw,
                                **extra)
     (upstream * want).backward()
@@ -150,7 +188,10 @@ def check_against_reference(inputs, loss_type="grpo", level="token", inplace=Fal
     assert tok.is_clipped.dtype == torch.bool
     assert torch.equal(tok.is_clipped.cpu(), want_tok["is_clipped"].cpu())
     (upstream * loss).backward()
-    assert_close(leaf.grad, ref_in.grad, GRAD_TOL[dev][logits.dtype])
+    opts = dict(rkw, loss_type=loss_type, importance_sampling_level=level, **extra)
+    temperature = opts.pop("temperature")
+    unit = grad_unit(want_tok["logp"], adv, upstream, temperature, **opts)
+    assert_grad_close(leaf.grad, ref_in.grad, GRAD_TOL[dev][logits.dtype], unit)
     return loss, tok
 
 
@@ -475,11 +516,9 @@ def _model(h, W, ids, adv, mask, old, ref, level, inplace):
                      importance_sampling_level=level, inplace_backward=inplace)
 
 
-@pytest.mark.parametrize("level,inplace", [("token", False), ("token", True), ("sequence", False), ("sequence", True)])
-def test_compile_fullgraph_matches_eager(level, inplace):
+def _compile_matches_eager(B, L, H, V, level, inplace):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(4)
-    B, L, H, V = 3, 5, 16, 33
     h = torch.randn(B, L + 1, H, generator=g, requires_grad=True)
     W = torch.randn(V, H, generator=g, requires_grad=True)
     inputs = make_inputs(B, L, V, torch.float32, "full")
@@ -493,6 +532,32 @@ def test_compile_fullgraph_matches_eager(level, inplace):
         results.append((loss.detach(), h.grad.clone(), W.grad.clone()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+COMPILE_CASES = [("token", False), ("token", True), ("sequence", False), ("sequence", True)]
+
+
+@pytest.mark.parametrize("level,inplace", COMPILE_CASES)
+def test_compile_fullgraph_matches_eager(level, inplace):
+    _compile_matches_eager(3, 5, 16, 33, level, inplace)
+
+
+# Inductor pads the rows of intermediates on CUDA (comprehensive padding) and not on the CPU unless asked. With
+# padding, the logits [B, L+1, V] are a view of a matmul whose rows are padded, the in-place forward writes the
+# gradient back into that buffer, and the saved gradient has padded rows; the backward once scaled it in place, which
+# compiled into a copy that read it as contiguous (rows after the first shifted, padding read as values).
+@pytest.mark.parametrize("level,inplace", COMPILE_CASES)
+def test_compile_fullgraph_with_padded_rows_matches_eager(level, inplace):
+    cfg = torch._inductor.config
+    if not hasattr(cfg, "disable_padding_cpu"):
+        pytest.skip("this torch has no switch for inductor's padding on the CPU")
+    from torch._inductor import metrics
+
+    # V = 1031 float32 elements a row (more than inductor's 1024 threshold, not a multiple of its 32): padded to 1056.
+    with cfg.patch(disable_padding_cpu=False, comprehensive_padding=True, fx_graph_cache=False):
+        metrics.reset()
+        _compile_matches_eager(2, 5, 16, 1031, level, inplace)
+        assert metrics.num_comprehensive_padding > 0, "the test needs inductor to pad the matmul's rows"
 
 
 def test_compile_fullgraph_per_token_and_selective():
@@ -542,7 +607,8 @@ def test_selective_matches_reference(shape, V, dtype, temperature):
     gout = torch.rand(shape, generator=g) + 0.5
     logp.backward(gout)
     want.backward(gout.double())
-    assert_close(x.grad, xr.grad, GRAD_TOL["cpu"][dtype])
+    unit = gout.abs().max().item() / temperature if gout.numel() else 0.0  # a row is g ([j == id] - p_j) / T
+    assert_grad_close(x.grad, xr.grad, GRAD_TOL["cpu"][dtype], unit)
 
 
 def test_selective_strided_and_shifted_views():
@@ -596,7 +662,7 @@ def test_cuda_matches_reference(V, dtype, level, algo):
 def test_cuda_matches_cpu_backend(option, loss_type):
     inputs = make_inputs(8, 65, 50257, torch.bfloat16, option, seed=1)
     extra = dict(max_completion_length=70) if loss_type == "dr_grpo" else {}
-    outs = []
+    outs, units = [], []
     for device in ("cpu", "cuda"):
         (logits, ids, adv), kw = split({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in inputs.items()})
         for level in LEVELS:
@@ -605,14 +671,18 @@ def test_cuda_matches_cpu_backend(option, loss_type):
                                   return_per_token=True, **kw, **extra)
             loss.backward()
             outs.append((loss.cpu(), [t.cpu() for t in tok], x.grad.cpu()))
-    for (lc, tc, gc), (lg, tg, gg) in zip(outs[:2], outs[2:]):
+            if device == "cpu":  # the gradient's unit at the CPU backend's logp
+                opts = reference_kwargs(dict(kw, loss_type=loss_type, importance_sampling_level=level, **extra))
+                temperature = opts.pop("temperature")
+                units.append(grad_unit(tok.logp, adv, 1.0, temperature, **opts))
+    for (lc, tc, gc), (lg, tg, gg), unit in zip(outs[:2], outs[2:], units):
         torch.testing.assert_close(lg, lc, rtol=1e-4, atol=1e-5)
         for a, b in zip(tg, tc):
             if a.dtype == torch.bool:
                 assert (a != b).sum() <= 1  # a ratio within float32 rounding of the clip edge may land either side
             else:
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-        assert_close(gg, gc, GRAD_TOL["cuda"][torch.bfloat16])
+        assert_grad_close(gg, gc, GRAD_TOL["cuda"][torch.bfloat16], unit)
 
 
 @needs_cuda
@@ -623,13 +693,15 @@ def test_cuda_selective_matches_cpu(dtype):
     ids = torch.randint(0, 32003, (300,), generator=g)
     res = []
     for device in ("cpu", "cuda"):
-        x = logits.to(device).requires_grad_(True)
+        # detach(): on the CPU, .to("cpu") is `logits` itself, which requires_grad_ would turn into a leaf that
+        # requires grad; its .to("cuda") is then a non-leaf whose .grad stays None.
+        x = logits.detach().to(device).requires_grad_(True)
         logp, ent = selective_log_softmax(x, ids.to(device), temperature=0.7, return_entropy=True)
         logp.backward(torch.linspace(-1, 1, 300, device=device))
         res.append((logp.cpu(), ent.cpu(), x.grad.cpu()))
     torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-5, atol=2e-5)
-    assert_close(res[1][2], res[0][2], GRAD_TOL["cuda"][dtype])
+    assert_grad_close(res[1][2], res[0][2], GRAD_TOL["cuda"][dtype], 1.0 / 0.7)  # max |grad_logp| / T
 
 
 @needs_cuda
@@ -649,9 +721,12 @@ def test_cuda_runs_on_the_current_stream(inplace):
     ref = logits.detach().clone().requires_grad_(True)
     rkw = dict(mask=kw["completion_mask"], old=kw["old_logp"], ref=kw["ref_logp"], beta=kw["beta"],
                eps_high=kw["eps_high"], temperature=kw["temperature"])
-    reference(ref, ids, adv, **rkw)[0].backward()
+    want_ref, want_tok = reference(ref, ids, adv, **rkw)
+    want_ref.backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert_close(leaf.grad, ref.grad, GRAD_TOL["cuda"][torch.bfloat16])
+    temperature = rkw.pop("temperature")
+    unit = grad_unit(want_tok["logp"], adv, 1.0, temperature, **rkw)
+    assert_grad_close(leaf.grad, ref.grad, GRAD_TOL["cuda"][torch.bfloat16], unit)
 
 
 @needs_cuda
