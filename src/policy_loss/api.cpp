@@ -143,27 +143,20 @@ void check_grad_logits(const TensorView& g, const TensorView& logits) {
   }
 }
 
-Problem build_policy_problem(Mode mode, const PolicyLossInputs& in, const PolicyLossOptions& o,
-                            const PolicyLossOutputs& out, const TensorView* grad_logits) {
-  check_options(o);
-  const TensorView& logits = in.logits;
-  check_logits_common(logits);
-  const Device dev = logits.device;
+// completion_ids: [B, L] int32 / int64 on `dev`.
+void check_completion_ids(const TensorView& ids, const Device& dev) {
+  check_defined(ids, "completion_ids");
+  check_index_dtype(ids, "completion_ids");
+  check_device(ids, "completion_ids", dev);
+  check_ndim(ids, "completion_ids", 2);
+  check_nonnull(ids, "completion_ids");
+}
 
-  check_defined(in.completion_ids, "completion_ids");
-  check_index_dtype(in.completion_ids, "completion_ids");
-  check_device(in.completion_ids, "completion_ids", dev);
-  check_ndim(in.completion_ids, "completion_ids", 2);
-  check_nonnull(in.completion_ids, "completion_ids");
+// Everything of a policy call but the logits and their gradient: the options, the per-token and per-sequence
+// inputs and the outputs, for a vocabulary of V on `dev`. The caller has checked the options and completion_ids.
+Problem build_token_problem(Mode mode, const PolicyLossInputs& in, const PolicyLossOptions& o,
+                            const PolicyLossOutputs& out, const Device& dev, int64_t V) {
   const int64_t B = in.completion_ids.sizes[0], L = in.completion_ids.sizes[1];
-  LOGITLESS_CHECK_ARG(logits.ndim == 3 && logits.sizes[0] == B && (logits.sizes[1] == L + 1 || logits.sizes[1] == L),
-                      "logits",
-                      str_cat("shape [", B, ", ", L + 1, ", V] (the model's output over the completion and the "
-                              "position after it) or [", B, ", ", L, ", V], from completion_ids of shape [", B, ", ",
-                              L, "]"),
-                      str_cat("shape ", shape_str(logits)));
-  const int64_t V = logits.sizes[2];
-
   Problem p;
   p.op = Op::kPolicy;
   p.mode = mode;
@@ -171,9 +164,7 @@ Problem build_policy_problem(Mode mode, const PolicyLossInputs& in, const Policy
   p.seq_len = L;
   p.n_rows = B * L;
   p.vocab = V;
-  p.dtype = logits.dtype;
   p.device = dev;
-  p.logits = logits.data;
   p.ids = in.completion_ids.data;
   p.ids_dtype = in.completion_ids.dtype;
   p.ids_rows = token_layout(in.completion_ids, B, L, "completion_ids");
@@ -228,6 +219,42 @@ Problem build_policy_problem(Mode mode, const PolicyLossInputs& in, const Policy
                                        o.beta, ")"),
                    "None (pass ref_logp, or beta=0)");
 
+  check_defined(out.loss, "loss");
+  check_dtype(out.loss, "loss", DType::kFloat32);
+  check_device(out.loss, "loss", dev);
+  check_numel(out.loss, "loss", 1, "a scalar");
+  check_nonnull(out.loss, "loss");
+  p.loss = static_cast<float*>(out.loss.data);
+  const int64_t n = p.n_rows;
+  p.per_token_loss = check_token_output<float>(out.per_token_loss, "per_token_loss", n, dev, false);
+  p.kl = check_token_output<float>(out.kl, "kl", n, dev, false);
+  p.is_clipped = check_token_output<uint8_t>(out.is_clipped, "is_clipped", n, dev, true);
+  p.logp = check_token_output<float>(out.logp, "logp", n, dev, false);
+  p.entropy = check_token_output<float>(out.entropy, "entropy", n, dev, false);
+  p.lse = check_token_output<float>(out.lse, "lse", n, dev, false);
+  return p;
+}
+
+Problem build_policy_problem(Mode mode, const PolicyLossInputs& in, const PolicyLossOptions& o,
+                            const PolicyLossOutputs& out, const TensorView* grad_logits) {
+  check_options(o);
+  const TensorView& logits = in.logits;
+  check_logits_common(logits);
+  const Device dev = logits.device;
+
+  check_completion_ids(in.completion_ids, dev);
+  const int64_t B = in.completion_ids.sizes[0], L = in.completion_ids.sizes[1];
+  LOGITLESS_CHECK_ARG(logits.ndim == 3 && logits.sizes[0] == B && (logits.sizes[1] == L + 1 || logits.sizes[1] == L),
+                      "logits",
+                      str_cat("shape [", B, ", ", L + 1, ", V] (the model's output over the completion and the "
+                              "position after it) or [", B, ", ", L, ", V], from completion_ids of shape [", B, ", ",
+                              L, "]"),
+                      str_cat("shape ", shape_str(logits)));
+  const int64_t V = logits.sizes[2];
+  Problem p = build_token_problem(mode, in, o, out, dev, V);
+  p.dtype = logits.dtype;
+  p.logits = logits.data;
+
   // Token rows of the logits (and of the gradient): the first L positions of each sequence.
   std::vector<const int64_t*> strides = {logits.strides};
   if (grad_logits) {
@@ -246,20 +273,6 @@ Problem build_policy_problem(Mode mode, const PolicyLossInputs& in, const Policy
       p.n_pad = B;
     }
   }
-
-  check_defined(out.loss, "loss");
-  check_dtype(out.loss, "loss", DType::kFloat32);
-  check_device(out.loss, "loss", dev);
-  check_numel(out.loss, "loss", 1, "a scalar");
-  check_nonnull(out.loss, "loss");
-  p.loss = static_cast<float*>(out.loss.data);
-  const int64_t n = p.n_rows;
-  p.per_token_loss = check_token_output<float>(out.per_token_loss, "per_token_loss", n, dev, false);
-  p.kl = check_token_output<float>(out.kl, "kl", n, dev, false);
-  p.is_clipped = check_token_output<uint8_t>(out.is_clipped, "is_clipped", n, dev, true);
-  p.logp = check_token_output<float>(out.logp, "logp", n, dev, false);
-  p.entropy = check_token_output<float>(out.entropy, "entropy", n, dev, false);
-  p.lse = check_token_output<float>(out.lse, "lse", n, dev, false);
   return p;
 }
 
@@ -330,6 +343,13 @@ namespace pl {
 Problem make_policy_problem(Mode mode, const PolicyLossInputs& inputs, const PolicyLossOptions& options,
                             const PolicyLossOutputs& outputs, const TensorView* grad_logits) {
   return build_policy_problem(mode, inputs, options, outputs, grad_logits);
+}
+
+Problem make_token_problem(Mode mode, const PolicyLossInputs& inputs, const PolicyLossOptions& options,
+                           const PolicyLossOutputs& outputs, const Device& device, int64_t vocab) {
+  check_options(options);
+  check_completion_ids(inputs.completion_ids, device);
+  return build_token_problem(mode, inputs, options, outputs, device, vocab);
 }
 }  // namespace pl
 

@@ -93,6 +93,12 @@ inline double mask_weight(const void* mask, DType dt, int64_t off) {
 Problem make_policy_problem(Mode mode, const PolicyLossInputs& inputs, const PolicyLossOptions& options,
                             const PolicyLossOutputs& outputs, const TensorView* grad_logits);
 
+// The same without logits: the options, the token inputs (inputs.logits unused) and the outputs, validated for a
+// vocabulary of `vocab` on `device`; logits, their rows and the gradient are left for the caller to fill (a fused
+// linear head computes the logits a chunk at a time). dtype stays float32.
+Problem make_token_problem(Mode mode, const PolicyLossInputs& inputs, const PolicyLossOptions& options,
+                           const PolicyLossOutputs& outputs, const Device& device, int64_t vocab);
+
 void run_cpu(const Problem& p);
 
 #if defined(LOGITLESS_WITH_CUDA)

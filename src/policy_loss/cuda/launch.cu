@@ -169,6 +169,42 @@ __global__ void __launch_bounds__(kSeqThreads) sequence_kernel(const KernelParam
   }
 }
 
+// c = d(loss)/d(logp) of each token of [first, first + n) from its saved logp: the row kernel's forward
+// epilogue (token level) and backward coefficient (sequence level), for a caller that forms the gradient of the
+// logits itself.
+__global__ void coefficients_kernel(const KernelParams p, int64_t first, int64_t n, float* coeff) {
+  const TermOptions<float> o{p.beta, p.eps_low, p.eps_high, p.has_old != 0, p.has_ref != 0};
+  const float gscale = p.grad_scale ? p.grad_scale[0] : 1.f;
+  const bool seq = p.op == static_cast<int>(RowOp::kPolicySequence);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = first + i;
+    const float w = token_weight(p, r);
+    float c = 0.f;
+    if (w != 0.f) {
+      const int64_t id = token_id(p, r);
+      if (id < 0 || id >= p.vocab) {
+        c = NAN;
+      } else {
+        const int64_t b = r / p.seq_len;
+        const SeqStats st = p.seq[b];
+        const float adv = p.adv[b * p.adv_stride];
+        const float logp = p.out_logp[r];
+        const float ref = p.has_ref ? p.ref_logp[p.ref_rows.offset(r)] : 0.f;
+        if (seq) {
+          const TokenTerms<float> t = token_terms_seq<float>(logp, ref, adv, st.ratio, o);
+          c = (w * st.factor * t.dlogp + w * st.ratio_coeff) * gscale;
+        } else {
+          const float old = p.has_old ? p.old_logp[p.old_rows.offset(r)] : logp;
+          const TokenTerms<float> t = token_terms<float>(logp, old, ref, adv, o);
+          c = w * st.factor * t.dlogp * gscale;
+        }
+      }
+    }
+    coeff[r] = c;
+  }
+}
+
 // The loss: the tokens' shares (token level) or the sequences' (sequence level), summed in a fixed order.
 __global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const KernelParams p, int sequence_level,
                                                                   float* loss) {
@@ -379,6 +415,15 @@ void PolicySteps::rows_backward(const Chunk& c) {
     k.logp_in = base_.out_logp;
   }
   run_rows(pr_, k, RowsVariant{true, false}, false, stream_);
+}
+
+void PolicySteps::coefficients(int64_t first_token, int64_t n_tokens, float* coeff) {
+  if (pr_.op != Op::kPolicy || n_tokens <= 0) return;
+  if (!base_.out_logp) throw_invalid("policy-loss coefficients: the problem needs a logp output to read them from");
+  const int64_t blocks = std::min<int64_t>((n_tokens + kSeqThreads - 1) / kSeqThreads, 4096);
+  coefficients_kernel<<<static_cast<unsigned>(blocks), kSeqThreads, 0, stream_>>>(base_, first_token, n_tokens,
+                                                                                  coeff);
+  LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss coefficients");
 }
 
 void PolicySteps::finish() {

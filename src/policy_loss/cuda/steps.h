@@ -9,6 +9,10 @@
 //                      for each chunk: s.rows_backward(chunk);   // the gradient from the saved lse
 //   s.finish();                                  // the loss
 //
+// Such a caller may also want c = d(loss)/d(logp) per token rather than the gradient of its logits (it forms that
+// gradient in its own kernel, e.g. narrowed to the dtype of its GEMMs): s.coefficients(...) after s.rows(...) of
+// those tokens (token level; the problem's logp output must be given) or after s.sequence() (sequence level).
+//
 // A chunk is a set of consecutive tokens [first_token, first_token + n_tokens) with its own logits rows (any
 // layout, e.g. a GEMM's [n_tokens, V] output) and gradient rows (may be the logits, in place).
 #pragma once
@@ -37,6 +41,10 @@ class PolicySteps {
   void rows(const Chunk& c);
   void sequence();
   void rows_backward(const Chunk& c);
+  // coeff[t] = d(loss)/d(logp_t) times grad_scale, for the tokens t in [first_token, first_token + n_tokens)
+  // (float32, indexed by token): 0 at masked tokens, NaN at a bad id or a NaN logp (and, at the sequence level,
+  // at every token of a sequence whose log-ratio is NaN). Reads logp from the problem's logp output.
+  void coefficients(int64_t first_token, int64_t n_tokens, float* coeff);
   void finish();
 
   // The chunk covering every token of the problem with its own logits and gradient.
