@@ -696,21 +696,51 @@ ce::PlanInputs hopper(int64_t V, int elem_bytes) {
   in.elem_bytes = elem_bytes;
   in.row_resident_capable = true;
   in.smem_per_block = 227 * 1024 - 4096;  // H100's opt-in limit less the static reserve
+  in.smem_per_sm = 228 * 1024;
   return in;
 }
 
-TEST(CrossEntropyPlan, SmallestClusterWithTwoStages) {
+TEST(CrossEntropyPlan, LongRowsTwoOneStageCtasPerSm) {
   const ce::Plan a = ce::plan_cross_entropy(hopper(128256, 2));
+  EXPECT_EQ(a.algo, CrossEntropyAlgo::kRowResident);
+  EXPECT_EQ(a.cluster, 3);
+  EXPECT_EQ(a.stages, 1);
+  EXPECT_EQ(a.threads, 256);
+  EXPECT_GE(a.slice * a.cluster, 128256);
+  EXPECT_LT(a.slice * (a.cluster - 1), 128256);  // the smallest such cluster
+  EXPECT_EQ(a.slice % 8, 0);
+  EXPECT_LE(2 * (a.smem_bytes + ce::kPerCtaReserve), static_cast<size_t>(228 * 1024));
+  const ce::Plan b = ce::plan_cross_entropy(hopper(256000, 2));
+  EXPECT_EQ(b.stages, 1);
+  EXPECT_LE(2 * (b.smem_bytes + ce::kPerCtaReserve), static_cast<size_t>(228 * 1024));
+  // One CTA fewer would not fit two per SM.
+  const int64_t fewer = (256000 + b.cluster - 2) / (b.cluster - 1) * 2;
+  EXPECT_GT(2 * (fewer + ce::kPerCtaReserve), 228 * 1024);
+  const ce::Plan f32 = ce::plan_cross_entropy(hopper(128256, 4));
+  EXPECT_EQ(f32.stages, 1);
+  EXPECT_EQ(f32.cluster, 5);  // 513 KB rows: 103 KB slices
+  // Short rows keep several stages in one CTA.
+  const ce::Plan mid = ce::plan_cross_entropy(hopper(8192, 2));
+  EXPECT_EQ(mid.cluster, 1);
+  EXPECT_GE(mid.stages, 2);
+}
+
+TEST(CrossEntropyPlan, SmallestClusterWithTwoStages) {
+  ce::PlanInputs in0 = hopper(128256, 2);
+  in0.smem_per_sm = 0;  // unknown: one CTA per SM, two stages
+  const ce::Plan a = ce::plan_cross_entropy(in0);
   EXPECT_EQ(a.algo, CrossEntropyAlgo::kRowResident);
   EXPECT_EQ(a.cluster, 3);
   EXPECT_EQ(a.stages, 2);
   EXPECT_GE(a.slice * a.cluster, 128256);
   EXPECT_EQ(a.slice % 8, 0);  // whole 16-byte chunks
   EXPECT_LE(a.smem_bytes, static_cast<size_t>(227 * 1024 - 4096));
-  const ce::Plan b = ce::plan_cross_entropy(hopper(256000, 2));
+  in0.vocab = 256000;
+  const ce::Plan b = ce::plan_cross_entropy(in0);
   EXPECT_EQ(b.cluster, 5);
   EXPECT_GE(b.stages, 2);
-  const ce::Plan f32 = ce::plan_cross_entropy(hopper(256000, 4));
+  in0.elem_bytes = 4;
+  const ce::Plan f32 = ce::plan_cross_entropy(in0);
   EXPECT_EQ(f32.algo, CrossEntropyAlgo::kRowResident);
   EXPECT_GE(f32.stages, 2);
   EXPECT_LE(f32.cluster, ce::kMaxCluster);

@@ -158,6 +158,7 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
     in.forward_only = pr.mode == Mode::kForward;
     in.row_resident_capable = row_resident_available(pr.device.index);
     in.smem_per_block = info.max_smem_per_block_optin - 4096;  // room for the static shared memory (about 2 KB)
+    in.smem_per_sm = info.max_smem_per_sm;
     in.requested = pr.algo;
     Plan plan = plan_cross_entropy(in);
     if (g_plan_hook) g_plan_hook(plan);

@@ -25,14 +25,38 @@ Plan plan_cross_entropy(const PlanInputs& in) {
     return streaming;
   }
   const int64_t vec = 16 / in.elem_bytes;  // elements per 16-byte chunk
-  // The smallest cluster whose slices fit two stages: measured on H100 (16384 x 128256 bf16, fused in place),
+  auto slice_of = [&](int c) { return round_up(ceil_div(in.vocab, c), vec); };
+  // +16: the slice lands at the row's misalignment inside the stage (at most 15 bytes of lead-in).
+  auto stage_of = [&](int64_t slice) { return round_up(slice * in.elem_bytes + 16, 128); };
+  // First choice for long rows: the smallest cluster whose slices let two CTAs of one stage each share an SM.
+  // The row-resident kernel is latency-bound with one CTA of 2 stages per SM (Nsight Compute on H200: 4 warps
+  // per scheduler, 1 eligible); two independent CTAs overlap one's loads with the other's math and cluster
+  // barriers. Measured on H100, fused in place, bf16: 16384 x 128256 87.8% of copy bandwidth with 3-CTA
+  // clusters of one 85 KB stage and 256 threads, against 76.6% with 3 CTAs of two stages (one per SM);
+  // 4096 x 256000 96.5% with 6-CTA clusters of one stage, against 86.4% with 5 CTAs of two.
+  if (in.smem_per_sm > 0) {
+    for (int c = 1; c <= kMaxCluster; ++c) {
+      const int64_t stage = stage_of(slice_of(c));
+      if (stage < kMinSharedStage) break;  // short rows: several stages per CTA serve them (below)
+      if (2 * (stage + kPerCtaReserve) > in.smem_per_sm || stage > in.smem_per_block) continue;
+      Plan p;
+      p.algo = CrossEntropyAlgo::kRowResident;
+      p.cluster = c;
+      p.slice = slice_of(c);
+      p.stage_bytes = static_cast<size_t>(stage);
+      p.stages = 1;
+      p.smem_bytes = p.stage_bytes;
+      p.threads = 256;
+      return p;
+    }
+  }
+  // Otherwise the smallest cluster whose slices fit two stages: measured on H100 (16384 x 128256 bf16, fused in place),
   // 3 CTAs with 2 stages reached 77.5% of copy bandwidth, 4 with 3 stages 70.5%, 6 with 4 stages 51%, 8 with 4
   // stages 47% (per-row cluster overhead grows with the cluster; see bench/RESULTS.md).
   for (int c = 1; c <= kMaxCluster; ++c) {
     // Slices are whole 16-byte chunks so that every CTA's slice has the same alignment as the row start.
-    const int64_t slice = round_up(ceil_div(in.vocab, c), vec);
-    // +16: the slice lands at the row's misalignment inside the stage (at most 15 bytes of lead-in).
-    const int64_t stage = round_up(slice * in.elem_bytes + 16, 128);
+    const int64_t slice = slice_of(c);
+    const int64_t stage = stage_of(slice);
     const int64_t stages = stage > 0 ? in.smem_per_block / stage : 0;
     // Two stages at least: the next row's load must overlap this row's math.
     if (stages < 2) continue;

@@ -15,6 +15,12 @@ namespace logitless::ce {
 inline constexpr int kMaxStages = 4;
 inline constexpr int kMaxCluster = 16;  // 16 needs the non-portable cluster size (H100 allows it)
 inline constexpr int kStreamingThreads = 256;
+// Shared memory each resident CTA costs beyond its dynamic stages: its static shared memory (about 2 KB) and
+// the 1 KB the driver reserves per CTA, rounded up.
+inline constexpr int64_t kPerCtaReserve = 4096;
+// Rows whose one-stage slice would be shorter than this (16K bf16 elements) keep the multi-stage plan: short
+// rows need several rows in flight per CTA, not several CTAs.
+inline constexpr int64_t kMinSharedStage = 32 * 1024;
 
 struct Plan {
   CrossEntropyAlgo algo = CrossEntropyAlgo::kStreaming;
@@ -36,6 +42,7 @@ struct PlanInputs {
   bool forward_only = false;       // the loss alone needs no row residency either
   bool row_resident_capable = false;  // the device and this build can run the Hopper kernel
   int smem_per_block = 0;          // dynamic shared memory a CTA may opt into (bytes)
+  int smem_per_sm = 0;             // shared memory of one SM (bytes; 0: unknown, one CTA per SM assumed)
   CrossEntropyAlgo requested = CrossEntropyAlgo::kAuto;
 };
 
