@@ -4,12 +4,14 @@
 import torch  # noqa: F401
 
 from . import _C
-from . import nn
+from . import hf, nn
 from .cross_entropy import cross_entropy
+from .hf import patch, unpatch
 from .linear_cross_entropy import linear_cross_entropy
 from .policy_loss import grpo_loss, selective_log_softmax
 from .rms_norm import rms_norm
 
 __version__ = _C.version()
 
-__all__ = ["cross_entropy", "grpo_loss", "linear_cross_entropy", "nn", "rms_norm", "selective_log_softmax"]
+__all__ = ["cross_entropy", "grpo_loss", "hf", "linear_cross_entropy", "nn", "patch", "rms_norm",
+           "selective_log_softmax", "unpatch"]

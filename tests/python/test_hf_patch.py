@@ -1,0 +1,464 @@
+"""logitless.patch / logitless.unpatch on Hugging Face transformers causal LMs: tiny configs (hidden 64, 2
+layers, vocabulary 1000) of every supported architecture, patched against unpatched.
+
+The unpatched model is the reference: it forms the logits, upcasts them and runs torch's cross-entropy;
+the patched one never forms them. In float32 the two agree to float32 rounding; in bfloat16 the patched
+loss skips the rounding of the logits to bfloat16, so they agree to bfloat16's noise.
+
+Skips when transformers is not importable (tools/test.sh installs it). CUDA tests skip without a GPU.
+Run: PYTHONPATH=build/<dir>/python python -m pytest tests/python/test_hf_patch.py -q
+"""
+import copy
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import logitless  # noqa: E402
+from logitless.nn import RMSNorm  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available() and logitless._C.built_with_cuda()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of logitless")
+
+VOCAB = 1000
+B, T = 2, 12
+
+# (loss rtol, gradient tolerance relative to each gradient's largest element) per parameter dtype.
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 6e-2)}
+
+
+def _common(**extra):
+    return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, **extra)
+
+
+def _configs():
+    t = transformers
+    return {
+        # Tied embeddings (as Llama-3.2-1B) here, an lm_head of its own in the others.
+        "llama": (t.LlamaConfig(**_common(tie_word_embeddings=True)), t.LlamaForCausalLM),
+        "mistral": (t.MistralConfig(**_common(sliding_window=8)), t.MistralForCausalLM),
+        "qwen2": (t.Qwen2Config(**_common()), t.Qwen2ForCausalLM),  # q/k/v projections with a bias
+        "qwen3": (t.Qwen3Config(**_common(head_dim=16)), t.Qwen3ForCausalLM),  # q/k norms
+        "gemma2": (t.Gemma2Config(**_common(head_dim=16, final_logit_softcapping=5.0, attn_logit_softcapping=50.0,
+                                            query_pre_attn_scalar=16, sliding_window=8)), t.Gemma2ForCausalLM),
+        "gemma3": (t.Gemma3TextConfig(**_common(head_dim=16, final_logit_softcapping=5.0, query_pre_attn_scalar=16,
+                                                sliding_window=8)), t.Gemma3ForCausalLM),
+    }
+
+
+ARCHS = list(_configs())
+_BASE = {}
+
+
+def _model(arch, dtype=torch.float32):
+    """A fresh copy of one randomly initialized tiny model per architecture (the same weights every call)."""
+    if arch not in _BASE:
+        config, cls = _configs()[arch]
+        config._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = cls(config)
+        # Random norm weights (the initial ones are all 1, or all 0 for Gemma's offset form) so that a
+        # mistake in the weight's role shows.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0 if "gemma" in arch else 1.0, 0.2)
+        _BASE[arch] = model
+    return copy.deepcopy(_BASE[arch]).to(dtype).train()
+
+
+def _batch(seed=0, pad=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :pad] = 0  # left padding in the second row
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _loss_and_grads(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    params = getattr(model, "_orig_mod", model).named_parameters()  # the names without torch.compile's prefix
+    return out, {n: p.grad.detach().clone() for n, p in params if p.grad is not None}
+
+
+def _assert_close_grads(got, want, tol):
+    assert got.keys() == want.keys()
+    for name in want:
+        scale = want[name].abs().max().item() + 1e-12
+        err = (got[name].float() - want[name].float()).abs().max().item()
+        assert err <= tol * scale, f"{name}: max error {err:.3g} above {tol} x {scale:.3g}"
+
+
+def _count_calls(module):
+    calls = []
+    handle = module.register_forward_hook(lambda *args: calls.append(1))
+    return calls, handle
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loss and gradients against the unpatched model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loss_and_gradients_match_unpatched(arch, dtype):
+    ids, mask, labels = _batch()
+    ref = _model(arch, dtype)
+    want, want_grads = _loss_and_grads(ref, input_ids=ids, attention_mask=mask, labels=labels)
+
+    model = logitless.patch(_model(arch, dtype))
+    calls, _ = _count_calls(model.lm_head)
+    got, got_grads = _loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    assert calls == [], "lm_head ran: the logits were formed"
+    assert got.logits is None
+    assert got.loss.dtype == torch.float32
+    rtol, gtol = TOL[dtype]
+    torch.testing.assert_close(got.loss, want.loss, rtol=rtol, atol=0)
+    _assert_close_grads(got_grads, want_grads, gtol)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_rms_norm_is_replaced_with_the_right_variant(arch):
+    model = logitless.patch(_model(arch), cross_entropy=False)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(isinstance(m, RMSNorm) for m in norms)
+    gemma = arch.startswith("gemma")
+    for m in norms:
+        assert m.offset == (1.0 if gemma else 0.0)
+        assert m.casting_mode == ("gemma" if gemma else "llama")
+    if arch in ("qwen3", "gemma3"):  # q/k norms over the head dimension
+        assert isinstance(model.model.layers[0].self_attn.q_norm, RMSNorm)
+        assert isinstance(model.model.layers[0].self_attn.k_norm, RMSNorm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_rms_norm_only_and_cross_entropy_only(arch):
+    ids, mask, labels = _batch()
+    want, want_grads = _loss_and_grads(_model(arch), input_ids=ids, attention_mask=mask, labels=labels)
+    for options in (dict(rms_norm=False), dict(cross_entropy=False)):
+        model = logitless.patch(_model(arch), **options)
+        assert ("forward" in model.__dict__) == options.get("cross_entropy", True)
+        assert isinstance(model.model.norm, RMSNorm) == options.get("rms_norm", True)
+        got, got_grads = _loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+        assert (got.logits is None) == options.get("cross_entropy", True)
+        torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0)
+        _assert_close_grads(got_grads, want_grads, 2e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_num_items_in_batch_gradient_accumulation(arch):
+    """Two micro-batches, each loss = sum / (counted tokens of both): their sum is the full batch's mean, and
+    each equals the unpatched model's with the same num_items_in_batch."""
+    ids, mask, labels = _batch(pad=5)
+    counted = (labels[:, 1:] != -100).sum()
+    full = _model(arch)
+    want_full, want_grads = _loss_and_grads(full, input_ids=ids, attention_mask=mask, labels=labels)
+
+    ref, model = _model(arch), logitless.patch(_model(arch))
+    total = 0.0
+    for i in range(B):
+        micro = dict(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1], labels=labels[i:i + 1],
+                     num_items_in_batch=counted)
+        want = ref(**micro).loss
+        got = model(**micro).loss
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=0)
+        got.backward()  # accumulates
+        total = total + got.detach()
+    torch.testing.assert_close(total, want_full.loss, rtol=2e-5, atol=0)
+    got_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    _assert_close_grads(got_grads, want_grads, 2e-5)
+    # A plain int works as well (the original accepts it).
+    micro = dict(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=int(counted))
+    torch.testing.assert_close(model(**micro).loss, ref(**micro).loss, rtol=2e-5, atol=0)
+
+
+def test_shift_labels_ignore_index_and_logits_to_keep():
+    ids, mask, labels = _batch()
+    ref, model = _model("qwen2"), logitless.patch(_model("qwen2"))
+    shifted = torch.cat((labels[:, 1:], torch.full((B, 1), -100)), dim=1)
+    relabeled = labels.masked_fill(labels == -100, -1)
+    cases = [
+        dict(labels=labels, shift_labels=shifted),                      # labels shifted by the caller
+        dict(labels=relabeled, ignore_index=-1),                        # another ignore_index
+        dict(labels=labels[:, -5:], logits_to_keep=5),                  # the last 5 positions only
+        dict(labels=labels[:, [1, 4, 7]], logits_to_keep=torch.tensor([1, 4, 7])),
+        dict(labels=labels.reshape(-1)),                                # flattened labels: counts agree
+    ]
+    for case in cases:
+        want, want_grads = _loss_and_grads(ref, input_ids=ids, attention_mask=mask, **case)
+        got, got_grads = _loss_and_grads(model, input_ids=ids, attention_mask=mask, **case)
+        torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0, msg=str(list(case)))
+        _assert_close_grads(got_grads, want_grads, 2e-5)
+    with pytest.raises(ValueError, match="labels"):
+        model(input_ids=ids, labels=labels[:, :5])
+
+
+def test_all_labels_ignored_gives_zero():
+    ids, mask, _ = _batch()
+    model = logitless.patch(_model("llama"))
+    out = model(input_ids=ids, labels=torch.full_like(ids, -100))
+    assert out.loss.item() == 0.0  # the unpatched model gives NaN here
+    out.loss.backward()
+    assert all(torch.all(p.grad == 0) for p in model.parameters() if p.grad is not None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward semantics
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_without_labels_the_original_forward_runs(arch):
+    ids, mask, _ = _batch()
+    ref, model = _model(arch).eval(), logitless.patch(_model(arch)).eval()
+    calls, _ = _count_calls(model.lm_head)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask)
+        got = model(input_ids=ids, attention_mask=mask)
+        assert calls == [1] and got.loss is None
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        if arch == "gemma2":  # the softcap applies to the logits returned
+            assert got.logits.abs().max() <= 5.0
+        # Generation goes through the original forward too.
+        model.generation_config.pad_token_id = 0
+        want_ids = ref.generate(ids[:1], max_new_tokens=3, do_sample=False)
+        got_ids = model.generate(ids[:1], max_new_tokens=3, do_sample=False)
+        assert torch.equal(got_ids, want_ids)
+
+
+def test_return_dict_hidden_states_and_cache():
+    ids, mask, labels = _batch()
+    ref, model = _model("llama"), logitless.patch(_model("llama"))
+    want = ref(input_ids=ids, labels=labels, return_dict=False, use_cache=False)
+    got = model(input_ids=ids, labels=labels, return_dict=False, use_cache=False)
+    assert isinstance(got, tuple) and len(got) == 1  # (loss,): no logits, to_tuple drops None
+    torch.testing.assert_close(got[0], want[0], rtol=2e-5, atol=0)
+    got = model(input_ids=ids, labels=labels, output_hidden_states=True, use_cache=True)
+    want = ref(input_ids=ids, labels=labels, output_hidden_states=True, use_cache=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == 3
+    for g, w in zip(got.hidden_states, want.hidden_states):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert got.past_key_values is not None and got.past_key_values.get_seq_length() == T
+
+
+def test_signature_and_positional_arguments():
+    """The patched forward shows the original's signature (transformers' Trainer reads it to choose the
+    dataset columns it keeps and whether to pass num_items_in_batch) and maps positional arguments as it does."""
+    ids, mask, labels = _batch()
+    ref, model = _model("llama"), logitless.patch(_model("llama"))
+    assert inspect.signature(model.forward) == inspect.signature(ref.forward)
+    want = ref(ids, mask, labels=labels)
+    got = model(ids, mask, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0)
+    with pytest.raises(TypeError, match="input_ids"):
+        model(ids, input_ids=ids, labels=labels)
+
+
+def test_custom_loss_function():
+    ids, mask, labels = _batch()
+    model = _model("llama")
+    custom = lambda logits, labels, vocab_size, **kw: logits.float().square().mean()  # noqa: E731
+    model.loss_function = custom
+    with pytest.raises(ValueError, match="ForCausalLMLoss"):
+        logitless.patch(model)
+    logitless.patch(model, cross_entropy=False)  # the norms alone are fine
+    # A custom loss set after patching is honored: the original forward runs (with logits).
+    model = logitless.patch(_model("llama"))
+    model.loss_function = custom
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None
+    torch.testing.assert_close(out.loss, out.logits.float().square().mean())
+
+
+def test_autocast():
+    ids, mask, labels = _batch()
+    ref, model = _model("llama"), logitless.patch(_model("llama"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = _loss_and_grads(ref, input_ids=ids, labels=labels)
+        got, got_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-2, atol=0)
+    _assert_close_grads(got_grads, want_grads, 6e-2)
+    assert all(g.dtype == torch.float32 for g in got_grads.values())
+
+
+def test_loss_options_pass_through():
+    ids, mask, labels = _batch()
+    plain = logitless.patch(_model("llama"))(input_ids=ids, labels=labels).loss
+    recompute = logitless.patch(_model("llama"), schedule="recompute")(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(recompute, plain, rtol=1e-6, atol=0)
+    with_z = logitless.patch(_model("llama"), z_loss=1e-2)(input_ids=ids, labels=labels).loss
+    assert with_z > plain
+    with pytest.raises(ValueError, match="label_smoothing"):
+        logitless.patch(_model("llama"), label_smoothing=0.1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Patching and unpatching
+
+
+def _snapshot(model):
+    return ([(name, id(m), type(m)) for name, m in model.named_modules()],
+            [(name, id(p)) for name, p in model.named_parameters()],
+            dict(model.__dict__), repr(model))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_unpatch_restores_everything(arch):
+    ids, mask, labels = _batch()
+    model = _model(arch)
+    before = _snapshot(model)
+    want = model(input_ids=ids, attention_mask=mask, labels=labels)
+    logitless.patch(model)
+    assert logitless.hf.is_patched(model)
+    # The replaced norms keep the original weight Parameters: same parameters, same state dict keys.
+    assert [(n, id(p)) for n, p in model.named_parameters()] == before[1]
+    logitless.patch(model, rms_norm=False)  # patching again replaces the earlier patch
+    assert not isinstance(model.model.norm, RMSNorm)
+    logitless.patch(model)
+    logitless.unpatch(model)
+    assert not logitless.hf.is_patched(model)
+    assert _snapshot(model) == before
+    assert model.forward.__func__ is type(model).forward
+    got = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert torch.equal(got.loss, want.loss) and torch.equal(got.logits, want.logits)
+    assert logitless.unpatch(model) is model  # unpatching an unpatched model changes nothing
+    assert _snapshot(model) == before
+
+
+def test_instance_forward_kept_and_restored():
+    """A forward already set on the instance (as hooks of other libraries do) is what runs without labels and
+    what unpatch puts back."""
+    ids, _, labels = _batch()
+    model = _model("llama")
+    seen = []
+    original = model.forward
+
+    def wrapped(*args, **kwargs):
+        seen.append(1)
+        return original(*args, **kwargs)
+
+    model.forward = wrapped
+    logitless.patch(model)
+    assert model(input_ids=ids).logits is not None and seen == [1]
+    logitless.unpatch(model)
+    assert model.__dict__["forward"] is wrapped
+
+
+def test_deepcopy_of_a_patched_model_is_patched_on_its_own():
+    ids, _, labels = _batch()
+    model = logitless.patch(_model("llama"))
+    clone = copy.deepcopy(model)
+    assert clone.forward.__self__ is clone
+    assert clone.model.norm.weight is not model.model.norm.weight
+    want = model(input_ids=ids, labels=labels).loss
+    with torch.no_grad():
+        clone.model.norm.weight.mul_(2)
+    assert torch.equal(model(input_ids=ids, labels=labels).loss, want)
+    assert not torch.equal(clone(input_ids=ids, labels=labels).loss, want)
+    logitless.unpatch(clone)
+    assert clone.model.norm.weight is clone.model.norm.weight
+    assert type(clone.model.norm).__name__ == "LlamaRMSNorm" and logitless.hf.is_patched(model)
+
+
+def test_subclass_is_supported_and_unknown_architectures_are_refused():
+    class MyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    config, _ = _configs()["llama"]
+    logitless.patch(MyLlama(config))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100))
+    for bad in (gpt2, torch.nn.Linear(2, 2)):
+        with pytest.raises(ValueError) as info:
+            logitless.patch(bad)
+        for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                     "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+            assert name in str(info.value)
+        assert type(bad).__name__ in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training features
+
+
+def _enable_checkpointing(model, kwargs):
+    # Renamed activation_checkpointing_enable in later 5.x releases (the old name warns there).
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_gradient_checkpointing(arch):
+    ids, mask, labels = _batch()
+    want, want_grads = _loss_and_grads(_model(arch), input_ids=ids, attention_mask=mask, labels=labels)
+    for reentrant in (False, True):
+        model = logitless.patch(_model(arch))
+        _enable_checkpointing(model, {"use_reentrant": reentrant})
+        assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        got, got_grads = _loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+        torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0)
+        _assert_close_grads(got_grads, want_grads, 2e-5)
+
+
+# aot_eager: torch.compile's tracing (dynamo, AOTAutograd, the ops' fake kernels) without code generation;
+# inductor generates and compiles C++ for the rest of the model (a minute and more on a 2-core CPU), so it runs
+# the training step only.
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile(backend):
+    ids, mask, labels = _batch()
+    eager = logitless.patch(_model("llama"))
+    want, want_grads = _loss_and_grads(eager, input_ids=ids, attention_mask=mask, labels=labels)
+    model = logitless.patch(_model("llama"))
+    compiled = torch.compile(model, backend=backend)
+    calls, _ = _count_calls(model.lm_head)
+    for _ in range(2):  # the second call runs the compiled code
+        got, got_grads = _loss_and_grads(compiled, input_ids=ids, attention_mask=mask, labels=labels)
+        torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0)
+        _assert_close_grads(got_grads, want_grads, 2e-5)
+    assert calls == []
+    assert logitless.hf.is_patched(compiled)
+    assert logitless.patch(compiled) is compiled  # patching (again) through the wrapper returns the wrapper
+    if backend == "inductor":
+        return
+    with torch.no_grad():  # without labels: the original forward, compiled
+        logits = compiled(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(logits, eager(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
+    logitless.unpatch(compiled)  # through the compiled wrapper
+    assert not logitless.hf.is_patched(model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_cuda_bf16_matches_unpatched_and_saves_the_logits(arch):
+    ids, mask, labels = (t.cuda() for t in _batch())
+    ref = _model(arch, torch.bfloat16).cuda()
+    want, want_grads = _loss_and_grads(ref, input_ids=ids, attention_mask=mask, labels=labels)
+    model = logitless.patch(_model(arch, torch.bfloat16).cuda())
+    got, got_grads = _loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-2, atol=0)
+    _assert_close_grads(got_grads, want_grads, 6e-2)
+
+    # Peak memory of a step at a size where the logits dominate: the patched step stays below the
+    # unpatched one by more than one float32 copy of the logits.
+    big = torch.randint(0, VOCAB, (8, 2048), device="cuda")
+    peaks = []
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        m(input_ids=big, labels=big).loss.backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    logits_f32 = big.numel() * VOCAB * 4
+    assert peaks[1] < peaks[0] - logits_f32, peaks
