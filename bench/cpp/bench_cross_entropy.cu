@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
     for (Var v : {Var{1, 0, 0, 0, 0, 0}, Var{1, 0, 0, 0, 1, 0}, Var{1, 0, 3, 0, 0, 0}, Var{1, 0, 4, 0, 0, 0},
                   Var{1, 0, 6, 0, 0, 0}, Var{1, 0, 8, 0, 0, 0}, Var{1, 256, 3, 0, 0, 1}, Var{1, 256, 4, 0, 0, 1},
                   Var{1, 128, 4, 0, 0, 1}, Var{1, 256, 6, 0, 0, 1}, Var{1, 256, 8, 0, 0, 2}, Var{1, 256, 5, 0, 0, 1},
-                  Var{1, 128, 3, 0, 0, 1}, Var{1, 512, 3, 0, 0, 2}, Var{1, 512, 5, 0, 0, 2}}) {
+                  Var{1, 128, 3, 0, 0, 1}, Var{1, 256, 3, 0, 0, 2}, Var{1, 256, 5, 0, 0, 2}}) {
       // Default run: the plan and the multi-CTA-per-SM variants; BENCH_VARIANTS=1 adds the rest.
       if (!all_variants && (v.pipe || (v.stages == 0 && (v.cluster == 3 || v.cluster == 6)))) continue;
       g_pieces = v.pieces, g_threads = v.threads, g_cluster = v.cluster, g_grid = v.grid, g_pipe = v.pipe;

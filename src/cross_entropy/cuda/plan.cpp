@@ -46,7 +46,7 @@ Plan plan_cross_entropy(const PlanInputs& in) {
       p.stage_bytes = static_cast<size_t>(stage);
       p.stages = 1;
       p.smem_bytes = p.stage_bytes;
-      p.threads = 256;
+      p.threads = kMaxThreads;
       return p;
     }
   }
@@ -72,7 +72,7 @@ Plan plan_cross_entropy(const PlanInputs& in) {
     // Enough warps to keep shared-memory reads and the exp unit busy on long slices; small slices use small
     // CTAs so that several share an SM.
     const int64_t chunks = ceil_div(slice * in.elem_bytes, 16);
-    p.threads = chunks >= 2048 ? 512 : chunks >= 512 ? 256 : 128;
+    p.threads = chunks >= 512 ? kMaxThreads : 128;
     return p;
   }
   if (want_resident) {

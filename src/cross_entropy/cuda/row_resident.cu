@@ -47,8 +47,8 @@ struct RowState {
 // barrier but holds a second stage while it does, which leaves one fewer row in flight; measured on H100
 // it lost at 3 stages (see plan.h), so it is a plan option.
 template <typename T, bool kGeneral>
-__global__ void __launch_bounds__(512, 1) row_resident_kernel(const __grid_constant__ KernelParams p,
-                                                              const ResidentShape shape) {
+__global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
+    row_resident_kernel(const __grid_constant__ KernelParams p, const ResidentShape shape) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kVec = Vec<T>::kN;
   constexpr int64_t kEs = sizeof(T);
@@ -235,6 +235,9 @@ int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
   // The pipelined loop reads row k+1's stage while row k's is still held: one stage would deadlock it. The
   // plain loop runs with one stage (no prefetch within the CTA; other CTAs on the SM can overlap it).
   const int min_stages = plan.pipelined ? 2 : 1;
+  if (plan.threads < 32 || plan.threads > kMaxThreads || plan.threads % 32 != 0)
+    throw_invalid(str_cat("cross_entropy: row-resident plan needs a whole number of warps up to ", kMaxThreads,
+                          " threads, got ", plan.threads));
   if (plan.stages < min_stages || plan.stages > kMaxStages || plan.cluster < 1 || plan.cluster > kMaxCluster)
     throw_invalid(str_cat("cross_entropy: row-resident plan needs ", min_stages, "..", kMaxStages, " stages and 1..",
                           kMaxCluster, " CTAs per cluster, got ", plan.stages, " and ", plan.cluster));
