@@ -369,7 +369,7 @@ TEST_P(RMSNormCpu, MatchesFloat64Reference) {
 }
 
 // The options of each CUDA kernel that can run this case: auto, generic, and the register kernel at its
-// non-default width when the rows allow it.
+// non-default width (8 vectors in the backward, 4 in the forward) when the rows allow it.
 std::vector<std::pair<std::string, RMSNormOptions>> cuda_variants(const Inputs& in, bool backward) {
   std::vector<std::pair<std::string, RMSNormOptions>> v;
   v.push_back({"auto", in.opt});
@@ -382,12 +382,12 @@ std::vector<std::pair<std::string, RMSNormOptions>> cuda_variants(const Inputs& 
   pi.backward = backward;
   pi.vector_ok = in.c.layout != Layout::kPadded;
   pi.requested = RMSNormAlgo::kRegisters;
-  pi.vpt = 8;
+  pi.vpt = backward ? 8 : 4;
   if (rms::plan_rms_norm(pi).algo == RMSNormAlgo::kRegisters) {
     RMSNormOptions r = in.opt;
     r.algo = RMSNormAlgo::kRegisters;
-    r.vectors_per_thread = 8;
-    v.push_back({"registers8", r});
+    r.vectors_per_thread = pi.vpt;
+    v.push_back({backward ? "registers8" : "registers4", r});
   }
   return v;
 }
@@ -426,6 +426,73 @@ std::string param_name(const ::testing::TestParamInfo<RmsCase>& info) { return c
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RMSNormCpu, ::testing::ValuesIn(make_cases(false)), param_name);
 INSTANTIATE_TEST_SUITE_P(Shapes, RMSNormCuda, ::testing::ValuesIn(make_cases(true)), param_name);
+
+// ---- every register kernel, through the plan hook ---------------------------------------------------------
+// The public options reach two widths; the other instantiations (prefetching, 2 and 16 vectors) and the
+// persistent forward grid are what the benchmark's variants and future defaults use, so each runs here
+// against the CPU backend: one CTA per SM (many iterations of each CTA's loop) and as many as fit.
+struct HookState {
+  int64_t nvec = 0;
+  rms::KernelVariant fwd{8, false}, bwd{4, true};
+  int ctas_per_sm = 0;
+};
+HookState g_hook;
+
+void variant_hook(rms::Plan& p, bool backward) {
+  if (p.algo != RMSNormAlgo::kRegisters) return;
+  const rms::KernelVariant k = backward ? g_hook.bwd : g_hook.fwd;
+  p.vpt = k.vpt;
+  p.prefetch = k.prefetch;
+  const int64_t want = (g_hook.nvec + k.vpt - 1) / k.vpt;
+  int tpr = 1;
+  while (tpr < want && tpr < 32) tpr <<= 1;
+  if (want > 32) tpr = static_cast<int>((want + 31) / 32 * 32);
+  p.threads_per_row = tpr;
+  p.rows_per_cta = std::max(1, std::min(256, rms::max_cta_threads(backward, k.vpt, k.prefetch)) / tpr);
+  if (tpr > 32) p.rows_per_cta = std::min(p.rows_per_cta, rms::kMaxNamedBarrierRows);
+  p.ctas_per_sm = g_hook.ctas_per_sm;
+}
+
+TEST(RMSNormCudaVariants, EveryRegisterKernelMatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  using C = RMSNormCasting;
+  const RmsCase cases[] = {
+      {1056, 4096, DType::kBFloat16, false, C::kLlama, 0.0, false, Layout::kContiguous},
+      {777, 2048, DType::kFloat16, true, C::kGemma, 1.0, true, Layout::kStrided},
+      {300, 1024, DType::kFloat32, false, C::kNone, 0.0, true, Layout::kContiguous},
+  };
+  const size_t n = std::max(std::size(rms::kForwardVariants), std::size(rms::kBackwardVariants));
+  for (const RmsCase& c : cases) {
+    Inputs in(c, seed_of(c));
+    Forward cpu = run_forward(in, false, false, in.opt);
+    TestTensor& xs = c.residual ? cpu.s : in.x;
+    const Backward bcpu = run_backward(in, xs, cpu.rstd, false, false, in.opt);
+    const DType dt = c.dtype;
+    g_hook.nvec = c.h / (16 / static_cast<int64_t>(dtype_size(dt)));
+    for (size_t i = 0; i < n; ++i) {
+      g_hook.fwd = rms::kForwardVariants[i % std::size(rms::kForwardVariants)];
+      g_hook.bwd = rms::kBackwardVariants[i % std::size(rms::kBackwardVariants)];
+      for (int ctas : {0, 1}) {
+        g_hook.ctas_per_sm = ctas;
+        SCOPED_TRACE(testing::Message() << case_name(c) << " forward vpt " << g_hook.fwd.vpt << " prefetch "
+                                        << g_hook.fwd.prefetch << ", backward vpt " << g_hook.bwd.vpt << " prefetch "
+                                        << g_hook.bwd.prefetch << ", ctas_per_sm " << ctas);
+        rms::debug::set_plan_hook(variant_hook);
+        Forward f = run_forward(in, true, false, in.opt);
+        const Backward b = run_backward(in, xs, cpu.rstd, true, true, in.opt);
+        const rms::debug::LaunchRecord lf = rms::debug::last_launch(false), lb = rms::debug::last_launch(true);
+        rms::debug::set_plan_hook(nullptr);
+        EXPECT_EQ(lf.plan.vpt, g_hook.fwd.vpt);
+        EXPECT_EQ(lb.plan.prefetch, g_hook.bwd.prefetch);
+        expect_close(values(f.y), values(cpu.y), tolerance(dt, Quantity::kNormOut), "cuda y");
+        if (c.residual) expect_close(values(f.s), values(cpu.s), tolerance(dt, Quantity::kNormOut), "cuda s");
+        expect_close(values(f.rstd), values(cpu.rstd), rstd_tol(in), "cuda rstd");
+        expect_close(values(b.dx), values(bcpu.dx), tolerance(dt, Quantity::kNormOut), "cuda grad_x");
+        expect_close(values(b.dw), values(bcpu.dw), dw_tol(in), "cuda grad_weight");
+      }
+    }
+  }
+}
 
 // ---- the reference itself: its gradients against central differences ---------------------------------------
 // With fp32 tensors and Gemma's casting nothing is rounded but the float32 storage, so the double reference is
@@ -562,28 +629,43 @@ TEST(RMSNormPlan, Decisions) {
     in.smem_per_block = 227 * 1024;
     return rms::plan_rms_norm(in);
   };
-  // bf16 H = 4096: 512 vectors, 4 a thread, 128 threads a row; the forward runs a row a CTA, the backward
-  // 4 rows in 512 threads and sums their dW in one shared row of 4096 floats.
+  // bf16 H = 4096: 512 vectors; the forward holds 8 a thread (64 threads a row, 2 rows in a 128-thread
+  // CTA); the backward 4 a thread and prefetches its next row (128 threads a row, 2 rows in the 288 threads
+  // its registers allow), summing the rows' dW in one shared row of 4096 floats.
   Plan f = plan(4096, 2, false, true);
   EXPECT_EQ(f.algo, RMSNormAlgo::kRegisters);
-  EXPECT_EQ(f.vpt, 4);
-  EXPECT_EQ(f.threads_per_row, 128);
-  EXPECT_EQ(f.rows_per_cta, 1);
-  EXPECT_EQ(plan(2048, 2, false, true).rows_per_cta, 2);
+  EXPECT_EQ(f.vpt, 8);
+  EXPECT_FALSE(f.prefetch);
+  EXPECT_EQ(f.threads_per_row, 64);
+  EXPECT_EQ(f.rows_per_cta, 2);
+  EXPECT_EQ(f.ctas_per_sm, 0);
+  EXPECT_EQ(plan(2048, 2, false, true).rows_per_cta, 4);
   Plan b = plan(4096, 2, true, true);
+  EXPECT_EQ(b.vpt, 4);
+  EXPECT_TRUE(b.prefetch);
   EXPECT_EQ(b.threads_per_row, 128);
-  EXPECT_EQ(b.rows_per_cta, 4);
+  EXPECT_EQ(b.rows_per_cta, 2);
   EXPECT_EQ(b.smem_bytes, 4096u * 4);
-  // H = 5120 (160 vectors a thread group): whole warps, not a power of two.
-  EXPECT_EQ(plan(5120, 2, false, true).threads_per_row, 160);
+  // A row the prefetching backward cannot hold: the same width without prefetch, then 8 vectors.
+  Plan b2 = plan(12288, 2, true, true);
+  EXPECT_EQ(b2.vpt, 4);
+  EXPECT_FALSE(b2.prefetch);
+  EXPECT_EQ(plan(16384, 2, true, true).vpt, 8);
+  // Forced widths: the backward at 4 still prefetches; a width never moves to another one.
+  EXPECT_TRUE(plan(4096, 2, true, true, RMSNormAlgo::kAuto, 4).prefetch);
+  EXPECT_EQ(plan(16384, 2, true, true, RMSNormAlgo::kRegisters, 4).algo, RMSNormAlgo::kAuto);
+  EXPECT_EQ(plan(16384, 2, true, true, RMSNormAlgo::kAuto, 4).algo, RMSNormAlgo::kGeneric);
+  // H = 5120 (80 threads at 8 vectors): whole warps, not a power of two.
+  EXPECT_EQ(plan(5120, 2, false, true).threads_per_row, 96);
   // Short rows share a warp in power-of-two groups.
   Plan s = plan(64, 2, false, true);
-  EXPECT_EQ(s.threads_per_row, 2);
-  EXPECT_EQ(s.rows_per_cta, 64);
+  EXPECT_EQ(s.threads_per_row, 1);
+  EXPECT_EQ(s.rows_per_cta, 128);
   // Misaligned rows, odd H, or rows beyond the register limits take the generic kernels.
   EXPECT_EQ(plan(4096, 2, false, false).algo, RMSNormAlgo::kGeneric);
   EXPECT_EQ(plan(4097, 2, false, true).algo, RMSNormAlgo::kGeneric);
   EXPECT_EQ(plan(32768, 2, false, true).algo, RMSNormAlgo::kRegisters);
+  EXPECT_EQ(plan(32768, 2, false, true).vpt, 16);
   EXPECT_EQ(plan(65536, 2, false, true).algo, RMSNormAlgo::kGeneric);
   EXPECT_EQ(plan(16384, 2, true, true).algo, RMSNormAlgo::kRegisters);
   EXPECT_EQ(plan(32768, 2, true, true).algo, RMSNormAlgo::kGeneric);
@@ -633,8 +715,10 @@ TEST(RMSNormPlan, InvariantsForEveryHiddenSize) {
             } else {
               ASSERT_EQ(tpr & (tpr - 1), 0);
             }
+            ASSERT_EQ(rms::plan_error(p, in), nullptr);
             if (p.algo == RMSNormAlgo::kRegisters) {
-              ASSERT_LE(p.threads(), rms::max_cta_threads(bwd, p.vpt));
+              ASSERT_TRUE(rms::instantiated(bwd, p.vpt, p.prefetch));
+              ASSERT_LE(p.threads(), rms::max_cta_threads(bwd, p.vpt, p.prefetch));
               ASSERT_GE(static_cast<int64_t>(tpr) * p.vpt * (16 / es), H);
               ASSERT_EQ(H % (16 / es), 0);
               ASSERT_LE(p.smem_bytes, 48u * 1024);
@@ -646,26 +730,78 @@ TEST(RMSNormPlan, InvariantsForEveryHiddenSize) {
           }
 }
 
-TEST(RMSNormPlan, BackwardGridIsBalancedAndBounded) {
+TEST(RMSNormPlan, PersistentGridIsBalancedAndBounded) {
   rms::Plan p;
   p.algo = RMSNormAlgo::kRegisters;
   p.rows_per_cta = 4;
   // 132 SMs x 1 CTA x 4 slots = 528 slots for 16384 rows: 32 iterations, and then 128 CTAs do exactly 32 each.
-  rms::BackwardGrid g = rms::backward_grid(p, 16384, 132, 1);
+  rms::PersistentGrid g = rms::persistent_grid(p, 16384, 132, 1);
   EXPECT_EQ(g.ctas, 128);
   EXPECT_EQ(g.partial_rows, 128);
   EXPECT_EQ(rms::workspace_bytes(g, 4096), 128u * 4096 * 4);
   // Few rows: no more CTAs than rows need.
-  EXPECT_EQ(rms::backward_grid(p, 5, 132, 1).ctas, 2);
-  EXPECT_EQ(rms::backward_grid(p, 0, 132, 1).ctas, 0);
+  EXPECT_EQ(rms::persistent_grid(p, 5, 132, 1).ctas, 2);
+  EXPECT_EQ(rms::persistent_grid(p, 0, 132, 1).ctas, 0);
   // The generic kernel with its sums in the workspace has one partial row per slot.
   p.algo = RMSNormAlgo::kGeneric;
   p.dw_in_smem = false;
   p.rows_per_cta = 1;
-  g = rms::backward_grid(p, 1000, 132, 3);
+  g = rms::persistent_grid(p, 1000, 132, 3);
   EXPECT_EQ(g.ctas * 1, g.partial_rows);
   EXPECT_LE(g.ctas, 396);
   EXPECT_EQ(rms::workspace_row_stride(4097), 4100);
+}
+
+// Plans a debug hook rewrites are checked before they launch: every way to break one is named.
+TEST(RMSNormPlan, PlanErrorRefusesWhatTheKernelsCannotRun) {
+  rms::PlanInputs in;
+  in.hidden = 4096;
+  in.elem_bytes = 2;
+  in.vector_ok = true;
+  in.smem_per_block = 227 * 1024;
+  const rms::Plan good = rms::plan_rms_norm(in);
+  ASSERT_EQ(rms::plan_error(good, in), nullptr);
+  auto broken = [&](auto&& edit) {
+    rms::Plan p = good;
+    edit(p);
+    return rms::plan_error(p, in) != nullptr;
+  };
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.vpt = 2; }));                          // no forward kernel at 2
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.vpt = 16, p.prefetch = true; }));      // nor 16 prefetching
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.threads_per_row = 32; }));             // does not cover H
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.threads_per_row = 48; }));             // not whole warps
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 16; }));                // named barriers
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 0; }));
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 8; }));                 // 512 > its 448 threads
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.ctas_per_sm = -1; }));
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.smem_bytes = 16; }));
+  EXPECT_FALSE(broken([](rms::Plan& p) { p.rows_per_cta = 7, p.ctas_per_sm = 2; }));
+  EXPECT_FALSE(broken([](rms::Plan& p) { p.vpt = 16, p.threads_per_row = 32; }));
+  rms::PlanInputs misaligned = in;
+  misaligned.vector_ok = false;
+  EXPECT_NE(rms::plan_error(good, misaligned), nullptr);
+  // The generic forward runs one CTA per row group: no persistent grid.
+  misaligned.requested = RMSNormAlgo::kGeneric;
+  rms::Plan g = rms::plan_rms_norm(misaligned);
+  EXPECT_EQ(rms::plan_error(g, misaligned), nullptr);
+  g.ctas_per_sm = 1;
+  EXPECT_NE(rms::plan_error(g, misaligned), nullptr);
+  // Every instantiated register kernel has a plan at H = 4096 bf16 in both directions.
+  for (bool bwd : {false, true}) {
+    in.backward = bwd;
+    for (const rms::KernelVariant& k : bwd ? std::vector<rms::KernelVariant>(std::begin(rms::kBackwardVariants),
+                                                                             std::end(rms::kBackwardVariants))
+                                           : std::vector<rms::KernelVariant>(std::begin(rms::kForwardVariants),
+                                                                             std::end(rms::kForwardVariants))) {
+      rms::Plan p = rms::plan_rms_norm(in);
+      p.vpt = k.vpt;
+      p.prefetch = k.prefetch;
+      p.threads_per_row = static_cast<int>(512 / k.vpt);
+      p.rows_per_cta = 1;
+      p.smem_bytes = rms::plan_smem_bytes(p, in);
+      EXPECT_EQ(rms::plan_error(p, in), nullptr) << "bwd " << bwd << " vpt " << k.vpt << " prefetch " << k.prefetch;
+    }
+  }
 }
 
 // ---- bad input ---------------------------------------------------------------------------------------------

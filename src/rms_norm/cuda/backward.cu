@@ -2,7 +2,9 @@
 // and dW reduced in float32 without atomics, in two steps:
 //   1. the row kernel is persistent: each CTA walks rows base, base + grid * slots, ... in a fixed order,
 //      accumulates dy * n for the columns each thread owns (registers, or shared memory on the generic
-//      path), adds its row slots together in slot order, and writes one float32 row of H to the workspace;
+//      path), adds its row slots together in slot order, and writes one float32 row of H to the workspace.
+//      The register kernel holds the weight across its rows and may load a slot's next row before it
+//      reduces the current one (plan.prefetch), so the loads stay in flight through the reduction;
 //   2. reduce_dw adds the workspace rows column by column in a fixed order and rounds once to dW's dtype.
 // Nothing depends on timing, so the bits repeat from run to run. The workspace is (CTAs x H) floats (about
 // 1% of the bytes the row kernel moves at N = 16384), written once and read once.
@@ -20,8 +22,39 @@
 namespace logitless::rms {
 namespace {
 
+// Thread t's vectors of x, dy (and the residual-output gradient) in row `row`, and the row's rstd. The
+// residual-output gradient is only added at the end, but loaded now: issued after the reduction it would
+// cost every row a full memory latency.
 template <typename T, int VPT>
-__global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers(const BackwardParams p) {
+__device__ __forceinline__ void load_grad_row(const BackwardParams& p, int64_t row, int t, int tpr, int64_t nvec,
+                                              uint4* xs, uint4* dys, uint4* drs, float& r) {
+  constexpr int kN = Vec<T>::kN;
+  const RowCoords rc = row_coords(p.x_rows, row);
+  const T* x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
+  const T* dy = static_cast<const T*>(p.grad_y) + row_offset(p.grad_y_rows, rc);
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int64_t v = t + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) {
+      xs[k] = load16(x + v * kN);
+      dys[k] = load16(dy + v * kN);
+    }
+  }
+  if (p.grad_residual_out) {
+    const T* dr = static_cast<const T*>(p.grad_residual_out) + row_offset(p.grad_residual_out_rows, rc);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t v = t + static_cast<int64_t>(k) * tpr;
+      if (v < nvec) drs[k] = load16(dr + v * kN);
+    }
+  }
+  r = p.rstd[row];
+}
+
+// kPrefetch: the loads of a slot's next row are issued before its current row is reduced (two rows in
+// registers), so they are in flight while the slot waits for its row's other warps and computes dx.
+template <typename T, int VPT, bool kPrefetch>
+__global__ void __maxnreg__(register_cap(true, VPT, kPrefetch)) backward_registers(const BackwardParams p) {
   using V = Vec<T>;
   constexpr int kN = V::kN;
   extern __shared__ __align__(16) float dw_row[];  // H floats when the CTA has several row slots
@@ -30,7 +63,10 @@ __global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers
   __shared__ float scratch[2][32];
   const int tpr = blockDim.x, t = threadIdx.x, slot = threadIdx.y, slots = blockDim.y;
   const int64_t H = p.hidden, nvec = H / kN;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * slots;
   const bool want_dw = p.partials != nullptr;
+  RowWeight<T, VPT> w;  // held across the CTA's rows
+  w.load(p.weight, p.weight_f32, t, tpr, nvec);
 
   float dw[VPT][kN];
 #pragma unroll
@@ -38,36 +74,30 @@ __global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers
 #pragma unroll
     for (int e = 0; e < kN; ++e) dw[k][e] = 0.f;
 
+  uint4 next_x[VPT], next_dy[VPT], next_dr[VPT];  // kPrefetch: the slot's next row
+  float next_r = 0.f;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) next_x[k] = next_dy[k] = next_dr[k] = make_uint4(0, 0, 0, 0);
+  int64_t row = static_cast<int64_t>(blockIdx.x) * slots + slot;
+  if (kPrefetch && row < p.n_rows) load_grad_row<T, VPT>(p, row, t, tpr, nvec, next_x, next_dy, next_dr, next_r);
+
   int parity = 0;
+#pragma unroll 1
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * slots; base < p.n_rows;
-       base += static_cast<int64_t>(gridDim.x) * slots, parity ^= 1) {
-    const int64_t row = base + slot;
+       base += step, row += step, parity ^= 1) {
     const bool active = row < p.n_rows;
-    const RowCoords rc = row_coords(p.x_rows, row);
     uint4 xs[VPT], dys[VPT], dres[VPT];
     float r = 0.f, dot = 0.f;
+    if (kPrefetch) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) xs[k] = next_x[k], dys[k] = next_dy[k], dres[k] = next_dr[k];
+      r = next_r;
+      if (row + step < p.n_rows)
+        load_grad_row<T, VPT>(p, row + step, t, tpr, nvec, next_x, next_dy, next_dr, next_r);
+    } else if (active) {
+      load_grad_row<T, VPT>(p, row, t, tpr, nvec, xs, dys, dres, r);
+    }
     if (active) {
-      const T* x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
-      const T* dy = static_cast<const T*>(p.grad_y) + row_offset(p.grad_y_rows, rc);
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int64_t v = t + static_cast<int64_t>(k) * tpr;
-        if (v < nvec) {
-          xs[k] = load16(x + v * kN);
-          dys[k] = load16(dy + v * kN);
-        }
-      }
-      // The residual-output gradient is only added at the end, but loaded now: issued after the reduction
-      // it would cost every row a full memory latency.
-      if (p.grad_residual_out) {
-        const T* dr = static_cast<const T*>(p.grad_residual_out) + row_offset(p.grad_residual_out_rows, rc);
-#pragma unroll
-        for (int k = 0; k < VPT; ++k) {
-          const int64_t v = t + static_cast<int64_t>(k) * tpr;
-          if (v < nvec) dres[k] = load16(dr + v * kN);
-        }
-      }
-      r = p.rstd[row];
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int64_t v = t + static_cast<int64_t>(k) * tpr;
@@ -75,7 +105,7 @@ __global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers
           float a[kN], d[kN], g[kN];
           V::unpack(xs[k], a);
           V::unpack(dys[k], d);
-          load_weight_vec<T>(p.weight, p.weight_f32, v, p.offset, p.casting, g);
+          w.get(k, v, p.weight, p.weight_f32, p.offset, p.casting, g);
 #pragma unroll
           for (int e = 0; e < kN; ++e) dot += (d[e] * g[e]) * a[e];
         }
@@ -85,7 +115,7 @@ __global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers
     if (active) {
       // dx_j = r a_j - s_j r^3 (sum_k a_k s_k) / H, a = dy * g.
       const float c = (r * r * r) * (dot / static_cast<float>(H));
-      T* dx = static_cast<T*>(p.grad_x) + row_offset(p.grad_x_rows, rc);
+      T* dx = static_cast<T*>(p.grad_x) + row_offset(p.grad_x_rows, row_coords(p.x_rows, row));
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int64_t v = t + static_cast<int64_t>(k) * tpr;
@@ -93,7 +123,7 @@ __global__ void __launch_bounds__(max_cta_threads(true, VPT)) backward_registers
           float a[kN], d[kN], g[kN], o[kN];
           V::unpack(xs[k], a);
           V::unpack(dys[k], d);
-          load_weight_vec<T>(p.weight, p.weight_f32, v, p.offset, p.casting, g);
+          w.get(k, v, p.weight, p.weight_f32, p.offset, p.casting, g);
 #pragma unroll
           for (int e = 0; e < kN; ++e) {
             o[e] = r * (d[e] * g[e]) - a[e] * c;
@@ -257,11 +287,20 @@ using BackwardKernel = void (*)(BackwardParams);
 template <typename T>
 BackwardKernel pick(const Plan& plan) {
   if (plan.algo == RMSNormAlgo::kGeneric) return backward_generic<T>;
-  switch (plan.vpt) {  // kVectorsPerThread
-    case 4: return backward_registers<T, 4>;
-    case 8: return backward_registers<T, 8>;
+  // kBackwardVariants
+  if (!plan.prefetch) {
+    switch (plan.vpt) {
+      case 4: return backward_registers<T, 4, false>;
+      case 8: return backward_registers<T, 8, false>;
+    }
+  } else {
+    switch (plan.vpt) {
+      case 2: return backward_registers<T, 2, true>;
+      case 4: return backward_registers<T, 4, true>;
+    }
   }
-  throw_runtime(str_cat("rms_norm backward: no register kernel for ", plan.vpt, " vectors per thread"));
+  throw_runtime(str_cat("rms_norm backward: no register kernel for ", plan.vpt, " vectors per thread, prefetch ",
+                        plan.prefetch ? 1 : 0));
 }
 
 BackwardKernel pick(DType dtype, const Plan& plan) {
@@ -273,29 +312,10 @@ BackwardKernel pick(DType dtype, const Plan& plan) {
   }
 }
 
-// The occupancy the device reports for a kernel at a CTA shape, cached: every backward asks twice (for the
-// workspace size and for the launch), and the answer never changes for a process.
-int ctas_per_sm(BackwardKernel kernel, int threads, size_t smem, int device) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem, device);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  if (smem > 48 * 1024)
-    LOGITLESS_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int n = 0;
-  LOGITLESS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
-  if (n < 1) throw_runtime("rms_norm backward: the kernel does not fit on this device");
-  cache.emplace(key, n);
-  return n;
-}
-
 struct Launch {
   Plan plan;
   BackwardKernel kernel = nullptr;
-  BackwardGrid grid;
+  PersistentGrid grid;
 };
 
 // The plan, its kernel and the persistent grid for these arguments (occupancy is the device's answer for
@@ -315,11 +335,18 @@ Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, in
   if (l.plan.algo == RMSNormAlgo::kAuto)
     throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ",
                           l.plan.why_not));
+  if (const debug::PlanHook hook = debug::plan_hook()) {
+    hook(l.plan, true);
+    l.plan.smem_bytes = plan_smem_bytes(l.plan, in);
+    if (const char* why = plan_error(l.plan, in))
+      throw_invalid(str_cat("rms_norm backward: a debug plan hook made an unusable plan: ", why));
+  }
   l.kernel = pick(dtype, l.plan);
   // The opt-in for more than 48 KB of shared memory is a per-device attribute of the kernel, set (once per
   // device, with the occupancy query) before the first launch.
-  const int per_sm = ctas_per_sm(l.kernel, l.plan.threads(), l.plan.smem_bytes, device);
-  l.grid = backward_grid(l.plan, n_rows, info.sm_count, per_sm);
+  int per_sm = max_ctas_per_sm(reinterpret_cast<const void*>(l.kernel), l.plan.threads(), l.plan.smem_bytes, device);
+  if (l.plan.ctas_per_sm > 0) per_sm = std::min(per_sm, l.plan.ctas_per_sm);
+  l.grid = persistent_grid(l.plan, n_rows, info.sm_count, per_sm);
   return l;
 }
 
@@ -332,6 +359,25 @@ void launch_reduce(const float* partials, int64_t rows, int64_t stride, int64_t 
 }
 
 }  // namespace
+
+// The occupancy the device reports for a kernel at a CTA shape, cached: every backward asks twice (for the
+// workspace size and for the launch), and the answer never changes for a process.
+int max_ctas_per_sm(const void* kernel, int threads, size_t smem, int device) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
+  const auto key = std::make_tuple(kernel, threads, smem, device);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  if (smem > 48 * 1024)
+    LOGITLESS_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int n = 0;
+  LOGITLESS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+  if (n < 1) throw_runtime("rms_norm: the kernel does not fit on this device");
+  cache.emplace(key, n);
+  return n;
+}
 
 size_t backward_workspace_bytes_cuda(int64_t n_rows, int64_t hidden, DType dtype, const RMSNormOptions& o,
                                      int device) {
@@ -369,7 +415,7 @@ void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream) 
                          rows_aligned16(p.x, p.x_rows, es) && rows_aligned16(p.grad_x, p.grad_x_rows, es) &&
                          aligned16(p.weight);
   const int64_t stride = workspace_row_stride(p.hidden);
-  BackwardGrid grid;
+  PersistentGrid grid;
   if (p.n_rows > 0) {
     const Launch l = prepare(p.dtype, p.n_rows, p.hidden, p.algo, p.vectors_per_thread, vector_ok, p.device.index);
     grid = l.grid;
@@ -398,6 +444,7 @@ void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream) 
       kp.partials = static_cast<float*>(ws.data);
       kp.partial_stride = stride;
     }
+    debug::record_launch(true, l.plan, grid.ctas);
     l.kernel<<<static_cast<unsigned>(grid.ctas), dim3(l.plan.threads_per_row, l.plan.rows_per_cta),
                l.plan.smem_bytes, s>>>(kp);
     LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm backward");

@@ -30,6 +30,17 @@ __device__ __forceinline__ void store16(void* p, const uint4& v) {
                : "memory");
 }
 
+// A read-only (non-coherent path) 16-byte load the compiler keeps where it is written: as an intrinsic, the
+// weight loads of a row loop were hoisted out of it, and a float32 weight held that way (16 registers a
+// vector) spilled.
+__device__ __forceinline__ uint4 load16_nc(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // The tensors of one call share their collapsed leading sizes (api.cpp collapses them jointly), so a row's
 // coordinates are computed once (64-bit divisions only when the rows are not a single strided dimension)
 // and each tensor's offset is a dot product with its strides.
@@ -66,15 +77,14 @@ __device__ __forceinline__ void load_weight_vec(const void* weight, bool weight_
   constexpr int kN = Vec<T>::kN;
   if constexpr (kN == 8) {
     if (weight_f32) {
-      const float4* w4 = static_cast<const float4*>(weight) + 2 * v;
-      const float4 a = __ldg(w4), b = __ldg(w4 + 1);
-      g[0] = a.x, g[1] = a.y, g[2] = a.z, g[3] = a.w;
-      g[4] = b.x, g[5] = b.y, g[6] = b.z, g[7] = b.w;
+      const float* w = static_cast<const float*>(weight) + 8 * v;
+      Vec<float>::unpack(load16_nc(w), g);
+      Vec<float>::unpack(load16_nc(w + 4), g + 4);
     } else {
-      Vec<T>::unpack(__ldg(static_cast<const uint4*>(weight) + v), g);
+      Vec<T>::unpack(load16_nc(static_cast<const uint4*>(weight) + v), g);
     }
   } else {  // T is float: the weight is float32 too
-    Vec<T>::unpack(__ldg(static_cast<const uint4*>(weight) + v), g);
+    Vec<T>::unpack(load16_nc(static_cast<const uint4*>(weight) + v), g);
   }
 #pragma unroll
   for (int e = 0; e < kN; ++e) {
@@ -82,6 +92,44 @@ __device__ __forceinline__ void load_weight_vec(const void* weight, bool weight_
     if (casting == RMSNormCasting::kNone) g[e] = Vec<T>::round(g[e]);
   }
 }
+
+// The weight vectors of a thread's columns (vectors t, t + tpr, ... of the row) in registers, when the
+// weight has x's dtype (one 16-byte vector per vector of x): loaded all at once, before the stores of a row
+// (each store orders the loads after it, so loads between stores would cost one L1 round trip per vector).
+// The backward loads them once and holds them across its rows; the forward loads them per row, after the
+// residual is added (it needs their registers for the residual before). A float32 weight beside 16-bit x
+// (two vectors per vector of x) is read where it is used instead.
+template <typename T, int VPT>
+struct RowWeight {
+  uint4 w[VPT];
+  __device__ __forceinline__ void load(const void* weight, bool weight_f32, int t, int tpr, int64_t nvec) {
+    if (weight_f32) return;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t v = t + static_cast<int64_t>(k) * tpr;
+      if (v < nvec) w[k] = load16_nc(static_cast<const uint4*>(weight) + v);
+    }
+  }
+  // g = the weights of vector v (the thread's k-th) plus the offset, as load_weight_vec returns them.
+  __device__ __forceinline__ void get(int k, int64_t v, const void* weight, bool weight_f32, float offset,
+                                      RMSNormCasting casting, float* g) const {
+    constexpr int kN = Vec<T>::kN;
+    if (weight_f32) {
+      load_weight_vec<T>(weight, weight_f32, v, offset, casting, g);
+      return;
+    }
+    // Opaque to the optimizer: otherwise the unpacked floats (twice the registers) are what it hoists out
+    // of the row loop and keeps (and spills).
+    uint4 u = w[k];
+    asm volatile("" : "+r"(u.x), "+r"(u.y), "+r"(u.z), "+r"(u.w));
+    Vec<T>::unpack(u, g);
+#pragma unroll
+    for (int e = 0; e < kN; ++e) {
+      g[e] += offset;
+      if (casting == RMSNormCasting::kNone) g[e] = Vec<T>::round(g[e]);
+    }
+  }
+};
 
 template <typename T>
 __device__ __forceinline__ float load_weight1(const void* weight, bool weight_f32, int64_t j, float offset,

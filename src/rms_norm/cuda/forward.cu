@@ -5,6 +5,8 @@
 // so every warp-wide access is one contiguous 512-byte span. The sum of squares is reduced across the row,
 // then the same registers produce y: x is never read twice. Generic path: any H and alignment, element
 // accesses in chunks of kGenericElemsPerThread per thread, and a second read of the row (from L1/L2).
+// The register kernel loops over row groups when the plan asks for a persistent grid, and may then load
+// each thread's next row before it reduces the current one (plan.prefetch).
 #include <algorithm>
 
 #include "common/cuda/check.cuh"
@@ -16,79 +18,113 @@
 namespace logitless::rms {
 namespace {
 
+// Thread t's vectors of x (and the residual) in row `row`: vectors t, t + tpr, ... (VPT of them).
 template <typename T, int VPT>
-__global__ void __launch_bounds__(max_cta_threads(false, VPT)) forward_registers(const ForwardParams p) {
-  using V = Vec<T>;
-  constexpr int kN = V::kN;
-  __shared__ float scratch[32];
-  const int tpr = blockDim.x, t = threadIdx.x;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  const bool active = row < p.n_rows;
+__device__ __forceinline__ void load_row(const ForwardParams& p, int64_t row, int t, int tpr, int64_t nvec,
+                                         uint4* xs, uint4* rs) {
+  constexpr int kN = Vec<T>::kN;
   const RowCoords rc = row_coords(p.x_rows, row);
-  const int64_t nvec = p.hidden / kN;
-
-  uint4 s[VPT];
-  float sum_sq = 0.f;
-  if (active) {
-    const T* x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
+  const T* x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int64_t v = t + static_cast<int64_t>(k) * tpr;
+    if (v < nvec) xs[k] = load16(x + v * kN);
+  }
+  if (p.residual) {
+    // All residual loads before the first store: residual_out may alias an input, so a store would
+    // otherwise hold back every later load (one memory round trip per vector).
+    const T* res = static_cast<const T*>(p.residual) + row_offset(p.residual_rows, rc);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int64_t v = t + static_cast<int64_t>(k) * tpr;
-      if (v < nvec) s[k] = load16(x + v * kN);
+      if (v < nvec) rs[k] = load16(res + v * kN);
     }
-    if (p.residual) {
-      // All residual loads before the first store: residual_out may alias an input, so a store would
-      // otherwise hold back every later load (one memory round trip per vector).
-      const T* res = static_cast<const T*>(p.residual) + row_offset(p.residual_rows, rc);
-      T* out = static_cast<T*>(p.residual_out) + row_offset(p.residual_out_rows, rc);
-      uint4 rv[VPT];
+  }
+}
+
+// Row groups base, base + grid * rows_per_cta, ...: one iteration unless the plan asks for a persistent
+// grid. kPrefetch: the loads of a thread's next row are issued before its current row is reduced, so they
+// are in flight while it waits for the row's other warps and computes y.
+template <typename T, int VPT, bool kPrefetch>
+__global__ void __maxnreg__(register_cap(false, VPT, kPrefetch)) forward_registers(const ForwardParams p) {
+  using V = Vec<T>;
+  constexpr int kN = V::kN;
+  // Two scratch buffers, alternating by iteration: a row's next reduction may start while a slow warp of the
+  // row still reads this one's partials, and the barrier of that next reduction is what separates the two.
+  __shared__ float scratch[2][32];
+  const int tpr = blockDim.x, t = threadIdx.x, slots = blockDim.y;
+  const int64_t nvec = p.hidden / kN;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * slots;
+
+  uint4 next_x[VPT], next_r[VPT];  // kPrefetch: the thread's next row
 #pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int64_t v = t + static_cast<int64_t>(k) * tpr;
-        if (v < nvec) rv[k] = load16(res + v * kN);
+  for (int k = 0; k < VPT; ++k) next_x[k] = next_r[k] = make_uint4(0, 0, 0, 0);
+  int64_t row = static_cast<int64_t>(blockIdx.x) * slots + threadIdx.y;
+  if (kPrefetch && row < p.n_rows) load_row<T, VPT>(p, row, t, tpr, nvec, next_x, next_r);
+
+  int parity = 0;
+#pragma unroll 1
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * slots; base < p.n_rows;
+       base += step, row += step, parity ^= 1) {
+    const bool active = row < p.n_rows;
+    uint4 s[VPT], rv[VPT];
+    if (kPrefetch) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) s[k] = next_x[k], rv[k] = next_r[k];
+      if (row + step < p.n_rows) load_row<T, VPT>(p, row + step, t, tpr, nvec, next_x, next_r);
+    } else if (active) {
+      load_row<T, VPT>(p, row, t, tpr, nvec, s, rv);
+    }
+    const RowCoords rc = row_coords(p.x_rows, row);
+    float sum_sq = 0.f;
+    if (active) {
+      if (p.residual) {
+        T* out = static_cast<T*>(p.residual_out) + row_offset(p.residual_out_rows, rc);
+#pragma unroll
+        for (int k = 0; k < VPT; ++k) {
+          const int64_t v = t + static_cast<int64_t>(k) * tpr;
+          if (v < nvec) {
+            float a[kN], b[kN];
+            V::unpack(s[k], a);
+            V::unpack(rv[k], b);
+#pragma unroll
+            for (int e = 0; e < kN; ++e) a[e] += b[e];
+            s[k] = V::pack(a);  // rounded to T: the sum the model carries on, and the one normalized
+            store16(out + v * kN, s[k]);
+          }
+        }
       }
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int64_t v = t + static_cast<int64_t>(k) * tpr;
         if (v < nvec) {
-          float a[kN], b[kN];
+          float a[kN];
           V::unpack(s[k], a);
-          V::unpack(rv[k], b);
 #pragma unroll
-          for (int e = 0; e < kN; ++e) a[e] += b[e];
-          s[k] = V::pack(a);  // rounded to T: the sum the model carries on, and the one normalized
-          store16(out + v * kN, s[k]);
+          for (int e = 0; e < kN; ++e) sum_sq += a[e] * a[e];
         }
       }
     }
+    RowWeight<T, VPT> w;
+    if (active) w.load(p.weight, p.weight_f32, t, tpr, nvec);  // in flight during the reduction
+    sum_sq = row_sum(sum_sq, scratch[parity]);
+    if (!active) continue;  // the loop condition is the CTA's: every thread reaches each reduction
+
+    float r = rstd_of(sum_sq, p.hidden, p.eps);
+    if (p.casting == RMSNormCasting::kNone) r = V::round(r);
+    if (t == 0 && p.rstd) p.rstd[row] = r;
+    T* y = static_cast<T*>(p.y) + row_offset(p.y_rows, rc);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int64_t v = t + static_cast<int64_t>(k) * tpr;
       if (v < nvec) {
-        float a[kN];
+        float a[kN], g[kN];
         V::unpack(s[k], a);
+        w.get(k, v, p.weight, p.weight_f32, p.offset, p.casting, g);
 #pragma unroll
-        for (int e = 0; e < kN; ++e) sum_sq += a[e] * a[e];
+        for (int e = 0; e < kN; ++e) a[e] = output<T>(a[e], r, g[e], p.casting);
+        store16(y + v * kN, V::pack(a));
       }
-    }
-  }
-  sum_sq = row_sum(sum_sq, scratch);
-  if (!active) return;  // no barrier follows
-
-  float r = rstd_of(sum_sq, p.hidden, p.eps);
-  if (p.casting == RMSNormCasting::kNone) r = V::round(r);
-  if (t == 0 && p.rstd) p.rstd[row] = r;
-  T* y = static_cast<T*>(p.y) + row_offset(p.y_rows, rc);
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    const int64_t v = t + static_cast<int64_t>(k) * tpr;
-    if (v < nvec) {
-      float a[kN], g[kN];
-      V::unpack(s[k], a);
-      load_weight_vec<T>(p.weight, p.weight_f32, v, p.offset, p.casting, g);
-#pragma unroll
-      for (int e = 0; e < kN; ++e) a[e] = output<T>(a[e], r, g[e], p.casting);
-      store16(y + v * kN, V::pack(a));
     }
   }
 }
@@ -160,22 +196,35 @@ __global__ void __launch_bounds__(kGenericCtaThreads) forward_generic(const Forw
   }
 }
 
+using ForwardKernel = void (*)(ForwardParams);
+
 template <typename T>
-void launch(const Plan& plan, const ForwardParams& kp, cudaStream_t stream) {
-  const dim3 block(plan.threads_per_row, plan.rows_per_cta);
-  const int64_t grid = (kp.n_rows + plan.rows_per_cta - 1) / plan.rows_per_cta;
-  if (grid > 0x7FFFFFFF) throw_invalid(str_cat("x: expected at most ", 0x7FFFFFFFLL * plan.rows_per_cta, " rows, got ", kp.n_rows));
-  const unsigned g = static_cast<unsigned>(grid);
-  if (plan.algo == RMSNormAlgo::kGeneric) {
-    forward_generic<T><<<g, block, 0, stream>>>(kp);
+ForwardKernel pick(const Plan& plan) {
+  if (plan.algo == RMSNormAlgo::kGeneric) return forward_generic<T>;
+  // kForwardVariants
+  if (!plan.prefetch) {
+    switch (plan.vpt) {
+      case 4: return forward_registers<T, 4, false>;
+      case 8: return forward_registers<T, 8, false>;
+      case 16: return forward_registers<T, 16, false>;
+    }
   } else {
-    switch (plan.vpt) {  // kVectorsPerThread
-      case 4: forward_registers<T, 4><<<g, block, 0, stream>>>(kp); break;
-      case 8: forward_registers<T, 8><<<g, block, 0, stream>>>(kp); break;
-      default: throw_runtime(str_cat("rms_norm forward: no register kernel for ", plan.vpt, " vectors per thread"));
+    switch (plan.vpt) {
+      case 4: return forward_registers<T, 4, true>;
+      case 8: return forward_registers<T, 8, true>;
     }
   }
-  LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm forward");
+  throw_runtime(str_cat("rms_norm forward: no register kernel for ", plan.vpt, " vectors per thread, prefetch ",
+                        plan.prefetch ? 1 : 0));
+}
+
+ForwardKernel pick(DType dtype, const Plan& plan) {
+  switch (dtype) {
+    case DType::kFloat32: return pick<float>(plan);
+    case DType::kFloat16: return pick<__half>(plan);
+    case DType::kBFloat16: return pick<__nv_bfloat16>(plan);
+    default: throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
+  }
 }
 
 }  // namespace
@@ -196,10 +245,25 @@ void forward_cuda(const ForwardProblem& p, StreamHandle stream) {
   in.requested = p.algo;
   in.vpt = p.vectors_per_thread;
   in.smem_per_block = info.max_smem_per_block_optin;
-  const Plan plan = plan_rms_norm(in);
+  Plan plan = plan_rms_norm(in);
   if (plan.algo == RMSNormAlgo::kAuto)
     throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ",
                           plan.why_not));
+  if (const debug::PlanHook hook = debug::plan_hook()) {
+    hook(plan, false);
+    if (const char* why = plan_error(plan, in)) throw_invalid(str_cat("rms_norm forward: a debug plan hook made an unusable plan: ", why));
+  }
+  const ForwardKernel kernel = pick(p.dtype, plan);
+  // One CTA per row group, or a persistent grid whose CTAs loop over the row groups.
+  int64_t grid = (p.n_rows + plan.rows_per_cta - 1) / plan.rows_per_cta;
+  if (plan.ctas_per_sm > 0) {
+    const int fit = max_ctas_per_sm(reinterpret_cast<const void*>(kernel), plan.threads(), plan.smem_bytes,
+                                    p.device.index);
+    grid = persistent_grid(plan, p.n_rows, info.sm_count, std::min(plan.ctas_per_sm, fit)).ctas;
+  }
+  if (grid > 0x7FFFFFFF)
+    throw_invalid(str_cat("x: expected at most ", 0x7FFFFFFFLL * plan.rows_per_cta, " rows, got ", p.n_rows));
+  debug::record_launch(false, plan, grid);
 
   ForwardParams kp;
   kp.x = p.x;
@@ -219,13 +283,9 @@ void forward_cuda(const ForwardProblem& p, StreamHandle stream) {
   kp.offset = p.offset;
   kp.casting = p.casting;
 
-  const auto s = static_cast<cudaStream_t>(stream);
-  switch (p.dtype) {
-    case DType::kFloat32: launch<float>(plan, kp, s); break;
-    case DType::kFloat16: launch<__half>(plan, kp, s); break;
-    case DType::kBFloat16: launch<__nv_bfloat16>(plan, kp, s); break;
-    default: throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(p.dtype)));
-  }
+  kernel<<<static_cast<unsigned>(grid), dim3(plan.threads_per_row, plan.rows_per_cta), plan.smem_bytes,
+           static_cast<cudaStream_t>(stream)>>>(kp);
+  LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm forward");
 }
 
 }  // namespace logitless::rms

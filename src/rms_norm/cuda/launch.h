@@ -1,6 +1,7 @@
 // Host-side helpers shared by the RMSNorm launchers.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/layout.h"
@@ -18,5 +19,9 @@ inline bool rows_aligned16(const void* base, const RowLayout& rows, int64_t elem
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// CTAs of `kernel` at this shape that fit on one SM of `device` (the occupancy calculator's answer, cached
+// per process; the opt-in for more than 48 KB of shared memory is set on the way). Raises if none fits.
+int max_ctas_per_sm(const void* kernel, int threads, size_t smem, int device);
 
 }  // namespace logitless::rms

@@ -1,6 +1,8 @@
 #include "rms_norm/cuda/plan.h"
 
 #include <algorithm>
+#include <atomic>
+#include <mutex>
 
 namespace logitless::rms {
 
@@ -12,7 +14,7 @@ int64_t next_pow2(int64_t x) {
   while (p < x) p <<= 1;
   return p;
 }
-bool instantiated(int vpt) {
+bool public_vpt(int vpt) {
   for (int v : kVectorsPerThread)
     if (v == vpt) return true;
   return false;
@@ -20,37 +22,66 @@ bool instantiated(int vpt) {
 // Threads for a row that needs `want` of them: groups of up to 32 are powers of two (they reduce with xor
 // shuffles inside a warp), longer rows are whole warps.
 int row_threads(int64_t want) { return static_cast<int>(want <= 32 ? next_pow2(want) : round_up(want, 32)); }
+
+// The register plan for one kernel variant, or why it cannot run these rows.
+const char* register_plan(const PlanInputs& in, int vpt, bool prefetch, Plan* out) {
+  const int64_t per_vec = 16 / in.elem_bytes;
+  if (!in.vector_ok || in.hidden % per_vec != 0)
+    return "rows are not all 16-byte aligned, or H is not a multiple of 16 bytes";
+  const int64_t want = ceil_div(in.hidden / per_vec, vpt);
+  const int max_threads = max_cta_threads(in.backward, vpt, prefetch);
+  if (want > max_threads) return "H is too large to keep a row in registers at this vectors_per_thread";
+  Plan p;
+  p.algo = RMSNormAlgo::kRegisters;
+  p.vpt = vpt;
+  p.prefetch = prefetch;
+  p.threads_per_row = row_threads(want);
+  const int target = std::min(in.backward ? kBackwardCtaThreads : kForwardCtaThreads, max_threads);
+  p.rows_per_cta = std::max(1, target / p.threads_per_row);
+  if (p.threads_per_row > 32) p.rows_per_cta = std::min(p.rows_per_cta, kMaxNamedBarrierRows);
+  p.smem_bytes = plan_smem_bytes(p, in);
+  *out = p;
+  return nullptr;
+}
 }  // namespace
+
+bool instantiated(bool backward, int vpt, bool prefetch) {
+  if (backward) {
+    for (const KernelVariant& k : kBackwardVariants)
+      if (k.vpt == vpt && k.prefetch == prefetch) return true;
+  } else {
+    for (const KernelVariant& k : kForwardVariants)
+      if (k.vpt == vpt && k.prefetch == prefetch) return true;
+  }
+  return false;
+}
+
+size_t plan_smem_bytes(const Plan& p, const PlanInputs& in) {
+  const size_t row = static_cast<size_t>(in.hidden) * sizeof(float);
+  if (!in.backward) return 0;
+  if (p.algo == RMSNormAlgo::kRegisters) return p.rows_per_cta > 1 ? row : 0;
+  return p.dw_in_smem ? static_cast<size_t>(p.rows_per_cta) * row : 0;
+}
 
 Plan plan_rms_norm(const PlanInputs& in) {
   const int64_t H = in.hidden;
   if (in.requested != RMSNormAlgo::kGeneric) {
     const bool must = in.requested == RMSNormAlgo::kRegisters;
-    const int vpt = in.vpt ? in.vpt : kDefaultVectorsPerThread;
-    const int64_t per_vec = 16 / in.elem_bytes;
     const char* why = nullptr;
-    if (!instantiated(vpt)) {
+    if (in.vpt != 0 && !public_vpt(in.vpt)) {
       why = "vectors_per_thread is not one the register kernels are built for (4 or 8)";
-    } else if (!in.vector_ok || H % per_vec != 0) {
-      why = "rows are not all 16-byte aligned, or H is not a multiple of 16 bytes";
     } else {
-      const int64_t want = ceil_div(H / per_vec, vpt);
-      const int max_threads = max_cta_threads(in.backward, vpt);
-      if (want > max_threads) {
-        why = "H is too large to keep a row in registers at this vectors_per_thread";
-      } else {
+      // The default variant first, then the same width holding one row, then (auto only) wider ones, which
+      // reach the longest rows.
+      const int vpt = in.vpt ? in.vpt : in.backward ? kDefaultBackwardVpt : kDefaultForwardVpt;
+      const bool prefetch_first = in.backward ? kDefaultBackwardPrefetch : kDefaultForwardPrefetch;
+      const KernelVariant tries[] = {{vpt, prefetch_first}, {vpt, false}, {2 * vpt, false}, {4 * vpt, false}};
+      for (const KernelVariant& k : tries) {
+        if (k.vpt != vpt && in.vpt != 0) break;
+        if (!instantiated(in.backward, k.vpt, k.prefetch)) continue;
         Plan p;
-        p.algo = RMSNormAlgo::kRegisters;
-        p.vpt = vpt;
-        p.threads_per_row = row_threads(want);
-        const int target = in.backward ? std::min(kBackwardCtaThreads, max_threads) : kForwardCtaThreads;
-        p.rows_per_cta = std::max(1, target / p.threads_per_row);
-        if (p.threads_per_row > 32) p.rows_per_cta = std::min(p.rows_per_cta, kMaxNamedBarrierRows);
-        // Backward CTAs of several rows add their rows' dW sums in one shared row of H floats (at most
-        // 8192 floats here, since a CTA of several rows has at most 256 threads per row: under the 48 KB
-        // that needs no opt-in). A single-row CTA writes its registers straight to the workspace.
-        if (in.backward && p.rows_per_cta > 1) p.smem_bytes = static_cast<size_t>(H) * sizeof(float);
-        return p;
+        why = register_plan(in, k.vpt, k.prefetch, &p);
+        if (!why) return p;
       }
     }
     if (must) {
@@ -72,13 +103,37 @@ Plan plan_rms_norm(const PlanInputs& in) {
     // (H = 58K floats on an H100). Longer rows sum in their own workspace row (read-modify-write, in L2).
     const size_t bytes = static_cast<size_t>(p.rows_per_cta) * static_cast<size_t>(H) * sizeof(float);
     p.dw_in_smem = bytes <= static_cast<size_t>(in.smem_per_block);
-    if (p.dw_in_smem) p.smem_bytes = bytes;
+    p.smem_bytes = plan_smem_bytes(p, in);
   }
   return p;
 }
 
-BackwardGrid backward_grid(const Plan& plan, int64_t n_rows, int sm_count, int ctas_per_sm) {
-  BackwardGrid g;
+const char* plan_error(const Plan& p, const PlanInputs& in) {
+  const int tpr = p.threads_per_row, rows = p.rows_per_cta;
+  if (tpr < 1 || rows < 1) return "threads_per_row and rows_per_cta must be >= 1";
+  if (tpr <= 32 ? (tpr & (tpr - 1)) != 0 : tpr % 32 != 0)
+    return "threads_per_row must be a power of two up to 32, else a multiple of 32";
+  if (p.threads() % 32 != 0) return "a CTA must be whole warps";
+  if (tpr > 32 && rows > kMaxNamedBarrierRows) return "rows of several warps: at most 15 rows a CTA";
+  if (p.ctas_per_sm < 0) return "ctas_per_sm must be >= 0";
+  if (p.smem_bytes != plan_smem_bytes(p, in)) return "smem_bytes does not match the plan";
+  if (p.smem_bytes > static_cast<size_t>(in.smem_per_block)) return "more shared memory than a CTA may have";
+  if (p.algo == RMSNormAlgo::kGeneric) {
+    if (p.threads() > kGenericCtaThreads) return "a generic CTA has at most 256 threads";
+    if (!in.backward && p.ctas_per_sm != 0) return "the generic forward runs one CTA per row group";
+    return nullptr;
+  }
+  if (p.algo != RMSNormAlgo::kRegisters) return "no kernel for this algo";
+  if (!instantiated(in.backward, p.vpt, p.prefetch)) return "no register kernel of this width and prefetch";
+  const int64_t per_vec = 16 / in.elem_bytes;
+  if (!in.vector_ok || in.hidden % per_vec != 0) return "rows are not all 16-byte aligned";
+  if (static_cast<int64_t>(tpr) * p.vpt * per_vec < in.hidden) return "the row's threads do not cover H";
+  if (p.threads() > max_cta_threads(in.backward, p.vpt, p.prefetch)) return "more threads than the kernel's bound";
+  return nullptr;
+}
+
+PersistentGrid persistent_grid(const Plan& plan, int64_t n_rows, int sm_count, int ctas_per_sm) {
+  PersistentGrid g;
   if (n_rows <= 0) return g;
   const int64_t slots = plan.rows_per_cta;
   const int64_t resident = static_cast<int64_t>(std::max(sm_count, 1)) * std::max(ctas_per_sm, 1);
@@ -90,5 +145,23 @@ BackwardGrid backward_grid(const Plan& plan, int64_t n_rows, int sm_count, int c
   g.partial_rows = per_slot ? ctas * slots : ctas;
   return g;
 }
+
+namespace debug {
+namespace {
+std::atomic<PlanHook> g_hook{nullptr};
+std::mutex g_mu;
+LaunchRecord g_last[2];
+}  // namespace
+void set_plan_hook(PlanHook hook) { g_hook.store(hook); }
+PlanHook plan_hook() { return g_hook.load(); }
+void record_launch(bool backward, const Plan& plan, int64_t ctas) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_last[backward ? 1 : 0] = {plan, ctas};
+}
+LaunchRecord last_launch(bool backward) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_last[backward ? 1 : 0];
+}
+}  // namespace debug
 
 }  // namespace logitless::rms

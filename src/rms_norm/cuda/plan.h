@@ -10,26 +10,51 @@
 
 namespace logitless::rms {
 
-// The register-path instantiations: 16-byte vectors per thread per row. The list is the one place they
-// are named; the launchers' switches cover exactly these.
+// Values of RMSNormOptions::vectors_per_thread a caller may force (each has a forward and a backward
+// register kernel).
 inline constexpr int kVectorsPerThread[] = {4, 8};
-inline constexpr int kDefaultVectorsPerThread = 4;
 
-// Largest CTA each register kernel is compiled for (its __launch_bounds__). The forward at 4 vectors keeps
-// a row in 16 registers, so a 1024-thread CTA (64 registers a thread) still fits; the backward holds x, dy
-// and float32 dW sums (16 registers per bf16 vector), so it is bounded at 512 (128 registers) and 256 for
-// 8 vectors.
-constexpr int max_cta_threads(bool backward, int vpt) {
-  return backward ? (vpt <= 4 ? 512 : 256) : (vpt <= 4 ? 1024 : 512);
+// The register-path instantiations: 16-byte vectors per thread per row, and whether the thread issues the
+// loads of its next row before it reduces the current one (then it holds two rows: more bytes in flight
+// per SM, twice the registers). The lists are the one place they are named; the launchers' switches cover
+// exactly these.
+struct KernelVariant {
+  int vpt;
+  bool prefetch;
+};
+inline constexpr KernelVariant kForwardVariants[] = {{4, false}, {8, false}, {16, false}, {4, true}, {8, true}};
+inline constexpr KernelVariant kBackwardVariants[] = {{4, false}, {8, false}, {2, true}, {4, true}};
+bool instantiated(bool backward, int vpt, bool prefetch);
+
+// Registers a thread of each register kernel may use (its __maxnreg__), and so its largest CTA. The data a
+// thread holds, in 32-bit registers per 16-byte vector: forward x and residual (8) per row held, and the
+// weight (4); backward x, dy and the residual-output gradient (12) per row held, 8 float32 dW sums and the
+// weight (4). Prefetching kernels hold two rows. The rest (addresses, loop state, one vector's unpacked
+// floats) fits in 48 registers in the forward and 64 in the backward: ptxas -v shows no spills at these
+// caps (tighter ones spilled), except 8 bytes in the fp16 backward at 8 vectors, which is at the 255
+// ceiling. A lower cap would mean more resident warps, but ptxas uses what it is given.
+constexpr int register_cap(bool backward, int vpt, bool prefetch) {
+  const int rows_held = prefetch ? 2 : 1;
+  const int data = backward ? vpt * (12 * rows_held + 8 + 4) : vpt * (8 * rows_held + 4);
+  const int cap = (data + (backward ? 64 : 48) + 7) / 8 * 8;
+  return cap < 255 && vpt < 16 ? cap : 255;
+}
+constexpr int max_cta_threads(bool backward, int vpt, bool prefetch = false) {
+  const int threads = 65536 / register_cap(backward, vpt, prefetch) / 32 * 32;
+  return threads < 1024 ? threads : 1024;
 }
 
-// Target CTA sizes: the forward launches one row group per CTA and relies on many small, independent CTAs
-// per SM. Registers are allocated per warp (56 a thread for the 4-vector forward on sm_90a, so 36 warps fit):
-// 128-thread CTAs fill 36 warps where 256-thread ones stop at 32. The backward is persistent and combines
-// the dW sums of its rows in shared memory at the end, so larger CTAs mean fewer partial rows in the
-// workspace.
+// Target CTA sizes (capped by max_cta_threads): the forward launches one row group per CTA and relies on
+// many small, independent CTAs per SM. The backward is persistent and combines the dW sums of its rows in
+// shared memory at the end, so larger CTAs mean fewer partial rows in the workspace. The defaults (8 vectors
+// a thread forward: one warp a row at H = 2048 bf16; 4 prefetching backward) are the benchmark's best
+// guesses until bench/cpp/bench_rms_norm.cu has measured its variants on the target GPU.
 inline constexpr int kForwardCtaThreads = 128;
 inline constexpr int kBackwardCtaThreads = 512;
+inline constexpr int kDefaultForwardVpt = 8;
+inline constexpr bool kDefaultForwardPrefetch = false;
+inline constexpr int kDefaultBackwardVpt = 4;
+inline constexpr bool kDefaultBackwardPrefetch = true;
 inline constexpr int kGenericCtaThreads = 256;
 inline constexpr int kGenericElemsPerThread = 8;  // generic path: elements each thread owns per pass
 
@@ -39,8 +64,12 @@ inline constexpr int kMaxNamedBarrierRows = 15;
 struct Plan {
   RMSNormAlgo algo = RMSNormAlgo::kGeneric;  // kAuto: the request cannot be met (see why_not)
   int vpt = 0;              // registers: 16-byte vectors each thread holds per row
+  bool prefetch = false;    // registers: the next row's loads are issued before this row is reduced
   int threads_per_row = 1;  // blockDim.x: a power of two up to 32, else a multiple of 32
   int rows_per_cta = 1;     // blockDim.y
+  // CTAs per SM of a persistent grid (the CTAs loop over the rows): 0 = forward: no loop, one CTA per row
+  // group; backward: as many as fit. Otherwise at most this many (and at most what fits).
+  int ctas_per_sm = 0;
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
   bool dw_in_smem = false;  // generic backward: each row slot's dW sums in shared memory (else the workspace)
   const char* why_not = nullptr;
@@ -60,19 +89,42 @@ struct PlanInputs {
 
 Plan plan_rms_norm(const PlanInputs& in);
 
-// The persistent backward grid: as many CTAs as fit on the device at once, but no more than the rows need,
-// and sized so that every CTA runs the same number of row iterations where the rows allow it (16384 rows on
-// 1056 slots would otherwise leave 3% of the time to a last, partly empty iteration).
-struct BackwardGrid {
+// nullptr when the kernels can run `p` for these inputs (a plan the planner made, or one a debug hook
+// rewrote), else why not. Sets nothing; the launchers refuse a plan with a reason.
+const char* plan_error(const Plan& p, const PlanInputs& in);
+
+// Dynamic shared memory a plan needs: backward register CTAs of several rows add their dW sums in one shared
+// row of H floats; the generic backward with dw_in_smem one row per slot.
+size_t plan_smem_bytes(const Plan& p, const PlanInputs& in);
+
+// A persistent grid: as many CTAs as fit on the device at once, but no more than the rows need, and sized
+// so that every CTA runs the same number of row iterations where the rows allow it (16384 rows on 1056
+// slots would otherwise leave 3% of the time to a last, partly empty iteration).
+struct PersistentGrid {
   int64_t ctas = 0;
-  int64_t partial_rows = 0;  // float32 rows of H in the workspace: one per CTA, or one per row slot
+  int64_t partial_rows = 0;  // backward: float32 rows of H in the workspace: one per CTA, or one per row slot
 };
-BackwardGrid backward_grid(const Plan& plan, int64_t n_rows, int sm_count, int ctas_per_sm);
+PersistentGrid persistent_grid(const Plan& plan, int64_t n_rows, int sm_count, int ctas_per_sm);
 
 // Workspace rows are padded to a multiple of 4 floats so that each row is 16-byte aligned.
 inline int64_t workspace_row_stride(int64_t hidden) { return (hidden + 3) / 4 * 4; }
-inline size_t workspace_bytes(const BackwardGrid& g, int64_t hidden) {
+inline size_t workspace_bytes(const PersistentGrid& g, int64_t hidden) {
   return static_cast<size_t>(g.partial_rows) * static_cast<size_t>(workspace_row_stride(hidden)) * sizeof(float);
 }
+
+// Benchmark and test hooks (not part of the public API): a function that may rewrite each plan before it is
+// checked (plan_error) and launched, and what the last launch on any thread ran. The backward applies the
+// hook to its workspace query too, so the two agree while the hook stays the same.
+namespace debug {
+using PlanHook = void (*)(Plan& plan, bool backward);
+void set_plan_hook(PlanHook hook);
+PlanHook plan_hook();
+struct LaunchRecord {
+  Plan plan;
+  int64_t ctas = 0;
+};
+void record_launch(bool backward, const Plan& plan, int64_t ctas);
+LaunchRecord last_launch(bool backward);
+}  // namespace debug
 
 }  // namespace logitless::rms
