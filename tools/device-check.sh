@@ -81,6 +81,8 @@ step_sanitize() {
 step_cppbench() {
   timeout 120 "$BUILD/bench_cross_entropy" > "$OUT/cppbench.txt" 2>&1
   note "kernel bench: rc=$?"
+  timeout 120 "$BUILD/bench_rms_norm" >> "$OUT/cppbench.txt" 2>&1
+  note "rms_norm kernel bench: rc=$?"
   cat "$OUT/cppbench.txt"
 }
 
