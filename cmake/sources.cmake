@@ -9,6 +9,9 @@ set(LOGITLESS_CXX_SOURCES
   src/linear_cross_entropy/api.cpp
   src/linear_cross_entropy/cpu.cpp
   src/linear_cross_entropy/cuda/plan.cpp
+  src/linear_policy_loss/api.cpp
+  src/linear_policy_loss/cpu.cpp
+  src/linear_policy_loss/cuda/plan.cpp
   src/policy_loss/api.cpp
   src/policy_loss/cpu.cpp
   src/policy_loss/cuda/plan.cpp
@@ -25,6 +28,8 @@ set(LOGITLESS_CUDA_SOURCES
   src/cross_entropy/cuda/streaming.cu
   src/linear_cross_entropy/cuda/generic.cpp
   src/linear_cross_entropy/cuda/kernels.cu
+  src/linear_policy_loss/cuda/kernels.cu
+  src/linear_policy_loss/cuda/run.cpp
   src/policy_loss/cuda/launch.cu
   src/policy_loss/cuda/rows.cu
   src/rms_norm/cuda/forward.cu

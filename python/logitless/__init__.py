@@ -8,10 +8,12 @@ from . import hf, nn
 from .cross_entropy import cross_entropy
 from .hf import patch, unpatch
 from .linear_cross_entropy import linear_cross_entropy
+from .linear_policy_loss import linear_grpo_loss, linear_selective_log_softmax
 from .policy_loss import grpo_loss, selective_log_softmax
 from .rms_norm import rms_norm
 
 __version__ = _C.version()
 
-__all__ = ["cross_entropy", "grpo_loss", "hf", "linear_cross_entropy", "nn", "patch", "rms_norm",
+__all__ = ["cross_entropy", "grpo_loss", "hf", "linear_cross_entropy", "linear_grpo_loss",
+           "linear_selective_log_softmax", "nn", "patch", "rms_norm",
            "selective_log_softmax", "unpatch"]

@@ -31,6 +31,7 @@ Workspace to_workspace(nb::handle obj) {
 
 void bind_cross_entropy(nb::module_& m);
 void bind_linear_cross_entropy(nb::module_& m);
+void bind_linear_policy_loss(nb::module_& m);
 void bind_policy_loss(nb::module_& m);
 void bind_rms_norm(nb::module_& m);
 
@@ -53,6 +54,7 @@ NB_MODULE(_C, m) {
   m.def("cuda_device_count", &cuda_device_count);
   bindings::bind_cross_entropy(m);
   bindings::bind_linear_cross_entropy(m);
+  bindings::bind_linear_policy_loss(m);
   bindings::bind_policy_loss(m);
   bindings::bind_rms_norm(m);
 }

@@ -1,0 +1,417 @@
+// Linear policy losses and linear selective log-softmax: argument validation and dispatch. Every check happens
+// here, before any backend runs, so a bad call never touches memory.
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "common/check.h"
+#include "linear_policy_loss/problem.h"
+#include "logitless/linear_policy_loss.h"
+
+namespace logitless {
+namespace {
+
+using lpl::Mode;
+using lpl::Problem;
+
+void check_chunking(int64_t chunk_tokens, size_t memory_budget) {
+  LOGITLESS_CHECK_ARG(chunk_tokens >= 0, "chunk_tokens", "a count >= 1 (or 0: from memory_budget)", chunk_tokens);
+  LOGITLESS_CHECK_ARG(memory_budget >= 1, "memory_budget", "at least 1 byte", memory_budget);
+}
+
+// cuBLAS takes 32-bit sizes and leading dimensions.
+void check_gemm_extent(int64_t value, const char* name, const char* what) {
+  LOGITLESS_CHECK_ARG(value <= std::numeric_limits<int32_t>::max(), name,
+                      str_cat(what, " below 2^31 (cuBLAS's 32-bit sizes)"), value);
+}
+
+// The one stride of `nd` leading dimensions' rows when they collapse to a single strided dimension, or -1. One
+// row (or none) may have any stride (`extent` stands in).
+int64_t uniform_row_stride(const TensorView& t, int nd, const char* name, int64_t extent) {
+  int64_t rows = 1;
+  for (int d = 0; d < nd; ++d) rows *= t.sizes[d];
+  if (rows <= 1) return extent;
+  const RowLayout L = collapse_rows(t.sizes, nd, {t.strides}, name)[0];
+  return L.nd == 1 ? L.strides[0] : -1;
+}
+
+std::pair<const char*, const char*> byte_span(const TensorView& t) {
+  if (!t.defined() || t.numel() == 0) return {nullptr, nullptr};
+  int64_t hi = 0;
+  for (int d = 0; d < t.ndim; ++d) hi += (t.sizes[d] - 1) * t.strides[d];
+  const char* b = static_cast<const char*>(t.data);
+  return {b, b + (hi + 1) * dtype_size(t.dtype)};
+}
+
+void check_disjoint(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name) {
+  const auto a = byte_span(out), b = byte_span(other);
+  if (!a.first || !b.first) return;
+  LOGITLESS_CHECK_ARG(a.second <= b.first || b.second <= a.first, out_name,
+                      str_cat("memory that does not overlap ", other_name), "an overlapping buffer");
+}
+
+// hidden [*, H] (`lead` leading dimensions) and weight [V, H]: dtypes, devices, layouts. Fills the GEMM side of p.
+void add_hidden_weight(Problem& p, const TensorView& hidden, const TensorView& weight) {
+  check_defined(hidden, "hidden");
+  check_float_dtype(hidden, "hidden");
+  LOGITLESS_CHECK_ARG(hidden.device.type == DeviceType::kCPU || hidden.device.type == DeviceType::kCUDA, "hidden",
+                      "a CPU or CUDA tensor", static_cast<int>(hidden.device.type));
+  LOGITLESS_CHECK_ARG(hidden.ndim >= 1, "hidden", "at least 1 dimension ([*, H])", "a 0-d tensor");
+  const int64_t H = hidden.size(-1);
+  LOGITLESS_CHECK_ARG(H >= 1, "hidden", "a last dimension (hidden size) of size >= 1",
+                      str_cat("shape ", shape_str(hidden)));
+  LOGITLESS_CHECK_ARG(hidden.stride(-1) == 1 || H == 1, "hidden", "a last dimension with stride 1",
+                      str_cat("stride ", hidden.stride(-1)));
+  check_nonnull(hidden, "hidden");
+  const Device dev = hidden.device;
+
+  check_defined(weight, "weight");
+  LOGITLESS_CHECK_ARG(weight.dtype == hidden.dtype, "weight", str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's)"),
+                      dtype_name(weight.dtype));
+  check_device(weight, "weight", dev);
+  LOGITLESS_CHECK_ARG(weight.ndim == 2 && weight.sizes[1] == H, "weight",
+                      str_cat("shape [V, ", H, "] ([V, H], H from hidden)"), str_cat("shape ", shape_str(weight)));
+  const int64_t V = weight.sizes[0];
+  LOGITLESS_CHECK_ARG(V >= 1, "weight", "a vocabulary (first dimension) of size >= 1",
+                      str_cat("shape ", shape_str(weight)));
+  LOGITLESS_CHECK_ARG(weight.strides[1] == 1 || H == 1, "weight", "a last dimension with stride 1",
+                      str_cat("stride ", weight.strides[1]));
+  LOGITLESS_CHECK_ARG(weight.strides[0] >= H || V == 1, "weight",
+                      str_cat("a row stride >= ", H, " (rows that do not overlap)"),
+                      str_cat("stride ", weight.strides[0]));
+  check_nonnull(weight, "weight");
+
+  p.hidden = H;
+  p.vocab = V;
+  p.dtype = hidden.dtype;
+  p.device = dev;
+  p.hidden_data = hidden.data;
+  p.hidden_rows = collapse_rows(hidden.sizes, hidden.ndim - 1, {hidden.strides}, "hidden")[0];
+  const int64_t ld = uniform_row_stride(hidden, hidden.ndim - 1, "hidden", H);
+  p.hidden_uniform = ld >= H;  // a broadcast or overlapping rows: a GEMM cannot read them in place
+  p.hidden_ld = p.hidden_uniform ? ld : H;
+  p.weight = lce::Matrix{weight.data, weight.dtype, V == 1 ? H : weight.strides[0]};
+}
+
+void add_bias(Problem& p, const TensorView& bias) {
+  if (!bias.defined()) return;
+  LOGITLESS_CHECK_ARG(bias.dtype == p.dtype || bias.dtype == DType::kFloat32, "bias",
+                      str_cat("dtype ", dtype_name(p.dtype), " (hidden's) or float32"), dtype_name(bias.dtype));
+  check_device(bias, "bias", p.device);
+  check_ndim(bias, "bias", 1);
+  LOGITLESS_CHECK_ARG(bias.sizes[0] == p.vocab, "bias", str_cat("shape [", p.vocab, "] (one per class, V from weight)"),
+                      str_cat("shape ", shape_str(bias)));
+  check_nonnull(bias, "bias");
+  p.bias = bias.data;
+  p.bias_dtype = bias.dtype;
+  p.bias_stride = bias.strides[0];
+}
+
+void check_extents(const Problem& p) {
+  if (p.device.type != DeviceType::kCUDA) return;
+  check_gemm_extent(p.n_rows, "hidden", "a number of positions");
+  check_gemm_extent(p.vocab, "weight", "a vocabulary size");
+  check_gemm_extent(p.hidden_ld, "hidden", "a row stride");
+  check_gemm_extent(p.weight.ld, "weight", "a row stride");
+}
+
+// The gradient outputs (any may be absent). `bias` is null when only sizing a workspace.
+void add_grads(Problem& p, const TensorView& hidden, const TensorView& weight, const TensorView* bias,
+               const LinearPolicyLossGrads& g) {
+  const int64_t H = p.hidden, V = p.vocab;
+  if (g.grad_hidden.defined()) {
+    const TensorView& gh = g.grad_hidden;
+    LOGITLESS_CHECK_ARG(gh.dtype == hidden.dtype || gh.dtype == DType::kFloat32, "grad_hidden",
+                        str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's) or float32"), dtype_name(gh.dtype));
+    check_device(gh, "grad_hidden", p.device);
+    check_shape(gh, "grad_hidden", hidden, hidden.ndim, "the shape of hidden");
+    LOGITLESS_CHECK_ARG(gh.stride(-1) == 1 || H == 1, "grad_hidden", "a last dimension with stride 1",
+                        str_cat("stride ", gh.stride(-1)));
+    check_nonnull(gh, "grad_hidden");
+    const int64_t ld = uniform_row_stride(gh, gh.ndim - 1, "grad_hidden", H);
+    LOGITLESS_CHECK_ARG(ld >= H, "grad_hidden", str_cat("rows with one common stride >= ", H, " (e.g. a contiguous tensor)"),
+                        "rows a GEMM cannot write in place");
+    if (p.device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_hidden", "a row stride");
+    p.grad_hidden = lce::Matrix{gh.data, gh.dtype, ld};
+  }
+  if (g.grad_weight.defined()) {
+    const TensorView& gw = g.grad_weight;
+    LOGITLESS_CHECK_ARG(gw.dtype == weight.dtype || gw.dtype == DType::kFloat32, "grad_weight",
+                        str_cat("dtype ", dtype_name(weight.dtype), " (weight's) or float32"), dtype_name(gw.dtype));
+    check_device(gw, "grad_weight", p.device);
+    check_shape(gw, "grad_weight", weight, 2, "the shape of weight");
+    LOGITLESS_CHECK_ARG(gw.strides[1] == 1 || H == 1, "grad_weight", "a last dimension with stride 1",
+                        str_cat("stride ", gw.strides[1]));
+    LOGITLESS_CHECK_ARG(gw.strides[0] >= H || V == 1, "grad_weight",
+                        str_cat("a row stride >= ", H, " (rows that do not overlap)"), str_cat("stride ", gw.strides[0]));
+    check_nonnull(gw, "grad_weight");
+    const int64_t ld = V == 1 ? H : gw.strides[0];
+    if (p.device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_weight", "a row stride");
+    p.grad_weight = lce::Matrix{gw.data, gw.dtype, ld};
+  }
+  if (g.grad_bias.defined()) {
+    const TensorView& gb = g.grad_bias;
+    if (bias) {
+      LOGITLESS_CHECK_ARG(bias->defined(), "grad_bias", "None (there is no bias)", "a tensor");
+      LOGITLESS_CHECK_ARG(gb.dtype == bias->dtype || gb.dtype == DType::kFloat32, "grad_bias",
+                          str_cat("dtype ", dtype_name(bias->dtype), " (bias's) or float32"), dtype_name(gb.dtype));
+    } else {
+      check_float_dtype(gb, "grad_bias");
+    }
+    check_device(gb, "grad_bias", p.device);
+    check_ndim(gb, "grad_bias", 1);
+    LOGITLESS_CHECK_ARG(gb.sizes[0] == V, "grad_bias", str_cat("shape [", V, "] (one per class)"),
+                        str_cat("shape ", shape_str(gb)));
+    check_nonnull(gb, "grad_bias");
+    p.grad_bias = gb.data;
+    p.grad_bias_dtype = gb.dtype;
+    p.grad_bias_stride = gb.strides[0];
+  }
+}
+
+// No gradient output may share memory with an input or with another output: the GEMMs read the inputs while
+// writing the gradients.
+void check_no_aliasing(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                       const LinearPolicyLossGrads& g) {
+  const std::pair<const TensorView*, const char*> ins[] = {{&hidden, "hidden"}, {&weight, "weight"}, {&bias, "bias"}};
+  const std::pair<const TensorView*, const char*> outs[] = {
+      {&g.grad_hidden, "grad_hidden"}, {&g.grad_weight, "grad_weight"}, {&g.grad_bias, "grad_bias"}};
+  for (const auto& o : outs) {
+    for (const auto& i : ins) check_disjoint(*o.first, o.second, *i.first, i.second);
+    for (const auto& o2 : outs)
+      if (o.first != o2.first) check_disjoint(*o.first, o.second, *o2.first, o2.second);
+  }
+}
+
+// A float32 tensor of `n` elements, contiguous.
+const float* check_token_vector(const TensorView& t, const char* name, int64_t n, const Device& dev,
+                                const char* what) {
+  check_defined(t, name);
+  check_dtype(t, name, DType::kFloat32);
+  check_device(t, name, dev);
+  check_numel(t, name, n, what);
+  check_contiguous(t, name);
+  check_nonnull(t, name);
+  return static_cast<const float*>(t.data);
+}
+
+// ---- the policy loss ---------------------------------------------------------------------------------------------
+
+PolicyLossInputs token_inputs(const LinearPolicyLossInputs& in) {
+  PolicyLossInputs t;
+  t.completion_ids = in.completion_ids;
+  t.advantages = in.advantages;
+  t.completion_mask = in.completion_mask;
+  t.old_logp = in.old_logp;
+  t.ref_logp = in.ref_logp;
+  return t;
+}
+
+// Everything but the gradients. `outputs` may hold only the loss slot undefined when sizing a workspace.
+Problem policy_problem(Mode mode, const LinearPolicyLossInputs& in, const LinearPolicyLossOptions& o,
+                       const PolicyLossOutputs& outputs) {
+  check_chunking(o.chunk_tokens, o.memory_budget);
+  Problem p;
+  p.op = pl::Op::kPolicy;
+  p.mode = mode;
+  p.chunk_tokens = o.chunk_tokens;
+  p.memory_budget = o.memory_budget;
+  add_hidden_weight(p, in.hidden, in.weight);
+  // hidden against completion_ids first: that mismatch is the one to report, not what follows from it.
+  const TensorView& ids = in.completion_ids;
+  check_defined(ids, "completion_ids");
+  check_ndim(ids, "completion_ids", 2);
+  const int64_t B = ids.sizes[0], L = ids.sizes[1];
+  const TensorView& h = in.hidden;
+  LOGITLESS_CHECK_ARG(h.ndim == 3 && h.sizes[0] == B && (h.sizes[1] == L + 1 || h.sizes[1] == L), "hidden",
+                      str_cat("shape [", B, ", ", L + 1, ", H] (the last hidden states over the completion and the "
+                              "position after it) or [", B, ", ", L, ", H], from completion_ids of shape [", B, ", ",
+                              L, "]"),
+                      str_cat("shape ", shape_str(h)));
+  const pl::Mode tm = mode == Mode::kForward ? pl::Mode::kForward : pl::Mode::kForwardBackward;
+  p.tokens = pl::make_token_problem(tm, token_inputs(in), o.policy, outputs, p.device, p.vocab);
+  p.row_len = h.sizes[1];
+  p.n_rows = B * p.row_len;
+  add_bias(p, in.bias);
+  check_extents(p);
+  return p;
+}
+
+// A loss slot for the workspace queries, which take no outputs: a valid scalar on the inputs' device that no
+// call writes through.
+PolicyLossOutputs sizing_outputs(const TensorView& hidden) {
+  static float dummy = 0.f;
+  PolicyLossOutputs out;
+  out.loss = TensorView::make(&dummy, DType::kFloat32, hidden.device, {});
+  return out;
+}
+
+// ---- selective log-softmax ---------------------------------------------------------------------------------------
+
+Problem selective_problem(Mode mode, const TensorView& hidden, const TensorView& weight, const TensorView& ids,
+                          const LinearSelectiveLogSoftmaxOptions& o) {
+  LOGITLESS_CHECK_ARG(o.temperature > 0.0 && std::isfinite(o.temperature), "temperature", "a finite value > 0",
+                      o.temperature);
+  check_chunking(o.chunk_tokens, o.memory_budget);
+  Problem p;
+  p.op = pl::Op::kSelective;
+  p.mode = mode;
+  p.chunk_tokens = o.chunk_tokens;
+  p.memory_budget = o.memory_budget;
+  add_hidden_weight(p, hidden, weight);
+  check_defined(ids, "ids");
+  check_index_dtype(ids, "ids");
+  check_device(ids, "ids", p.device);
+  check_shape(ids, "ids", hidden, hidden.ndim - 1, "the leading dimensions of hidden");
+  check_nonnull(ids, "ids");
+  const int64_t N = ids.numel();
+  p.n_rows = N;
+  p.row_len = std::max<int64_t>(N, 1);
+  pl::Problem& t = p.tokens;
+  t.op = pl::Op::kSelective;
+  t.mode = pl::Mode::kForward;
+  t.n_seqs = 1;
+  t.seq_len = N;
+  t.n_rows = N;
+  t.vocab = p.vocab;
+  t.device = p.device;
+  t.ids = ids.data;
+  t.ids_dtype = ids.dtype;
+  t.ids_rows = collapse_rows(ids.sizes, ids.ndim, {ids.strides}, "ids")[0];
+  t.temperature = o.temperature;
+  t.check_ids = o.check_ids;
+  t.beta = 0;
+  check_extents(p);
+  return p;
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------------------------
+
+size_t workspace_bytes(const Problem& p) {
+  if (p.device.type != DeviceType::kCUDA) return 0;
+#if defined(LOGITLESS_WITH_CUDA)
+  return lpl::cuda_workspace_bytes(p);
+#else
+  return 0;
+#endif
+}
+
+void dispatch(const Problem& p, Workspace ws, StreamHandle stream, const char* what) {
+  if (p.device.type == DeviceType::kCPU) {
+    lpl::run_cpu(p);
+    return;
+  }
+#if defined(LOGITLESS_WITH_CUDA)
+  (void)what;
+  const size_t need = lpl::cuda_workspace_bytes(p);
+  LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
+  LOGITLESS_CHECK_ARG(need == 0 || ws.data != nullptr, "workspace", "a non-null pointer", "nullptr");
+  lpl::run_cuda(p, ws, stream);
+#else
+  (void)ws;
+  (void)stream;
+  throw_runtime(str_cat(what, ": logitless was built without its CUDA backend; CUDA tensors are not supported"));
+#endif
+}
+
+}  // namespace
+
+size_t linear_policy_loss_forward_workspace_bytes(const LinearPolicyLossInputs& inputs,
+                                                  const LinearPolicyLossOptions& options) {
+  return workspace_bytes(policy_problem(Mode::kForward, inputs, options, sizing_outputs(inputs.hidden)));
+}
+
+size_t linear_policy_loss_forward_backward_workspace_bytes(const LinearPolicyLossInputs& inputs,
+                                                           const LinearPolicyLossOptions& options,
+                                                           const LinearPolicyLossGrads& grads) {
+  Problem p = policy_problem(Mode::kForwardBackward, inputs, options, sizing_outputs(inputs.hidden));
+  add_grads(p, inputs.hidden, inputs.weight, nullptr, grads);
+  return workspace_bytes(p);
+}
+
+size_t linear_policy_loss_backward_workspace_bytes(const LinearPolicyLossInputs& inputs,
+                                                   const LinearPolicyLossOptions& options,
+                                                   const LinearPolicyLossGrads& grads) {
+  Problem p = policy_problem(Mode::kBackward, inputs, options, sizing_outputs(inputs.hidden));
+  add_grads(p, inputs.hidden, inputs.weight, nullptr, grads);
+  return workspace_bytes(p);
+}
+
+void linear_policy_loss_forward(const LinearPolicyLossInputs& inputs, const LinearPolicyLossOptions& options,
+                                const PolicyLossOutputs& outputs, Workspace workspace, StreamHandle stream) {
+  const Problem p = policy_problem(Mode::kForward, inputs, options, outputs);
+  dispatch(p, workspace, stream, "linear_policy_loss");
+}
+
+void linear_policy_loss_forward_backward(const LinearPolicyLossInputs& inputs, const LinearPolicyLossOptions& options,
+                                         const PolicyLossOutputs& outputs, const LinearPolicyLossGrads& grads,
+                                         const TensorView& grad_scale, Workspace workspace, StreamHandle stream) {
+  Problem p = policy_problem(Mode::kForwardBackward, inputs, options, outputs);
+  add_grads(p, inputs.hidden, inputs.weight, &inputs.bias, grads);
+  check_no_aliasing(inputs.hidden, inputs.weight, inputs.bias, grads);
+  if (grad_scale.defined())
+    p.tokens.grad_scale = check_token_vector(grad_scale, "grad_scale", 1, p.device, "a scalar");
+  dispatch(p, workspace, stream, "linear_policy_loss");
+}
+
+void linear_policy_loss_backward(const LinearPolicyLossInputs& inputs, const LinearPolicyLossOptions& options,
+                                 const TensorView& logp, const TensorView& lse, const TensorView& grad_loss,
+                                 const LinearPolicyLossGrads& grads, Workspace workspace, StreamHandle stream) {
+  Problem p = policy_problem(Mode::kBackward, inputs, options, sizing_outputs(inputs.hidden));
+  p.tokens.loss = nullptr;  // the backward writes no loss
+  p.tokens.check_ids = false;  // the forward checked them
+  add_grads(p, inputs.hidden, inputs.weight, &inputs.bias, grads);
+  check_no_aliasing(inputs.hidden, inputs.weight, inputs.bias, grads);
+  const int64_t n = p.n_tokens();
+  p.logp_in = check_token_vector(logp, "logp", n, p.device, "one per token, from the forward");
+  p.lse_in = check_token_vector(lse, "lse", n, p.device, "one per token, from the forward");
+  p.tokens.grad_scale = check_token_vector(grad_loss, "grad_loss", 1, p.device, "a scalar");
+  dispatch(p, workspace, stream, "linear_policy_loss");
+}
+
+size_t linear_selective_log_softmax_forward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                            const TensorView& ids,
+                                                            const LinearSelectiveLogSoftmaxOptions& options) {
+  return workspace_bytes(selective_problem(Mode::kForward, hidden, weight, ids, options));
+}
+
+size_t linear_selective_log_softmax_backward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                             const TensorView& ids,
+                                                             const LinearSelectiveLogSoftmaxOptions& options,
+                                                             const LinearPolicyLossGrads& grads) {
+  Problem p = selective_problem(Mode::kBackward, hidden, weight, ids, options);
+  add_grads(p, hidden, weight, nullptr, grads);
+  return workspace_bytes(p);
+}
+
+void linear_selective_log_softmax_forward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                          const TensorView& ids, const LinearSelectiveLogSoftmaxOptions& options,
+                                          const TensorView& logp, const TensorView& entropy, const TensorView& lse,
+                                          Workspace workspace, StreamHandle stream) {
+  Problem p = selective_problem(Mode::kForward, hidden, weight, ids, options);
+  add_bias(p, bias);
+  const int64_t n = p.n_tokens();
+  p.tokens.logp = const_cast<float*>(check_token_vector(logp, "logp", n, p.device, "one per row"));
+  if (entropy.defined())
+    p.tokens.entropy = const_cast<float*>(check_token_vector(entropy, "entropy", n, p.device, "one per row"));
+  if (lse.defined()) p.tokens.lse = const_cast<float*>(check_token_vector(lse, "lse", n, p.device, "one per row"));
+  dispatch(p, workspace, stream, "linear_selective_log_softmax");
+}
+
+void linear_selective_log_softmax_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                           const TensorView& ids, const TensorView& lse, const TensorView& grad_logp,
+                                           const LinearSelectiveLogSoftmaxOptions& options,
+                                           const LinearPolicyLossGrads& grads, Workspace workspace,
+                                           StreamHandle stream) {
+  Problem p = selective_problem(Mode::kBackward, hidden, weight, ids, options);
+  p.tokens.check_ids = false;  // the forward checked them
+  add_bias(p, bias);
+  add_grads(p, hidden, weight, &bias, grads);
+  check_no_aliasing(hidden, weight, bias, grads);
+  const int64_t n = p.n_tokens();
+  p.lse_in = check_token_vector(lse, "lse", n, p.device, "one per row, from the forward");
+  p.grad_logp = check_token_vector(grad_logp, "grad_logp", n, p.device, "one per row");
+  dispatch(p, workspace, stream, "linear_selective_log_softmax");
+}
+
+}  // namespace logitless

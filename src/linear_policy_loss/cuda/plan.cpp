@@ -1,0 +1,121 @@
+#include "linear_policy_loss/cuda/plan.h"
+
+#include <algorithm>
+
+#include "linear_cross_entropy/cuda/plan.h"
+
+namespace logitless::lpl {
+namespace {
+
+class Layout {
+ public:
+  size_t add(size_t bytes) {
+    const size_t at = end_;
+    end_ += (bytes + 255) / 256 * 256;
+    return at;
+  }
+  size_t end() const { return end_; }
+
+ private:
+  size_t end_ = 0;
+};
+
+}  // namespace
+
+Plan plan_linear_policy_loss(const PlanInputs& in) {
+  lce::PlanInputs q;
+  q.pass = in.grads ? lce::Pass::kForwardBackward : lce::Pass::kForward;
+  q.n = in.rows;
+  q.h = in.h;
+  q.v = in.v;
+  q.elem_bytes = in.elem_bytes;
+  q.need_dx = in.need_dx;
+  q.need_dw = in.need_dw;
+  q.need_db = in.need_db;
+  q.grad_weight_f32 = in.grad_weight_f32;
+  q.reduction_none = true;  // no per-token losses of its own: the policy steps reduce
+  q.chunk_tokens = in.chunk_tokens;
+  q.memory_budget = in.memory_budget;
+  q.cublas_workspace_bytes = in.cublas_workspace_bytes;
+  const lce::Plan c = lce::plan_linear_cross_entropy(q);
+
+  Plan p;
+  p.chunk_rows = std::max<int64_t>(c.chunk_rows, 1);
+  p.group_rows = std::max<int64_t>(c.group_rows, p.chunk_rows);
+  p.ld_logits = c.ld_logits;
+  p.ld_dlogits = c.ld_dlogits;
+  p.dlogits_in_place = c.dlogits_in_place;
+  const int64_t Lg = std::max<int64_t>(in.row_len, 1);
+  if (Lg != in.seq_len && p.chunk_rows >= Lg) {
+    // Whole sequences per chunk and per group (positions of the unused last row sit between them).
+    p.chunk_rows = p.chunk_rows / Lg * Lg;
+    p.group_rows = p.dlogits_in_place ? p.chunk_rows : std::max(p.group_rows / Lg * Lg, p.chunk_rows);
+  }
+  p.dw_accumulator = in.grads && in.need_dw && !in.grad_weight_f32 && p.group_rows < in.rows;
+  if (in.grads && in.need_db) p.db_partial_rows = (p.chunk_rows + lce::kGradRowsPerBlock - 1) / lce::kGradRowsPerBlock;
+
+  Layout L;
+  const size_t nt = static_cast<size_t>(std::max<int64_t>(in.tokens, 0));
+  if (in.steps_bytes) {
+    p.steps_bytes = in.steps_bytes;
+    p.off_steps = L.add(in.steps_bytes);
+  }
+  if (in.token_logp) p.off_logp = L.add(nt * 4);
+  if (in.token_lse) p.off_lse = L.add(nt * 4);
+  if (in.token_coeff) p.off_coeff = L.add(nt * 4);
+  if (in.rows > 0) {
+    p.cublas_bytes = in.cublas_workspace_bytes;
+    if (p.cublas_bytes) p.off_cublas = L.add(p.cublas_bytes);
+    if (in.copy_hidden) p.off_hidden = L.add(static_cast<size_t>(in.rows * in.h * in.elem_bytes));
+    p.off_logits = L.add(static_cast<size_t>(p.chunk_rows * p.ld_logits * 4));
+    if (in.grads) {
+      if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(p.group_rows * p.ld_dlogits * in.elem_bytes));
+      if (p.dw_accumulator) p.off_dw = L.add(static_cast<size_t>(in.v * in.h * 4));
+      if (in.need_db) {
+        p.off_db = L.add(static_cast<size_t>(in.v * 4));
+        p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
+      }
+    }
+  }
+  p.bytes = L.end();
+  return p;
+}
+
+RowChunk chunk_at(int64_t row0, int64_t max_rows, int64_t limit, int64_t row_len, int64_t seq_len) {
+  RowChunk c;
+  c.row0 = row0;
+  const int64_t Lg = std::max<int64_t>(row_len, 1), L = seq_len;
+  int64_t end = std::min(row0 + std::max<int64_t>(max_rows, 1), limit);
+  const int64_t b0 = row0 / Lg, l0 = row0 - b0 * Lg;
+  c.token_rows.nd = 1;
+  c.token_rows.sizes[0] = 1;
+  c.token_rows.strides[0] = 1;
+  if (Lg == L) {  // positions are tokens
+    c.rows = end - row0;
+    c.first_token = row0;
+    c.n_tokens = c.rows;
+    c.token_rows.sizes[0] = c.n_tokens;
+    return c;
+  }
+  if (l0 != 0 || end - row0 < Lg) {  // inside one sequence: up to its end
+    end = std::min(end, (b0 + 1) * Lg);
+    c.rows = end - row0;
+    c.first_token = b0 * L + std::min(l0, L);
+    c.n_tokens = std::max<int64_t>(0, std::min(end - b0 * Lg, L) - l0);
+    c.token_rows.sizes[0] = std::max<int64_t>(c.n_tokens, 1);
+    return c;
+  }
+  // Whole sequences (the plan's sizes are multiples of Lg; a remainder would start the next chunk).
+  const int64_t k = (end - row0) / Lg;
+  c.rows = k * Lg;
+  c.first_token = b0 * L;
+  c.n_tokens = k * L;
+  c.token_rows.nd = 2;
+  c.token_rows.sizes[0] = k;
+  c.token_rows.sizes[1] = L;
+  c.token_rows.strides[0] = Lg;
+  c.token_rows.strides[1] = 1;
+  return c;
+}
+
+}  // namespace logitless::lpl

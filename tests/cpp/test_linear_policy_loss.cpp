@@ -1,0 +1,1253 @@
+// Linear policy losses and linear selective log-softmax: the CPU backend against a naive float64 reference, the
+// CUDA path against the CPU backend over dtype x layout x loss type x importance level x options x entry point x
+// chunking; the chunk planner; bad input.
+//
+// The reference is written independently of policy_loss/math.h: the logits are products of the inputs' values
+// in double, the loss a textbook function of the per-token log-probabilities, whose derivative in each of them is
+// taken by central differences (in double, on the cheap [B, L] function); the chain to the logits and on to
+// hidden, weight and bias is analytic, and checked against central differences over the inputs on tiny shapes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <functional>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "linear_policy_loss/cuda/plan.h"
+#include "test_util.h"
+
+namespace logitless::test {
+namespace {
+
+// kShifted: hidden [B, L+1, H] contiguous (the GEMMs take all positions in place). kAligned: [B, L, H] with
+// padded rows, a padded weight and a padded grad_hidden. kView: hidden[:, -(L+1):, :] of a longer [B, L+4, H]
+// (positions of two strides: copied), ids a view too.
+enum class Layout { kShifted, kAligned, kView };
+enum class Preset { kPlain, kFull, kFloatMask, kSeedLike, kAllMasked, kBadIdNoCheck, kDapoGlobal };
+
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::kShifted: return "shifted";
+    case Layout::kAligned: return "aligned";
+    case Layout::kView: return "view";
+  }
+  return "?";
+}
+const char* preset_name(Preset p) {
+  switch (p) {
+    case Preset::kPlain: return "plain";
+    case Preset::kFull: return "full";
+    case Preset::kFloatMask: return "floatmask";
+    case Preset::kSeedLike: return "seedlike";
+    case Preset::kAllMasked: return "allmasked";
+    case Preset::kBadIdNoCheck: return "badnocheck";
+    case Preset::kDapoGlobal: return "dapoglobal";
+  }
+  return "?";
+}
+const char* type_name(PolicyLossType t) {
+  switch (t) {
+    case PolicyLossType::kGrpo: return "grpo";
+    case PolicyLossType::kBnpo: return "bnpo";
+    case PolicyLossType::kDrGrpo: return "drgrpo";
+    case PolicyLossType::kDapo: return "dapo";
+  }
+  return "?";
+}
+const char* level_name(ImportanceSamplingLevel l) { return l == ImportanceSamplingLevel::kToken ? "token" : "seq"; }
+
+struct LplCase {
+  int64_t B, L, H, V;
+  DType dtype;
+  Layout layout;
+  Preset preset;
+  PolicyLossType type;
+  ImportanceSamplingLevel level;
+  bool bias;
+};
+
+std::string case_name(const LplCase& c) {
+  std::ostringstream os;
+  os << "B" << c.B << "_L" << c.L << "_H" << c.H << "_V" << c.V << "_" << dtype_tag(c.dtype) << "_"
+     << layout_name(c.layout) << "_" << preset_name(c.preset) << "_" << type_name(c.type) << "_" << level_name(c.level)
+     << (c.bias ? "_bias" : "");
+  return os.str();
+}
+void PrintTo(const LplCase& c, std::ostream* os) { *os << case_name(c); }
+
+// ---- inputs -------------------------------------------------------------------------------------------------
+struct LplInputs {
+  LplCase c;
+  LinearPolicyLossOptions opt;
+  int64_t Lg = 0;  // positions per sequence: L + 1 or L
+  TestTensor hidden, weight, bias, ids, adv, mask, old, ref;
+  bool has_mask = false, has_old = false, has_ref = false;
+  std::vector<double> w;  // [B*L] token weights
+
+  LplInputs(const LplCase& cs, uint64_t seed) : c(cs) {
+    std::mt19937_64 rng(seed);
+    const int64_t B = c.B, L = c.L, H = c.H, V = c.V;
+    PolicyLossOptions& po = opt.policy;
+    po.loss_type = c.type;
+    po.importance_sampling_level = c.level;
+    po.beta = 0.0;
+    po.max_completion_length = L + 3;
+    switch (c.layout) {
+      case Layout::kShifted:
+        Lg = L + 1;
+        hidden = TestTensor(c.dtype, {B, Lg, H});
+        weight = TestTensor(c.dtype, {V, H});
+        ids = TestTensor(DType::kInt64, {B, L});
+        break;
+      case Layout::kAligned:
+        Lg = L;
+        hidden = TestTensor(c.dtype, {B, L, H}, {L * (H + 3), H + 3, 1}, /*offset=*/1);
+        weight = TestTensor(c.dtype, {V, H}, {H + 2, 1}, /*offset=*/2);
+        ids = TestTensor(DType::kInt32, {B, L});
+        break;
+      case Layout::kView: {
+        Lg = L + 1;
+        const int64_t T = L + 4;
+        hidden = TestTensor(c.dtype, {B, Lg, H}, {T * H, H, 1}, /*offset=*/(T - Lg) * H);
+        weight = TestTensor(c.dtype, {V, H});
+        ids = TestTensor(DType::kInt32, {B, L}, {L + 7, 1}, /*offset=*/7);
+        break;
+      }
+    }
+    hidden.fill_storage_nan();  // padding poisoned: a kernel that reads outside the view returns NaN
+    weight.fill_storage_nan();
+    ids.fill_storage_bytes(0x7F);
+    hidden.fill_normal(seed, 1.f);
+    // Logits of about two units of spread.
+    weight.fill_normal(seed + 1, 2.f / std::sqrt(static_cast<float>(H)));
+    if (c.bias) {
+      bias = TestTensor(c.dtype, {V});
+      bias.fill_normal(seed + 2, 0.5f);
+    }
+    adv = TestTensor(DType::kFloat32, {B});
+    std::normal_distribution<double> nd(0.0, 1.0);
+    for (int64_t b = 0; b < B; ++b) adv.set(b, static_cast<float>(nd(rng)));
+    std::uniform_int_distribution<int64_t> idd(0, V - 1);
+    for (int64_t r = 0; r < B * L; ++r) ids.set_index(r, idd(rng));
+
+    w.assign(static_cast<size_t>(B * L), 1.0);
+    switch (c.preset) {
+      case Preset::kPlain: break;
+      case Preset::kFull:
+      case Preset::kDapoGlobal:
+      case Preset::kBadIdNoCheck:
+        has_mask = has_old = has_ref = true;
+        po.beta = 0.04;
+        po.temperature = 0.7;
+        po.eps_high = 0.28;
+        mask = TestTensor(DType::kInt32, {B, L});
+        for (int64_t r = 0; r < B * L; ++r) {  // every other sequence has its second half masked
+          const int64_t b = r / L, l = r % L;
+          w[r] = (b % 2 == 0 && l >= (L + 1) / 2) ? 0.0 : 1.0;
+        }
+        break;
+      case Preset::kFloatMask:
+        has_mask = has_old = has_ref = true;
+        po.beta = 0.1;
+        po.eps_low = 0.1;
+        po.temperature = 1.3;
+        mask = TestTensor(DType::kFloat32, {B, L});
+        for (int64_t r = 0; r < B * L; ++r) w[r] = std::array<double, 4>{0.0, 0.5, 1.0, 2.0}[r % 4];
+        break;
+      case Preset::kSeedLike:  // no old policy (ratio 1 with gradient), reference KL, bool mask
+        has_mask = has_ref = true;
+        po.beta = 0.04;
+        mask = TestTensor(DType::kBool, {B, L});
+        for (int64_t r = 0; r < B * L; ++r) w[r] = (r % 5 == 3) ? 0.0 : 1.0;
+        break;
+      case Preset::kAllMasked:
+        has_mask = has_old = true;
+        mask = TestTensor(DType::kUInt8, {B, L});
+        for (int64_t r = 0; r < B * L; ++r) w[r] = 0.0;
+        break;
+    }
+    if (has_mask) {
+      for (int64_t r = 0; r < B * L; ++r) {
+        if (mask.dtype() == DType::kFloat32) {
+          mask.set(r, static_cast<float>(w[r]));
+        } else if (mask.dtype() == DType::kInt32) {
+          mask.set_index(r, static_cast<int64_t>(w[r]));
+        } else {  // bool / uint8: one byte
+          reinterpret_cast<uint8_t*>(const_cast<void*>(mask.host_view().data))[mask.storage_index(r)] =
+              static_cast<uint8_t>(w[r] != 0);
+        }
+      }
+    }
+    if (c.preset == Preset::kBadIdNoCheck) {
+      po.check_ids = false;
+      for (int64_t r = 0; r < B * L; ++r)
+        if (r % 7 == 2) ids.set_index(r, r % 2 ? V + 3 : -5);  // some masked (ignored), some not (NaN rows)
+    } else {
+      for (int64_t r = 0; r < B * L; ++r)  // masked tokens may hold anything, e.g. -100 padding
+        if (w[r] == 0 && r % 3 == 0) ids.set_index(r, -100);
+    }
+    if (c.preset == Preset::kDapoGlobal) {
+      double total = 0;
+      for (double x : w) total += x;
+      po.num_items_in_batch = 1.7 * total + 1.0;
+    }
+    // Old and reference log-probs near the true ones, so ratios spread over [0.5, 2] and some clip.
+    if (has_old || has_ref) {
+      const std::vector<double> lp = true_logp();
+      std::normal_distribution<double> n_old(0.0, 0.3), n_ref(0.0, 0.5);
+      if (has_old) {
+        old = TestTensor(DType::kFloat32, {B, L});
+        for (int64_t r = 0; r < B * L; ++r)
+          old.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_old(rng)));
+      }
+      if (has_ref) {
+        ref = TestTensor(DType::kFloat32, {B, L});
+        for (int64_t r = 0; r < B * L; ++r)
+          ref.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_ref(rng)));
+      }
+    }
+  }
+
+  int64_t N() const { return c.B * c.L; }
+  int64_t id(int64_t t) const { return ids.get_index(t); }
+  bool bad(int64_t t) const { return id(t) < 0 || id(t) >= c.V; }
+  double a(int64_t b) const { return adv.get(b); }
+  int64_t pos(int64_t t) const { return (t / c.L) * Lg + t % c.L; }  // the hidden position of token t
+
+  // Perturbations for the finite-difference test: one element of hidden, weight or bias, by `step`.
+  int perturb_what = -1;  // 0 hidden, 1 weight, 2 bias
+  int64_t perturb_at = -1;
+  double perturb_by = 0;
+  double hv(int64_t flat) const {
+    return hidden.get(flat) + (perturb_what == 0 && perturb_at == flat ? perturb_by : 0.0);
+  }
+  double wv(int64_t flat) const {
+    return weight.get(flat) + (perturb_what == 1 && perturb_at == flat ? perturb_by : 0.0);
+  }
+  double bv(int64_t j) const {
+    if (!c.bias) return 0.0;
+    return bias.get(j) + (perturb_what == 2 && perturb_at == j ? perturb_by : 0.0);
+  }
+  // z_j of token t (not divided by the temperature).
+  std::vector<double> z(int64_t t) const {
+    std::vector<double> out(static_cast<size_t>(c.V));
+    const int64_t p0 = pos(t) * c.H;
+    for (int64_t j = 0; j < c.V; ++j) {
+      double acc = bv(j);
+      for (int64_t k = 0; k < c.H; ++k) acc += hv(p0 + k) * wv(j * c.H + k);
+      out[j] = acc;
+    }
+    return out;
+  }
+
+  std::vector<double> true_logp() const {
+    std::vector<double> lp(static_cast<size_t>(N()), NAN);
+    const double T = opt.policy.temperature;
+    for (int64_t t = 0; t < N(); ++t) {
+      if (bad(t)) continue;
+      const std::vector<double> zt = z(t);
+      double m = -INFINITY;
+      for (double v : zt) m = std::max(m, v / T);
+      double s = 0;
+      for (double v : zt) s += std::exp(v / T - m);
+      lp[t] = zt[id(t)] / T - (m + std::log(s));
+    }
+    return lp;
+  }
+
+  LinearPolicyLossInputs view(bool dev) const {
+    LinearPolicyLossInputs in;
+    in.hidden = hidden.view(dev);
+    in.weight = weight.view(dev);
+    if (c.bias) in.bias = bias.view(dev);
+    in.completion_ids = ids.view(dev);
+    in.advantages = adv.view(dev);
+    if (has_mask) in.completion_mask = mask.view(dev);
+    if (has_old) in.old_logp = old.view(dev);
+    if (has_ref) in.ref_logp = ref.view(dev);
+    return in;
+  }
+  void to_device() {
+    for (TestTensor* t : {&hidden, &weight, &ids, &adv}) t->to_device();
+    if (c.bias) bias.to_device();
+    if (has_mask) mask.to_device();
+    if (has_old) old.to_device();
+    if (has_ref) ref.to_device();
+  }
+};
+
+// ---- float64 reference ----------------------------------------------------------------------------------------
+struct Ref {
+  double loss = 0;
+  std::vector<double> logp, lse, entropy, per_token_loss, kl, ratio, dlogp;  // [N], 0 at masked tokens
+  std::vector<uint8_t> clipped;
+  std::vector<double> dx, dw, db;  // [B*Lg*H], [V*H], [V]: upstream factor applied
+  double loss_scale = 1;
+};
+
+// The loss as a function of the per-token log-probabilities `lp`; `base` is what a detached logp holds.
+double reference_loss(const LplInputs& in, const std::vector<double>& lp, const std::vector<double>& base, Ref* out,
+                      bool skip_nan = false) {
+  const int64_t B = in.c.B, L = in.c.L;
+  const auto& o = in.opt.policy;
+  const double lo = 1 - o.eps_low, hi = 1 + o.eps_high;
+  double total_w = 0;
+  for (double v : in.w) total_w += v;
+  double loss = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    double wb = 0, s = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t r = b * L + l;
+      if (in.w[r] == 0) continue;
+      wb += in.w[r];
+      s += in.w[r] * (lp[r] - (in.has_old ? in.old.get(r) : base[r]));
+    }
+    double factor = 0;
+    switch (o.loss_type) {
+      case PolicyLossType::kGrpo: factor = 1.0 / std::max(wb, 1.0) / static_cast<double>(B); break;
+      case PolicyLossType::kBnpo: factor = 1.0 / std::max(total_w, 1.0); break;
+      case PolicyLossType::kDrGrpo: factor = 1.0 / (static_cast<double>(B) * o.max_completion_length); break;
+      case PolicyLossType::kDapo:
+        factor = 1.0 / (o.num_items_in_batch > 0 ? o.num_items_in_batch : std::max(total_w, 1.0));
+        break;
+    }
+    const double seq_ratio = std::exp(s / std::max(wb, 1.0));
+    const double A = in.a(b);
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t r = b * L + l;
+      if (in.w[r] == 0 || (skip_nan && std::isnan(lp[r]))) continue;
+      const double old = in.has_old ? in.old.get(r) : base[r];
+      const double ratio =
+          o.importance_sampling_level == ImportanceSamplingLevel::kToken ? std::exp(lp[r] - old) : seq_ratio;
+      const double clipped_ratio = std::min(std::max(ratio, lo), hi);
+      double kl = 0;
+      if (in.has_ref) {
+        const double d = in.ref.get(r) - lp[r];
+        kl = std::exp(d) - d - 1;
+      }
+      const double tok = -std::min(ratio * A, clipped_ratio * A) + o.beta * kl;
+      if (skip_nan && std::isnan(tok)) continue;  // a sequence-level ratio made NaN by a bad id elsewhere
+      loss += factor * in.w[r] * tok;
+      if (out) {
+        out->per_token_loss[r] = tok;
+        out->kl[r] = kl;
+        out->ratio[r] = ratio;
+        out->clipped[r] = (A > 0 && ratio > hi) || (A < 0 && ratio < lo);
+        if (std::isfinite(tok)) out->loss_scale += factor * in.w[r] * (std::abs(A) * ratio + o.beta * (kl + 1));
+      }
+    }
+  }
+  return loss;
+}
+
+Ref reference(const LplInputs& in, double upstream, bool want_grads) {
+  const int64_t L = in.c.L, H = in.c.H, V = in.c.V, N = in.N();
+  const double T = in.opt.policy.temperature;
+  Ref r;
+  for (auto* v : {&r.logp, &r.lse, &r.entropy, &r.per_token_loss, &r.kl, &r.ratio, &r.dlogp}) v->assign(N, 0.0);
+  r.clipped.assign(N, 0);
+  std::vector<std::vector<double>> zs(static_cast<size_t>(N));
+  std::vector<double> lp(N, 0.0);
+  for (int64_t t = 0; t < N; ++t) {
+    if (in.w[t] == 0) continue;
+    if (in.bad(t)) {
+      r.logp[t] = r.lse[t] = r.entropy[t] = lp[t] = NAN;
+      continue;
+    }
+    zs[t] = in.z(t);
+    double m = -INFINITY;
+    for (double v : zs[t]) m = std::max(m, v / T);
+    double s = 0;
+    for (double v : zs[t]) s += std::exp(v / T - m);
+    r.lse[t] = m + std::log(s);
+    double h = 0;
+    for (double v : zs[t]) h -= std::exp(v / T - r.lse[t]) * (v / T - r.lse[t]);
+    r.entropy[t] = h;
+    lp[t] = r.logp[t] = zs[t][in.id(t)] / T - r.lse[t];
+  }
+  r.loss = reference_loss(in, lp, lp, &r);
+  for (int64_t t = 0; t < N; ++t)
+    if (in.w[t] != 0 && in.bad(t)) r.per_token_loss[t] = r.kl[t] = NAN;
+  // d(loss)/d(logp_t) by central differences in double (the detached base stays fixed).
+  const double h = 1e-6;
+  for (int64_t t = 0; t < N; ++t) {
+    if (in.w[t] == 0) continue;
+    if (std::isnan(lp[t])) {
+      r.dlogp[t] = NAN;
+      continue;
+    }
+    std::vector<double> p = lp;
+    p[t] = lp[t] + h;
+    const double fp = reference_loss(in, p, lp, nullptr, true);
+    p[t] = lp[t] - h;
+    const double fm = reference_loss(in, p, lp, nullptr, true);
+    r.dlogp[t] = upstream * (fp - fm) / (2 * h);
+  }
+  // Sequence level: a bad id makes its sequence's shared ratio NaN, and so every coefficient of the sequence.
+  if (in.opt.policy.importance_sampling_level == ImportanceSamplingLevel::kSequence) {
+    for (int64_t b = 0; b < in.c.B; ++b) {
+      bool nan = false;
+      for (int64_t l = 0; l < L; ++l) nan = nan || (in.w[b * L + l] != 0 && std::isnan(lp[b * L + l]));
+      for (int64_t l = 0; nan && l < L; ++l)
+        if (in.w[b * L + l] != 0) r.dlogp[b * L + l] = NAN;
+    }
+  }
+  if (!want_grads) return r;
+  // g = dlogp ([j == id] - p_j) / T per read token; dX = g W, dW = gᵀ X, db = Σ g. A bad id's NaN row reaches its
+  // own row of dX and all of dW and db (as in the GEMMs).
+  r.dx.assign(static_cast<size_t>(in.c.B * in.Lg * H), 0.0);
+  r.dw.assign(static_cast<size_t>(V * H), 0.0);
+  r.db.assign(static_cast<size_t>(V), 0.0);
+  bool any_nan = false;
+  for (int64_t t = 0; t < N; ++t) {
+    if (in.w[t] == 0) continue;
+    const int64_t p0 = in.pos(t) * H;
+    if (in.bad(t)) {
+      any_nan = true;
+      for (int64_t k = 0; k < H; ++k) r.dx[p0 + k] = NAN;
+      continue;
+    }
+    for (int64_t j = 0; j < V; ++j) {
+      const double g = r.dlogp[t] * ((j == in.id(t) ? 1.0 : 0.0) - std::exp(zs[t][j] / T - r.lse[t])) / T;
+      for (int64_t k = 0; k < H; ++k) {
+        r.dx[p0 + k] += g * in.wv(j * H + k);
+        r.dw[j * H + k] += g * in.hv(p0 + k);
+      }
+      r.db[j] += g;
+    }
+  }
+  if (any_nan) {
+    std::fill(r.dw.begin(), r.dw.end(), NAN);
+    std::fill(r.db.begin(), r.db.end(), NAN);
+  }
+  return r;
+}
+
+// ---- running a backend ---------------------------------------------------------------------------------------
+enum class Entry { kForward, kForwardBackward, kBackward };
+const char* entry_name(Entry e) {
+  return e == Entry::kForward ? "forward" : e == Entry::kForwardBackward ? "forward_backward" : "backward";
+}
+
+// How the CUDA path chunks: by the default budget; short chunks cut at sequence ends; chunks of whole sequences
+// (several groups: a float32 grad_weight accumulator); a small budget (logits chunks shorter than the groups).
+enum class Chunking { kDefault, kShort, kSequences, kBudget };
+const char* chunking_name(Chunking c) {
+  switch (c) {
+    case Chunking::kDefault: return "default chunks";
+    case Chunking::kShort: return "short chunks";
+    case Chunking::kSequences: return "sequence chunks";
+    case Chunking::kBudget: return "small budget";
+  }
+  return "?";
+}
+
+LinearPolicyLossOptions chunked(const LplInputs& in, Chunking ch) {
+  LinearPolicyLossOptions o = in.opt;
+  switch (ch) {
+    case Chunking::kDefault: break;
+    case Chunking::kShort: o.chunk_tokens = std::max<int64_t>(1, in.Lg / 2 + 1); break;
+    case Chunking::kSequences: o.chunk_tokens = 2 * in.Lg + 1; break;
+    case Chunking::kBudget: o.memory_budget = static_cast<size_t>(4 * ((in.c.V + 7) / 8 * 8) * 12); break;
+  }
+  return o;
+}
+
+struct Out {
+  double loss = 0;
+  std::vector<double> per_token_loss, kl, logp, entropy, lse;
+  std::vector<uint8_t> clipped;
+  std::vector<double> dx, dw, db;
+};
+
+// `saved`: the logp and lse the backward takes (a forward's).
+Out run_backend(LplInputs& in, Entry e, bool dev, float upstream, const Out* saved, Chunking ch = Chunking::kDefault,
+                bool f32_grads = false) {
+  const int64_t B = in.c.B, L = in.c.L, H = in.c.H, V = in.c.V;
+  const DType gdt = f32_grads ? DType::kFloat32 : in.c.dtype;
+  TestTensor loss(DType::kFloat32, {});
+  TestTensor ptl(DType::kFloat32, {B, L}), kl(DType::kFloat32, {B, L}), logp(DType::kFloat32, {B, L}),
+      ent(DType::kFloat32, {B, L}), lse(DType::kFloat32, {B, L}), clipped(DType::kBool, {B, L});
+  TestTensor gx = in.c.layout == Layout::kAligned ? TestTensor(gdt, {B, in.Lg, H}, {in.Lg * (H + 5), H + 5, 1}, 2)
+                                                 : TestTensor(gdt, {B, in.Lg, H});
+  TestTensor gw(gdt, {V, H}), gb(gdt, {V});
+  TestTensor gscale(DType::kFloat32, {});
+  gscale.set(0, upstream);
+  for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &gx, &gw, &gb}) t->fill_storage_nan();
+  clipped.fill_storage_bytes(0x77);
+  if (e == Entry::kBackward) {
+    for (int64_t t = 0; t < B * L; ++t) {
+      logp.set(t, static_cast<float>(saved->logp[t]));
+      lse.set(t, static_cast<float>(saved->lse[t]));
+    }
+  }
+  if (dev) {
+    in.to_device();
+    for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &gx, &gw, &gb, &gscale, &clipped}) t->to_device();
+  }
+  const LinearPolicyLossInputs pin = in.view(dev);
+  const LinearPolicyLossOptions o = chunked(in, ch);
+  PolicyLossOutputs out;
+  out.loss = loss.view(dev);
+  out.per_token_loss = ptl.view(dev);
+  out.kl = kl.view(dev);
+  out.is_clipped = clipped.view(dev);
+  out.logp = logp.view(dev);
+  out.entropy = ent.view(dev);
+  out.lse = lse.view(dev);
+  LinearPolicyLossGrads g;
+  g.grad_hidden = gx.view(dev);
+  g.grad_weight = gw.view(dev);
+  if (in.c.bias) g.grad_bias = gb.view(dev);
+  size_t bytes = 0;
+  switch (e) {
+    case Entry::kForward: bytes = linear_policy_loss_forward_workspace_bytes(pin, o); break;
+    case Entry::kForwardBackward: bytes = linear_policy_loss_forward_backward_workspace_bytes(pin, o, g); break;
+    case Entry::kBackward: bytes = linear_policy_loss_backward_workspace_bytes(pin, o, g); break;
+  }
+  if (!dev) EXPECT_EQ(bytes, 0u);
+  DeviceScratch ws(dev ? bytes : 0);
+  switch (e) {
+    case Entry::kForward: linear_policy_loss_forward(pin, o, out, ws.ws(), nullptr); break;
+    case Entry::kForwardBackward:
+      linear_policy_loss_forward_backward(pin, o, out, g, gscale.view(dev), ws.ws(), nullptr);
+      break;
+    case Entry::kBackward:
+      linear_policy_loss_backward(pin, o, logp.view(dev), lse.view(dev), gscale.view(dev), g, ws.ws(), nullptr);
+      break;
+  }
+  if (dev) {
+    device_synchronize();
+    for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &gx, &gw, &gb, &clipped}) t->to_host();
+  }
+  Out r;
+  auto doubles = [](const TestTensor& x) {
+    const std::vector<float> f = x.gather_float();
+    return std::vector<double>(f.begin(), f.end());
+  };
+  if (e != Entry::kBackward) {
+    r.loss = loss.get(0);
+    r.per_token_loss = doubles(ptl);
+    r.kl = doubles(kl);
+    r.logp = doubles(logp);
+    r.entropy = doubles(ent);
+    r.lse = doubles(lse);
+    for (int64_t t = 0; t < B * L; ++t) r.clipped.push_back(reinterpret_cast<const uint8_t*>(clipped.host_view().data)[t]);
+  }
+  if (e != Entry::kForward) {
+    r.dx = doubles(gx);
+    r.dw = doubles(gw);
+    if (in.c.bias) r.db = doubles(gb);
+  }
+  return r;
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v)
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  return m;
+}
+
+// Relative L2 error over the elements finite in both (NaN patterns are checked elementwise), and every element
+// within atol of the largest magnitude (at least `unit`).
+::testing::AssertionResult grad_close(const std::vector<double>& got, const std::vector<double>& want, Tol tol,
+                                      double unit, const std::string& what) {
+  const auto elementwise = all_close(got, want, Tol{0.0, tol.atol}, std::max(max_abs(want), unit), what);
+  if (!elementwise) return elementwise;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(want[i]) || !std::isfinite(got[i])) continue;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  const double rel = std::sqrt(num / std::max(den, unit * unit * 1e-12 + 1e-300));
+  if (den == 0 && num <= unit * unit * tol.atol * tol.atol) return ::testing::AssertionSuccess();
+  if (rel <= tol.rtol) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": relative L2 error " << rel << " > " << tol.rtol;
+}
+
+Out from_reference(const Ref& r) {
+  Out o;
+  o.loss = r.loss;
+  o.per_token_loss = r.per_token_loss;
+  o.kl = r.kl;
+  o.logp = r.logp;
+  o.entropy = r.entropy;
+  o.lse = r.lse;
+  o.clipped = r.clipped;
+  o.dx = r.dx;
+  o.dw = r.dw;
+  o.db = r.db;
+  return o;
+}
+
+// Compares a backend's outputs with expected ones (the reference's, or the CPU backend's); `ref` gives the sizes
+// tolerances scale with. `gdt`: the dtype whose rounding the gradients carry.
+void expect_outputs(const LplInputs& in, Entry e, const Out& got, const Out& want, const Ref& ref,
+                    const std::string& who, DType gdt, bool logits_rounded) {
+  const DType dt = in.c.dtype;
+  const std::string tag = who + " " + entry_name(e);
+  if (e != Entry::kBackward) {
+    // A logp carries a float32 rounding error of about eps * |lse|, which the ratio and the KL pass on.
+    const double u = std::max(1.0, max_abs(ref.lse));
+    EXPECT_TRUE(all_close(std::vector<double>{got.loss}, std::vector<double>{want.loss},
+                          tolerance(dt, Quantity::kLoss), ref.loss_scale * u, tag + " loss"));
+    EXPECT_TRUE(all_close(got.logp, want.logp, tolerance(dt, Quantity::kLse), u, tag + " logp"));
+    EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), u, tag + " lse"));
+    EXPECT_TRUE(all_close(got.entropy, want.entropy, tolerance(dt, Quantity::kLse), u, tag + " entropy"));
+    double amp = 1;
+    for (int64_t t = 0; t < in.N(); ++t)
+      if (std::isfinite(ref.kl[t])) amp = std::max(amp, ref.kl[t] + 2 + std::abs(ref.per_token_loss[t]));
+    EXPECT_TRUE(all_close(got.kl, want.kl, tolerance(dt, Quantity::kLoss), amp * u, tag + " kl"));
+    EXPECT_TRUE(all_close(got.per_token_loss, want.per_token_loss, tolerance(dt, Quantity::kLoss), amp * u,
+                          tag + " per_token_loss"));
+    // A ratio within rounding of a clip boundary may fall either way when the logits are rounded differently.
+    const double lo = 1 - in.opt.policy.eps_low, hi = 1 + in.opt.policy.eps_high;
+    int64_t mismatch = 0, first = -1;
+    for (int64_t t = 0; t < in.N(); ++t) {
+      if (got.clipped[t] == want.clipped[t]) continue;
+      const double q = ref.ratio[t];
+      if (logits_rounded && (std::abs(q - lo) < 1e-4 || std::abs(q - hi) < 1e-4)) continue;
+      mismatch++;
+      first = first < 0 ? t : first;
+    }
+    EXPECT_EQ(mismatch, 0) << tag << " is_clipped differs first at token " << first;
+  }
+  if (e != Entry::kForward) {
+    // Every gradient is a sum of rows c ([j == id] - p_j) / T: its natural size is the largest |c| / T times the
+    // inputs' scale (an element can cancel to 0 while its error does not).
+    double cmax = 0;
+    for (double d : ref.dlogp)
+      if (std::isfinite(d)) cmax = std::max(cmax, std::abs(d) / in.opt.policy.temperature);
+    const Tol tol = tolerance(gdt, Quantity::kLceGrad);
+    EXPECT_TRUE(grad_close(got.dx, want.dx, tol, cmax * 1e-3, tag + " grad_hidden"));
+    EXPECT_TRUE(grad_close(got.dw, want.dw, tol, cmax * 1e-3, tag + " grad_weight"));
+    if (in.c.bias) EXPECT_TRUE(grad_close(got.db, want.db, tol, cmax * 1e-3, tag + " grad_bias"));
+  }
+}
+
+// ---- the case lists ---------------------------------------------------------------------------------------------
+std::vector<LplCase> make_cases(bool gpu) {
+  std::vector<LplCase> cases;
+  const PolicyLossType types[] = {PolicyLossType::kGrpo, PolicyLossType::kBnpo, PolicyLossType::kDrGrpo,
+                                  PolicyLossType::kDapo};
+  const ImportanceSamplingLevel levels[] = {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence};
+  const DType dts[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  using Shape = std::array<int64_t, 4>;  // B, L, H, V
+  // CPU: small shapes (the reference is O(B L H V)). GPU: the CPU backend is the expectation (O(B L H V) in
+  // double per pass), so vocabularies up to Qwen's 150000 at a few tokens, and a few hundred tokens at V=4099.
+  const std::vector<Shape> shapes = gpu ? std::vector<Shape>{{3, 5, 64, 1000}, {2, 37, 96, 32003}, {2, 3, 64, 150000},
+                                                             {4, 64, 128, 4099}}
+                                        : std::vector<Shape>{{3, 5, 16, 37}, {2, 4, 33, 200}};
+  for (size_t si = 0; si < shapes.size(); ++si) {
+    const Shape& s = shapes[si];
+    const bool bias = si % 2 == 0;
+    for (DType dt : dts) {
+      for (auto t : types)
+        for (auto l : levels)
+          cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kShifted, Preset::kFull, t, l, bias});
+      cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kAligned, Preset::kFloatMask, PolicyLossType::kGrpo,
+                       ImportanceSamplingLevel::kSequence, !bias});
+      cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kView, Preset::kFloatMask, PolicyLossType::kBnpo,
+                       ImportanceSamplingLevel::kToken, bias});
+      cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kView, Preset::kSeedLike, PolicyLossType::kGrpo,
+                       ImportanceSamplingLevel::kToken, !bias});
+      cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kAligned, Preset::kPlain, PolicyLossType::kDrGrpo,
+                       ImportanceSamplingLevel::kToken, bias});
+      cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kShifted, Preset::kPlain, PolicyLossType::kGrpo,
+                       ImportanceSamplingLevel::kSequence, bias});
+      cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kShifted, Preset::kDapoGlobal, PolicyLossType::kDapo,
+                       ImportanceSamplingLevel::kToken, bias});
+      cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kShifted, Preset::kAllMasked, PolicyLossType::kGrpo,
+                       ImportanceSamplingLevel::kSequence, true});
+      cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kAligned, Preset::kBadIdNoCheck, PolicyLossType::kBnpo,
+                       ImportanceSamplingLevel::kToken, true});
+      cases.push_back({s[0], s[1], s[2], s[3], dt, Layout::kShifted, Preset::kBadIdNoCheck, PolicyLossType::kGrpo,
+                       ImportanceSamplingLevel::kSequence, false});
+    }
+  }
+  // Edge shapes: one token, one class, H = 1, an empty batch, sequences of no tokens (positions but no tokens).
+  for (const Shape& s : {Shape{1, 1, 8, 7}, Shape{2, 3, 5, 1}, Shape{2, 3, 1, 9}, Shape{0, 4, 8, 9},
+                         Shape{3, 0, 8, 9}}) {
+    cases.push_back({s[0], s[1], s[2], s[3], DType::kFloat32, Layout::kShifted, Preset::kFull, PolicyLossType::kGrpo,
+                     ImportanceSamplingLevel::kSequence, true});
+    cases.push_back({s[0], s[1], s[2], s[3], DType::kBFloat16, Layout::kAligned, Preset::kSeedLike,
+                     PolicyLossType::kDapo, ImportanceSamplingLevel::kToken, false});
+  }
+  return cases;
+}
+
+uint64_t seed_of(const LplCase& c) { return std::hash<std::string>{}(case_name(c)); }
+std::string param_name(const ::testing::TestParamInfo<LplCase>& info) { return case_name(info.param); }
+
+class LinearPolicyLossCpu : public ::testing::TestWithParam<LplCase> {};
+class LinearPolicyLossCuda : public ::testing::TestWithParam<LplCase> {};
+
+TEST_P(LinearPolicyLossCpu, MatchesFloat64Reference) {
+  LplInputs in(GetParam(), seed_of(GetParam()));
+  const float up = 1.25f;
+  const Ref ref = reference(in, up, /*want_grads=*/true);
+  const Out want = from_reference(ref);
+  for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+    SCOPED_TRACE(entry_name(e));
+    const Out got = run_backend(in, e, /*dev=*/false, up, &want);
+    expect_outputs(in, e, got, want, ref, "cpu", in.c.dtype, false);
+    if (e == Entry::kForward) continue;
+    // Masked tokens' rows and the unused position are exactly 0.
+    for (int64_t b = 0; b < in.c.B; ++b)
+      for (int64_t l = 0; l < in.Lg; ++l) {
+        if (l < in.c.L && in.w[b * in.c.L + l] != 0) continue;
+        for (int64_t k = 0; k < in.c.H; ++k) ASSERT_EQ(got.dx[(b * in.Lg + l) * in.c.H + k], 0.0) << b << " " << l;
+      }
+  }
+}
+
+TEST_P(LinearPolicyLossCuda, MatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  LplInputs in(GetParam(), seed_of(GetParam()));
+  const float up = 0.75f;
+  const Ref ref = reference(in, up, /*want_grads=*/false);  // tolerance sizes
+  const Out want_fwd = run_backend(in, Entry::kForward, false, up, nullptr);
+  const Out want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+  for (Chunking ch : {Chunking::kDefault, Chunking::kShort, Chunking::kSequences, Chunking::kBudget}) {
+    SCOPED_TRACE(chunking_name(ch));
+    for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+      SCOPED_TRACE(entry_name(e));
+      const Out got = run_backend(in, e, /*dev=*/true, up, &want_fwd, ch);
+      expect_outputs(in, e, got, e == Entry::kForward ? want_fwd : want, ref, "cuda", in.c.dtype, true);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearPolicyLossCpu, ::testing::ValuesIn(make_cases(false)), param_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearPolicyLossCuda, ::testing::ValuesIn(make_cases(true)), param_name);
+
+// float32 gradient outputs for 16-bit inputs (e.g. float32 main gradients).
+TEST(LinearPolicyLoss, Float32GradientsOf16BitInputs) {
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    const LplCase c{3, 40, 64, 3001, DType::kBFloat16, Layout::kShifted, Preset::kFull, PolicyLossType::kBnpo,
+                    ImportanceSamplingLevel::kSequence, true};
+    LplInputs in(c, 17);
+    const Ref ref = reference(in, 1.f, /*want_grads=*/!dev);
+    const Out want = dev ? run_backend(in, Entry::kForwardBackward, false, 1.f, nullptr) : from_reference(ref);
+    for (Chunking ch : {Chunking::kDefault, Chunking::kShort}) {
+      for (Entry e : {Entry::kForwardBackward, Entry::kBackward}) {
+        SCOPED_TRACE(std::string(dev ? "cuda " : "cpu ") + chunking_name(ch) + " " + entry_name(e));
+        const Out got = run_backend(in, e, dev, 1.f, &want, ch, /*f32_grads=*/true);
+        // The CUDA path still rounds the logits' gradient to bf16 before the GEMMs.
+        expect_outputs(in, e, got, want, ref, dev ? "cuda" : "cpu", dev ? DType::kBFloat16 : DType::kFloat32, dev);
+      }
+    }
+  }
+}
+
+// ---- the reference itself: its gradients against central differences over hidden, weight and bias ----------------
+TEST(LinearPolicyLossReference, GradientsMatchFiniteDifferences) {
+  for (Preset preset : {Preset::kFull, Preset::kSeedLike, Preset::kFloatMask}) {
+    for (auto level : {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence}) {
+      const LplCase c{2, 3, 3, 5, DType::kFloat32, Layout::kShifted, preset, PolicyLossType::kGrpo, level, true};
+      LplInputs in(c, 23);
+      const Ref r = reference(in, 1.0, /*want_grads=*/true);
+      const std::vector<double> base = r.logp;  // the detached logp stays at its unperturbed value
+      const double h = 1e-5;
+      auto loss_at = [&](int what, int64_t at, double step) {
+        in.perturb_what = what;
+        in.perturb_at = at;
+        in.perturb_by = step;
+        const Ref q = reference(in, 1.0, /*want_grads=*/false);
+        in.perturb_what = -1;
+        return reference_loss(in, q.logp, base, nullptr);
+      };
+      const std::vector<double>* grads[] = {&r.dx, &r.dw, &r.db};
+      const int64_t sizes[] = {in.hidden.numel(), in.weight.numel(), in.bias.numel()};
+      for (int what = 0; what < 3; ++what)
+        for (int64_t k = 0; k < sizes[what]; ++k) {
+          const double fd = (loss_at(what, k, h) - loss_at(what, k, -h)) / (2 * h);
+          EXPECT_NEAR((*grads[what])[k], fd, 1e-6)
+              << preset_name(preset) << " " << level_name(level) << " input " << what << " element " << k;
+        }
+    }
+  }
+}
+
+// ---- the planner and the chunk sweep (pure host functions) ---------------------------------------------------------
+// Every sweep covers each position once, in order, and each token once, at its own position.
+void expect_sweep_covers(int64_t B, int64_t L, int64_t Lg, int64_t S, int64_t G) {
+  SCOPED_TRACE("B " + std::to_string(B) + " L " + std::to_string(L) + " Lg " + std::to_string(Lg) + " S " +
+               std::to_string(S) + " G " + std::to_string(G));
+  const int64_t R = B * Lg;
+  int64_t next_row = 0, next_token = 0, next_group = 0;
+  lpl::for_each_chunk(
+      R, S, G, Lg, L,
+      [&](const lpl::RowChunk& c, int64_t g0) {
+        ASSERT_EQ(c.row0, next_row);
+        ASSERT_GE(c.rows, 1);
+        ASSERT_LE(c.rows, S);
+        ASSERT_GE(c.row0, g0);
+        ASSERT_LE(c.row0 + c.rows, std::min(R, g0 + G));
+        ASSERT_EQ(c.first_token, next_token);
+        for (int64_t i = 0; i < c.n_tokens; ++i) {
+          const int64_t t = c.first_token + i;
+          ASSERT_EQ(c.row0 + c.token_rows.offset(i), (t / L) * Lg + t % L) << "token " << t;
+        }
+        next_row += c.rows;
+        next_token += c.n_tokens;
+      },
+      [&](int64_t g0, int64_t g1) {
+        ASSERT_EQ(g0, next_group);
+        ASSERT_EQ(g1, next_row);
+        next_group = g1;
+      });
+  EXPECT_EQ(next_row, R);
+  EXPECT_EQ(next_token, B * L);
+}
+
+TEST(LinearPolicyLossPlan, SweepsCoverEveryPositionAndToken) {
+  for (int64_t L : {1, 2, 7, 16}) {
+    for (int64_t B : {1, 3, 5}) {
+      for (int64_t extra : {0, 1}) {
+        for (int64_t S : {1, 3, 8, 17, 40}) {
+          for (int64_t G : {S, 2 * S + 1, int64_t{1000}}) {
+            const int64_t Lg = L + extra;
+            // The planner's rule: sizes of at least a sequence are whole sequences.
+            int64_t s = S, g = G;
+            if (extra && s >= Lg) {
+              s = s / Lg * Lg;
+              g = std::max(g / Lg * Lg, s);
+            }
+            expect_sweep_covers(B, L, Lg, s, g);
+          }
+        }
+      }
+    }
+  }
+}
+
+lpl::PlanInputs plan_in(int64_t B, int64_t L, int64_t Lg, int64_t H, int64_t V, int es, bool grads) {
+  lpl::PlanInputs in;
+  in.grads = grads;
+  in.rows = B * Lg;
+  in.row_len = Lg;
+  in.seq_len = L;
+  in.tokens = B * L;
+  in.h = H;
+  in.v = V;
+  in.elem_bytes = es;
+  in.need_dx = in.need_dw = in.need_db = grads;
+  in.token_logp = in.token_lse = in.token_coeff = grads;
+  in.steps_bytes = 4096;
+  return in;
+}
+
+TEST(LinearPolicyLossPlan, ChunksAreWholeSequencesAndRegionsDisjoint) {
+  // The benchmark's shape: B=8, L=1024, V=150000, H=4096, bf16, 512 MiB.
+  lpl::PlanInputs in = plan_in(8, 1024, 1025, 4096, 150000, 2, true);
+  lpl::Plan p = lpl::plan_linear_policy_loss(in);
+  EXPECT_GE(p.chunk_rows, 1);
+  EXPECT_LE(static_cast<size_t>(p.chunk_rows * p.ld_logits * 4), in.memory_budget);  // a quarter, as in the LCE
+  EXPECT_FALSE(p.dlogits_in_place);
+  EXPECT_EQ(p.ld_logits % 8, 0);
+  // Every position's 16-bit gradient (2.5 GB) fits the budget plus the float32 accumulator it saves (2.5 GB).
+  EXPECT_EQ(p.group_rows, in.rows);
+  EXPECT_FALSE(p.dw_accumulator);
+  // Regions: 256-aligned, disjoint, inside `bytes`.
+  std::vector<std::pair<size_t, size_t>> regions = {
+      {p.off_steps, in.steps_bytes}, {p.off_logp, 4 * 8192}, {p.off_lse, 4 * 8192}, {p.off_coeff, 4 * 8192},
+      {p.off_cublas, p.cublas_bytes}, {p.off_logits, static_cast<size_t>(p.chunk_rows * p.ld_logits * 4)},
+      {p.off_dlogits, static_cast<size_t>(p.group_rows * p.ld_dlogits * 2)}, {p.off_db, 150000 * 4}};
+  std::sort(regions.begin(), regions.end());
+  for (size_t i = 0; i < regions.size(); ++i) {
+    ASSERT_NE(regions[i].first, lpl::Plan::kNone) << i;
+    EXPECT_EQ(regions[i].first % 256, 0u);
+    if (i + 1 < regions.size()) EXPECT_LE(regions[i].first + regions[i].second, regions[i + 1].first);
+    EXPECT_LE(regions[i].first + regions[i].second, p.bytes);
+  }
+
+  // Chunks of at least a sequence are whole sequences; groups too.
+  in = plan_in(6, 20, 21, 64, 1000, 2, true);
+  in.chunk_tokens = 50;
+  p = lpl::plan_linear_policy_loss(in);
+  EXPECT_EQ(p.chunk_rows % 21, 0);
+  EXPECT_EQ(p.group_rows % 21, 0);
+  EXPECT_TRUE(p.dw_accumulator);  // 42 of 126 positions per group
+  EXPECT_NE(p.off_dw, lpl::Plan::kNone);
+  // float32: the gradient overwrites its logits, one chunk per group.
+  in = plan_in(6, 20, 21, 64, 1000, 4, true);
+  in.chunk_tokens = 50;
+  p = lpl::plan_linear_policy_loss(in);
+  EXPECT_TRUE(p.dlogits_in_place);
+  EXPECT_EQ(p.group_rows, p.chunk_rows);
+  EXPECT_EQ(p.off_dlogits, lpl::Plan::kNone);
+  // The forward holds no gradient and no per-token state of its own.
+  in = plan_in(6, 20, 21, 64, 1000, 2, false);
+  in.token_logp = in.token_lse = in.token_coeff = false;
+  p = lpl::plan_linear_policy_loss(in);
+  EXPECT_EQ(p.off_dlogits, lpl::Plan::kNone);
+  EXPECT_EQ(p.off_coeff, lpl::Plan::kNone);
+  EXPECT_EQ(p.off_dw, lpl::Plan::kNone);
+}
+
+// ---- selective log-softmax ----------------------------------------------------------------------------------------
+struct SelCase {
+  int64_t N, H, V;
+  DType dtype;
+  bool padded;
+  double temperature;
+  bool bias;
+};
+std::string sel_name(const SelCase& c) {
+  std::ostringstream os;
+  os << "N" << c.N << "_H" << c.H << "_V" << c.V << "_" << dtype_tag(c.dtype) << (c.padded ? "_padded" : "_contig")
+     << "_T" << static_cast<int>(c.temperature * 10) << (c.bias ? "_bias" : "");
+  return os.str();
+}
+
+struct SelInputs {
+  SelCase c;
+  TestTensor hidden, weight, bias, ids, grad_logp;
+  SelInputs(const SelCase& cs, uint64_t seed) : c(cs) {
+    const int64_t N = c.N, H = c.H, V = c.V;
+    // padded: [2, N/2]-shaped... kept 1-D here: rows with a stride > H, ids strided.
+    hidden = c.padded ? TestTensor(c.dtype, {N, H}, {H + 3, 1}, 1) : TestTensor(c.dtype, {N, H});
+    weight = TestTensor(c.dtype, {V, H});
+    ids = c.padded ? TestTensor(DType::kInt32, {N}, {3}) : TestTensor(DType::kInt64, {N});
+    hidden.fill_storage_nan();
+    hidden.fill_normal(seed, 1.f);
+    weight.fill_normal(seed + 1, 2.f / std::sqrt(static_cast<float>(H)));
+    if (c.bias) {
+      bias = TestTensor(DType::kFloat32, {V});
+      bias.fill_normal(seed + 2, 0.5f);
+    }
+    std::mt19937_64 rng(seed);
+    std::uniform_int_distribution<int64_t> idd(0, V - 1);
+    for (int64_t i = 0; i < N; ++i) ids.set_index(i, idd(rng));
+    grad_logp = TestTensor(DType::kFloat32, {N});
+    std::uniform_real_distribution<float> u(-1.5f, 1.5f);
+    for (int64_t i = 0; i < N; ++i) grad_logp.set(i, u(rng));
+  }
+  TensorView bv(bool dev) const { return c.bias ? bias.view(dev) : TensorView{}; }
+};
+
+struct SelOut {
+  std::vector<double> logp, entropy, lse, dx, dw, db;
+};
+
+SelOut run_selective(SelInputs& in, bool dev, Chunking ch = Chunking::kDefault) {
+  const int64_t N = in.c.N, H = in.c.H, V = in.c.V;
+  LinearSelectiveLogSoftmaxOptions o;
+  o.temperature = in.c.temperature;
+  if (ch == Chunking::kShort) o.chunk_tokens = 3;
+  if (ch == Chunking::kBudget) o.memory_budget = static_cast<size_t>(4 * ((V + 7) / 8 * 8) * 12);
+  TestTensor logp(DType::kFloat32, {N}), ent(DType::kFloat32, {N}), lse(DType::kFloat32, {N});
+  TestTensor gx(in.c.dtype, {N, H}), gw(in.c.dtype, {V, H}), gb(DType::kFloat32, {V});
+  for (TestTensor* t : {&logp, &ent, &lse, &gx, &gw, &gb}) t->fill_storage_nan();
+  if (dev) {
+    for (TestTensor* t : {&in.hidden, &in.weight, &in.ids, &in.grad_logp, &logp, &ent, &lse, &gx, &gw, &gb})
+      t->to_device();
+    if (in.c.bias) in.bias.to_device();
+  }
+  LinearPolicyLossGrads g;
+  g.grad_hidden = gx.view(dev);
+  g.grad_weight = gw.view(dev);
+  if (in.c.bias) g.grad_bias = gb.view(dev);
+  const TensorView h = in.hidden.view(dev), w = in.weight.view(dev), i = in.ids.view(dev);
+  {
+    DeviceScratch ws(dev ? linear_selective_log_softmax_forward_workspace_bytes(h, w, i, o) : 0);
+    linear_selective_log_softmax_forward(h, w, in.bv(dev), i, o, logp.view(dev), ent.view(dev), lse.view(dev),
+                                         ws.ws(), nullptr);
+  }
+  {
+    DeviceScratch ws(dev ? linear_selective_log_softmax_backward_workspace_bytes(h, w, i, o, g) : 0);
+    linear_selective_log_softmax_backward(h, w, in.bv(dev), i, lse.view(dev), in.grad_logp.view(dev), o, g, ws.ws(),
+                                          nullptr);
+  }
+  if (dev) {
+    device_synchronize();
+    for (TestTensor* t : {&logp, &ent, &lse, &gx, &gw, &gb}) t->to_host();
+  }
+  auto doubles = [](const TestTensor& x) {
+    const std::vector<float> f = x.gather_float();
+    return std::vector<double>(f.begin(), f.end());
+  };
+  SelOut r{doubles(logp), doubles(ent), doubles(lse), doubles(gx), doubles(gw), {}};
+  if (in.c.bias) r.db = doubles(gb);
+  return r;
+}
+
+SelOut selective_reference(const SelInputs& in) {
+  const int64_t N = in.c.N, H = in.c.H, V = in.c.V;
+  const double T = in.c.temperature;
+  SelOut r;
+  r.dx.assign(N * H, 0.0);
+  r.dw.assign(V * H, 0.0);
+  r.db.assign(V, 0.0);
+  for (int64_t i = 0; i < N; ++i) {
+    std::vector<double> x(V);
+    double m = -INFINITY;
+    for (int64_t j = 0; j < V; ++j) {
+      double acc = in.c.bias ? in.bias.get(j) : 0.0;
+      for (int64_t k = 0; k < H; ++k) acc += static_cast<double>(in.hidden.get(i * H + k)) * in.weight.get(j * H + k);
+      m = std::max(m, x[j] = acc / T);
+    }
+    double s = 0;
+    for (double v : x) s += std::exp(v - m);
+    const double lse = m + std::log(s);
+    double h = 0;
+    for (double v : x) h -= std::exp(v - lse) * (v - lse);
+    const int64_t t = in.ids.get_index(i);
+    r.logp.push_back(x[t] - lse);
+    r.lse.push_back(lse);
+    r.entropy.push_back(h);
+    for (int64_t j = 0; j < V; ++j) {
+      const double g = in.grad_logp.get(i) * ((j == t) - std::exp(x[j] - lse)) / T;
+      for (int64_t k = 0; k < H; ++k) {
+        r.dx[i * H + k] += g * in.weight.get(j * H + k);
+        r.dw[j * H + k] += g * in.hidden.get(i * H + k);
+      }
+      r.db[j] += g;
+    }
+  }
+  if (!in.c.bias) r.db.clear();
+  return r;
+}
+
+void expect_selective(const SelInputs& in, const SelOut& got, const SelOut& want, const std::string& who) {
+  const DType dt = in.c.dtype;
+  const double u = std::max(1.0, max_abs(want.lse));
+  EXPECT_TRUE(all_close(got.logp, want.logp, tolerance(dt, Quantity::kLse), u, who + " logp"));
+  EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), u, who + " lse"));
+  EXPECT_TRUE(all_close(got.entropy, want.entropy, tolerance(dt, Quantity::kLse), u, who + " entropy"));
+  const Tol tol = tolerance(dt, Quantity::kLceGrad);
+  const double unit = 1.5e-3 / in.c.temperature;
+  EXPECT_TRUE(grad_close(got.dx, want.dx, tol, unit, who + " grad_hidden"));
+  EXPECT_TRUE(grad_close(got.dw, want.dw, tol, unit, who + " grad_weight"));
+  if (in.c.bias) EXPECT_TRUE(grad_close(got.db, want.db, tolerance(DType::kFloat32, Quantity::kLceGrad), unit,
+                                        who + " grad_bias"));
+}
+
+std::vector<SelCase> sel_cases(bool gpu) {
+  std::vector<SelCase> cases;
+  struct Shape {
+    int64_t n, h, v;
+  };
+  const std::vector<Shape> shapes = gpu ? std::vector<Shape>{{0, 64, 5}, {1, 64, 1}, {37, 96, 1000}, {5, 64, 150000},
+                                                             {300, 128, 32003}}
+                                        : std::vector<Shape>{{0, 8, 5}, {1, 4, 1}, {7, 5, 3}, {9, 16, 200}};
+  for (const Shape& s : shapes)
+    for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
+      for (bool padded : {false, true}) cases.push_back({s.n, s.h, s.v, dt, padded, padded ? 0.6 : 1.0, padded});
+  return cases;
+}
+
+class LinearSelectiveLogSoftmaxCpu : public ::testing::TestWithParam<SelCase> {};
+class LinearSelectiveLogSoftmaxCuda : public ::testing::TestWithParam<SelCase> {};
+
+TEST_P(LinearSelectiveLogSoftmaxCpu, MatchesFloat64Reference) {
+  SelInputs in(GetParam(), std::hash<std::string>{}(sel_name(GetParam())));
+  expect_selective(in, run_selective(in, false), selective_reference(in), "cpu");
+}
+
+TEST_P(LinearSelectiveLogSoftmaxCuda, MatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  SelInputs in(GetParam(), std::hash<std::string>{}(sel_name(GetParam())));
+  const SelOut want = run_selective(in, false);
+  for (Chunking ch : {Chunking::kDefault, Chunking::kShort, Chunking::kBudget}) {
+    SCOPED_TRACE(chunking_name(ch));
+    expect_selective(in, run_selective(in, true, ch), want, "cuda");
+  }
+}
+
+std::string sel_param_name(const ::testing::TestParamInfo<SelCase>& info) { return sel_name(info.param); }
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearSelectiveLogSoftmaxCpu, ::testing::ValuesIn(sel_cases(false)), sel_param_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearSelectiveLogSoftmaxCuda, ::testing::ValuesIn(sel_cases(true)), sel_param_name);
+
+// ---- bad input ----------------------------------------------------------------------------------------------------
+std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (kind) *kind = e.kind();
+    return e.what();
+  }
+  return "";
+}
+
+struct Small {
+  TestTensor hidden{DType::kFloat32, {2, 4, 5}}, weight{DType::kFloat32, {6, 5}}, bias{DType::kFloat32, {6}},
+      ids{DType::kInt64, {2, 3}}, adv{DType::kFloat32, {2}}, mask{DType::kInt32, {2, 3}}, ref{DType::kFloat32, {2, 3}},
+      loss{DType::kFloat32, {}}, gx{DType::kFloat32, {2, 4, 5}}, gw{DType::kFloat32, {6, 5}},
+      gb{DType::kFloat32, {6}};
+  LinearPolicyLossOptions opt;
+  Small() {
+    hidden.fill_normal(3, 1.f);
+    weight.fill_normal(4, 1.f);
+    for (int64_t i = 0; i < 6; ++i) ids.set_index(i, i % 6), mask.set_index(i, 1), ref.set(i, -2.f);
+    adv.set(0, 1.f), adv.set(1, -1.f);
+    loss.set(0, 123.f);
+  }
+  LinearPolicyLossInputs in() const {
+    LinearPolicyLossInputs p;
+    p.hidden = hidden.host_view();
+    p.weight = weight.host_view();
+    p.bias = bias.host_view();
+    p.completion_ids = ids.host_view();
+    p.advantages = adv.host_view();
+    p.completion_mask = mask.host_view();
+    p.ref_logp = ref.host_view();
+    return p;
+  }
+  LinearPolicyLossGrads grads() const {
+    LinearPolicyLossGrads g;
+    g.grad_hidden = gx.host_view();
+    g.grad_weight = gw.host_view();
+    g.grad_bias = gb.host_view();
+    return g;
+  }
+  std::string run(const LinearPolicyLossInputs& p, const LinearPolicyLossGrads& g) const {
+    PolicyLossOutputs o;
+    o.loss = loss.host_view();
+    return error_of([&] { linear_policy_loss_forward_backward(p, opt, o, g, {}, {}, nullptr); });
+  }
+};
+
+TEST(LinearPolicyLossErrors, ShapesNameTheArgument) {
+  Small s;
+  EXPECT_EQ(s.run(s.in(), s.grads()), "");
+  s.loss.set(0, 123.f);
+  TestTensor h_long(DType::kFloat32, {2, 5, 5}), h2(DType::kFloat32, {8, 5}), w_h(DType::kFloat32, {6, 4}),
+      b7(DType::kFloat32, {7}), ids3(DType::kInt64, {3, 3}), adv3(DType::kFloat32, {3}), gx_bad(DType::kFloat32, {2, 3, 5}),
+      gw_bad(DType::kFloat32, {5, 5}), h16(DType::kFloat16, {2, 4, 5});
+  auto with = [&](auto f) {
+    LinearPolicyLossInputs p = s.in();
+    LinearPolicyLossGrads g = s.grads();
+    f(p, g);
+    return s.run(p, g);
+  };
+  auto has = [](const std::string& msg, const std::string& what) {
+    return msg.find(what) != std::string::npos ? ::testing::AssertionSuccess()
+                                               : ::testing::AssertionFailure() << "'" << msg << "' lacks '" << what << "'";
+  };
+  EXPECT_TRUE(has(with([&](auto& p, auto&) { p.hidden = h_long.host_view(); }), "hidden: expected shape [2, 4, H]"));
+  EXPECT_TRUE(has(with([&](auto& p, auto&) { p.hidden = h2.host_view(); }), "hidden: expected shape [2, 4, H]"));
+  EXPECT_TRUE(has(with([&](auto& p, auto&) {
+                    p.completion_ids = ids3.host_view();
+                    p.advantages = adv3.host_view();
+                  }),
+                  "hidden: expected shape [3, 4, H]"));
+  EXPECT_TRUE(has(with([&](auto& p, auto&) { p.weight = w_h.host_view(); }), "weight: expected shape [V, 5]"));
+  EXPECT_TRUE(has(with([&](auto& p, auto&) { p.weight = h16.host_view(); }), "weight: expected dtype float32"));
+  EXPECT_TRUE(has(with([&](auto& p, auto&) { p.bias = b7.host_view(); }), "bias: expected shape [6]"));
+  EXPECT_TRUE(has(with([&](auto& p, auto&) { p.advantages = adv3.host_view(); }), "advantages: expected shape [2]"));
+  EXPECT_TRUE(has(with([&](auto&, auto& g) { g.grad_hidden = gx_bad.host_view(); }), "grad_hidden: expected shape"));
+  EXPECT_TRUE(has(with([&](auto&, auto& g) { g.grad_weight = gw_bad.host_view(); }), "grad_weight: expected shape"));
+  EXPECT_TRUE(has(with([&](auto& p, auto&) { p.bias = {}; }), "grad_bias: expected None (there is no bias)"));
+  EXPECT_TRUE(has(with([&](auto& p, auto& g) { g.grad_weight = p.weight; }),
+                  "grad_weight: expected memory that does not overlap weight"));
+  TensorView strided = s.hidden.host_view();
+  strided.strides[2] = 2;
+  EXPECT_TRUE(has(with([&](auto& p, auto&) { p.hidden = strided; }), "hidden: expected a last dimension with stride 1"));
+  EXPECT_EQ(s.loss.get(0), 123.f);  // nothing was written by any failing call
+}
+
+TEST(LinearPolicyLossErrors, OptionsIdsAndBackwardInputs) {
+  Small s;
+  {
+    Small t;
+    t.opt.policy.beta = 0.5;
+    LinearPolicyLossInputs p = t.in();
+    p.ref_logp = {};
+    EXPECT_NE(t.run(p, t.grads()).find("ref_logp: expected a tensor when beta > 0"), std::string::npos);
+  }
+  {
+    Small t;
+    t.opt.memory_budget = 0;
+    EXPECT_NE(t.run(t.in(), t.grads()).find("memory_budget"), std::string::npos);
+    t.opt.memory_budget = 1 << 20;
+    t.opt.chunk_tokens = -1;
+    EXPECT_NE(t.run(t.in(), t.grads()).find("chunk_tokens"), std::string::npos);
+    t.opt.chunk_tokens = 0;
+    t.opt.policy.loss_type = PolicyLossType::kDrGrpo;
+    EXPECT_NE(t.run(t.in(), t.grads()).find("max_completion_length"), std::string::npos);
+  }
+  {
+    Small t;
+    t.ids.set_index(1, 6);  // [0, 1]: masked below, so ignored
+    t.mask.set_index(1, 0);
+    t.ids.set_index(4, -1);  // [1, 1]: the first bad unmasked token
+    Error::Kind kind{};
+    PolicyLossOutputs o;
+    o.loss = t.loss.host_view();
+    const std::string msg =
+        error_of([&] { linear_policy_loss_forward_backward(t.in(), t.opt, o, t.grads(), {}, {}, nullptr); }, &kind);
+    EXPECT_NE(msg.find("completion_ids: expected values in [0, 6) at unmasked tokens, got -1 at [1, 1]"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(kind, Error::Kind::kInvalidArgument);
+    EXPECT_EQ(t.loss.get(0), 123.f);
+  }
+  TestTensor logp5(DType::kFloat32, {5}), lse(DType::kFloat32, {2, 3}), gl(DType::kFloat32, {});
+  EXPECT_NE(error_of([&] {
+              linear_policy_loss_backward(s.in(), s.opt, logp5.host_view(), lse.host_view(), gl.host_view(),
+                                          s.grads(), {}, nullptr);
+            }).find("logp: expected 6 elements"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              linear_policy_loss_backward(s.in(), s.opt, lse.host_view(), lse.host_view(), {}, s.grads(), {}, nullptr);
+            }).find("grad_loss"),
+            std::string::npos);
+}
+
+TEST(LinearPolicyLossErrors, Selective) {
+  TestTensor hidden(DType::kFloat32, {4, 3}), weight(DType::kFloat32, {5, 3}), ids(DType::kInt64, {4}),
+      ids3(DType::kInt64, {3}), logp(DType::kFloat32, {4});
+  hidden.fill_normal(1, 1.f);
+  weight.fill_normal(2, 1.f);
+  for (int64_t i = 0; i < 4; ++i) ids.set_index(i, i);
+  LinearSelectiveLogSoftmaxOptions o;
+  auto fwd = [&](const TensorView& i) {
+    return error_of([&] {
+      linear_selective_log_softmax_forward(hidden.host_view(), weight.host_view(), {}, i, o, logp.host_view(), {}, {},
+                                           {}, nullptr);
+    });
+  };
+  EXPECT_EQ(fwd(ids.host_view()), "");
+  EXPECT_NE(fwd(ids3.host_view()).find("ids: expected shape [4]"), std::string::npos);
+  ids.set_index(2, 5);
+  EXPECT_NE(fwd(ids.host_view()).find("ids: expected values in [0, 5), got 5 at row 2"), std::string::npos);
+  ids.set_index(2, 2);
+  o.temperature = 0;
+  EXPECT_NE(fwd(ids.host_view()).find("temperature"), std::string::npos);
+}
+
+TEST(LinearPolicyLossCudaErrors, BadIdAndWorkspaceOnGpu) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  Small s;
+  s.ids.set_index(3, 6);
+  for (TestTensor* t : {&s.hidden, &s.weight, &s.bias, &s.ids, &s.adv, &s.mask, &s.ref, &s.loss}) t->to_device();
+  LinearPolicyLossInputs p;
+  p.hidden = s.hidden.view(true);
+  p.weight = s.weight.view(true);
+  p.bias = s.bias.view(true);
+  p.completion_ids = s.ids.view(true);
+  p.advantages = s.adv.view(true);
+  p.completion_mask = s.mask.view(true);
+  p.ref_logp = s.ref.view(true);
+  PolicyLossOutputs o;
+  o.loss = s.loss.view(true);
+  EXPECT_NE(error_of([&] { linear_policy_loss_forward(p, s.opt, o, {}, nullptr); }).find("workspace: expected >="),
+            std::string::npos);
+  DeviceScratch ws(linear_policy_loss_forward_workspace_bytes(p, s.opt));
+  const std::string msg = error_of([&] { linear_policy_loss_forward(p, s.opt, o, ws.ws(), nullptr); });
+  EXPECT_NE(msg.find("completion_ids"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[1, 0]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("got 6"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace logitless::test
