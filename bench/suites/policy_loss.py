@@ -15,6 +15,13 @@ own backward is timed; implementations that overwrite their input get a fresh co
 timed region. Losses are checked against a float32 torch computation (the sum over unmasked tokens of the
 per-token loss for the peers, which return per-token losses; the GRPO mean for logitless).
 
+Shapes "BxLxHxV" (four numbers) bench the loss from hidden states instead: logitless.linear_grpo_loss (the
+logits never in memory) against the same loss through materialized logits (hidden @ weight.T in bf16, then
+logitless.grpo_loss in place, or eager torch in float32), every row one forward + backward with gradients for
+hidden and weight. The yardstick there is the three cuBLAS GEMMs any of them must run (X·Wᵀ, dZ·W, dZᵀ·X over
+the B (L+1) positions), timed in the same run; each row's note gives its time over theirs. "peak extra MiB" is
+what a call allocates beyond its inputs, the gradients included (2 (B (L+1) + V) H bytes of them).
+
 LOGITLESS_BENCH_VARIANTS=1 adds rows for each CUDA kernel variant (streaming; clusters of 2, 4, 8 CTAs at 256
 and 512 threads): the data the planner's defaults (src/policy_loss/cuda/plan.h) should follow.
 """
@@ -27,10 +34,10 @@ from typing import List, Optional
 
 import torch
 
-from common import Context, Impl, Row, release, run_impls
+from common import Context, Impl, Row, peak_extra_mib, release, run_impls, time_call
 
-QUICK_SHAPES = ["2x64x32000"]
-DEFAULT_SHAPES = ["8x1024x150000"]
+QUICK_SHAPES = ["2x64x32000", "2x16x64x4096"]
+DEFAULT_SHAPES = ["8x1024x150000", "8x1024x4096x150000"]
 
 DTYPE = torch.bfloat16
 BETA = 0.04
@@ -90,12 +97,127 @@ def _reference(logits, ids, adv, mask, ref):
     return grpo.item(), (w * tok).sum().item()
 
 
+def _linear_reference(hidden, weight, ids, adv, mask, ref):
+    """The GRPO loss of the seed's setting from hidden states in float32 (no TF32), one sequence at a time."""
+    B, L = ids.shape
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        w = weight.float()
+        tok = torch.empty(B, L, device=hidden.device)
+        for b in range(B):
+            lp = (hidden[b, :L].float() @ w.t()).log_softmax(-1).gather(-1, ids[b, :, None])[:, 0]
+            d = ref[b] - lp
+            tok[b] = -adv[b] + BETA * (torch.exp(d) - d - 1)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    m = mask.float()
+    return ((m * tok).sum(-1) / m.sum(-1).clamp(min=1)).mean().item()
+
+
+def _eager_grpo(logits, ids, adv, mask, ref):
+    """The seed's setting in eager torch over given logits, in float32 (what a trainer without fused kernels
+    runs)."""
+    L = ids.shape[1]
+    lp = logits[:, :L].float().log_softmax(-1).gather(-1, ids[..., None])[..., 0]
+    d = ref - lp
+    tok = -adv[:, None] * torch.exp(lp - lp.detach()) + BETA * (torch.exp(d) - d - 1)
+    m = mask.float()
+    return ((m * tok).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+
+
+def _linear_rows(ctx: Context, text: str) -> List[Row]:
+    """linear_grpo_loss against materialized logits, at B completions of L tokens, hidden size H, vocabulary V."""
+    import logitless
+
+    B, L, H, V = (int(x) for x in text.lower().split("x"))
+    N = B * (L + 1)
+    op = "policy_loss (hidden states)"
+    shape = f"B={B} L={L} H={H} V={V} bf16, half of every other sequence masked"
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    hidden = torch.randn(B, L + 1, H, device=ctx.device, dtype=DTYPE, generator=gen)
+    weight = (torch.randn(V, H, device=ctx.device, generator=gen) * (2.0 / H ** 0.5)).to(DTYPE)
+    ids = torch.randint(0, V, (B, L), device=ctx.device, generator=gen)
+    adv = torch.randn(B, device=ctx.device, generator=gen)
+    mask = torch.ones(B, L, dtype=torch.int32, device=ctx.device)
+    mask[::2, L // 2:] = 0
+    with torch.no_grad():  # reference log-probs: the policy's own, perturbed (a realistic KL)
+        ref = logitless.linear_selective_log_softmax(hidden[:, :-1], weight, ids)
+        ref = ref + 0.1 * torch.randn(ref.shape, device=ctx.device, generator=gen)
+        want = _linear_reference(hidden, weight, ids, adv, mask, ref)
+    rows: List[Row] = []
+
+    # The yardstick: the three products over all positions, as torch.matmul runs them (cuBLAS).
+    x, dz = hidden.reshape(N, H), torch.randn(N, V, device=ctx.device, dtype=DTYPE, generator=gen)
+    gemm_ms = 0.0
+    for name, fn in (("cuBLAS X·Wᵀ [N,V]", lambda: torch.matmul(x, weight.t())),
+                     ("cuBLAS dZ·W [N,H]", lambda: torch.matmul(dz, weight)),
+                     ("cuBLAS dZᵀ·X [V,H]", lambda: torch.matmul(dz.t(), x))):
+        ms = time_call(ctx, fn, lambda i: ())
+        gemm_ms += ms
+        rows.append(Row(op=op, shape=shape, impl=name, ms=ms,
+                        note=f"{2.0 * N * H * V / (ms * 1e-3) / 1e12:.3g} TFLOP/s"))
+    rows.append(Row(op=op, shape=shape, impl="3 cuBLAS GEMMs (yardstick)", ms=gemm_ms,
+                    note=f"{6.0 * N * H * V / (gemm_ms * 1e-3) / 1e12:.3g} TFLOP/s"))
+    del x, dz
+    release(ctx)
+
+    kw = dict(completion_mask=mask, ref_logp=ref, beta=BETA)
+
+    def fresh(i):
+        return (_Source.apply(hidden.requires_grad_(True), False), _Source.apply(weight.requires_grad_(True), False))
+
+    def step(fn):
+        def run_step(h, w):
+            loss = fn(h, w)
+            loss.backward()
+            return loss.detach()
+
+        return run_step
+
+    lin = logitless.linear_grpo_loss
+    impls = [
+        ("logitless linear_grpo_loss (gradient in forward)", step(lambda h, w: lin(h, w, ids, adv, **kw)), 1e-3),
+        ("logitless linear_grpo_loss, recompute",
+         step(lambda h, w: lin(h, w, ids, adv, schedule="recompute", **kw)), 1e-3),
+        ("logitless linear_grpo_loss, sequence level (GSPO)",
+         step(lambda h, w: lin(h, w, ids, adv, importance_sampling_level="sequence", **kw)), None),
+        ("torch h @ Wᵀ (bf16) + logitless grpo_loss in place",
+         step(lambda h, w: logitless.grpo_loss(h @ w.t(), ids, adv, inplace_backward=True, **kw)), 2e-2),
+        ("torch h @ Wᵀ (bf16) + eager float32 GRPO", step(lambda h, w: _eager_grpo(h @ w.t(), ids, adv, mask, ref)),
+         2e-2),
+    ]
+    for name, fn, tol in impls:
+        row = Row(op=op, shape=shape, impl=name)
+        try:
+            note = ""
+            if tol is not None:
+                got = float(fn(*fresh(0)))
+                err = abs(got - want) / max(abs(want), 1e-6)
+                note = f"loss rel err {err:.1e}" if err < tol else f"LOSS MISMATCH: {got:.6g} vs {want:.6g}"
+            row.ms = time_call(ctx, fn, fresh)
+            row.peak_extra_mib = peak_extra_mib(ctx, fn, fresh)
+            row.note = "; ".join(n for n in (f"{row.ms / gemm_ms:.2f}x GEMMs", note) if n)
+        except Exception as e:  # one failing peer (OOM) must not end the run
+            row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        release(ctx)
+        rows.append(row)
+    hidden.requires_grad_(False)
+    weight.requires_grad_(False)
+    del hidden, weight
+    release(ctx)
+    return rows
+
+
 def run(ctx: Context, shapes: List[str]) -> List[Row]:
     import logitless
 
     rows: List[Row] = []
     variants = os.environ.get("LOGITLESS_BENCH_VARIANTS", "") not in ("", "0")
     for text in shapes:
+        if text.lower().count("x") == 3:  # BxLxHxV: from hidden states
+            rows += _linear_rows(ctx, text)
+            continue
         B, L, V = parse_shape(text)
         gen = torch.Generator(device=ctx.device).manual_seed(0)
         logits = torch.randn(B, L + 1, V, device=ctx.device, dtype=DTYPE, generator=gen)
