@@ -5,6 +5,7 @@
 #include "common/check.h"
 #include "cross_entropy/problem.h"
 #include "logitless/cross_entropy.h"
+#include "logitless/vocab_parallel.h"
 
 namespace logitless {
 namespace {
@@ -37,9 +38,42 @@ const float* check_row_vector(const TensorView& t, const char* name, int64_t n_r
   return static_cast<const float*>(t.data);
 }
 
-// Validates the inputs shared by all entry points and fills the common part of the problem.
+void check_shard(const VocabShard& shard, int64_t columns) {
+  LOGITLESS_CHECK_ARG(shard.offset >= 0, "shard.offset", "a class index >= 0", shard.offset);
+  LOGITLESS_CHECK_ARG(shard.vocab >= 1 && shard.vocab - shard.offset >= columns, "shard.vocab",
+                      str_cat("the whole vocabulary, >= 1 and >= offset + the shard's ", columns, " classes (",
+                              shard.offset + columns, ")"),
+                      shard.vocab);
+}
+
+// The class weights [V] (V the whole vocabulary), optional.
+void add_weight(Problem& p, const TensorView& weight) {
+  if (!weight.defined()) return;
+  const int64_t V = p.total_vocab();
+  check_dtype(weight, "weight", DType::kFloat32);
+  check_device(weight, "weight", p.device);
+  check_ndim(weight, "weight", 1);
+  LOGITLESS_CHECK_ARG(weight.sizes[0] == V, "weight", str_cat("shape [", V, "] (one weight per class)"),
+                      str_cat("shape ", shape_str(weight)));
+  check_nonnull(weight, "weight");
+  p.weight = static_cast<const float*>(weight.data);
+  p.weight_stride = weight.strides[0];
+}
+
+void fill_options(Problem& p, const CrossEntropyOptions& o) {
+  p.ignore_index = o.ignore_index;
+  p.reduction = o.reduction;
+  p.label_smoothing = static_cast<float>(o.label_smoothing);
+  p.z_loss_scale = static_cast<float>(o.z_loss);
+  p.softcap = static_cast<float>(o.softcap);
+  p.check_targets = o.check_targets;
+  p.algo = o.algo;
+}
+
+// Validates the inputs shared by all entry points and fills the common part of the problem. `shard`: the
+// logits are a vocabulary shard's columns (which may be none), the weight is the whole vocabulary's.
 Problem make_problem(Mode mode, const TensorView& logits, const TensorView& target, const TensorView& weight,
-                     const CrossEntropyOptions& o, const TensorView* grad_logits) {
+                     const CrossEntropyOptions& o, const TensorView* grad_logits, const VocabShard* shard = nullptr) {
   check_options(o);
   check_defined(logits, "logits");
   check_float_dtype(logits, "logits");
@@ -47,9 +81,13 @@ Problem make_problem(Mode mode, const TensorView& logits, const TensorView& targ
   LOGITLESS_CHECK_ARG(logits.device.type == DeviceType::kCPU || logits.device.type == DeviceType::kCUDA,
                       "logits", "a CPU or CUDA tensor", static_cast<int>(logits.device.type));
   const int64_t V = logits.size(-1);
-  LOGITLESS_CHECK_ARG(V >= 1, "logits", "a last dimension (vocabulary) of size >= 1",
-                      str_cat("shape ", shape_str(logits)));
-  LOGITLESS_CHECK_ARG(logits.stride(-1) == 1 || V == 1, "logits", "a last dimension with stride 1",
+  if (shard) {
+    check_shard(*shard, V);
+  } else {
+    LOGITLESS_CHECK_ARG(V >= 1, "logits", "a last dimension (vocabulary) of size >= 1",
+                        str_cat("shape ", shape_str(logits)));
+  }
+  LOGITLESS_CHECK_ARG(logits.stride(-1) == 1 || V <= 1, "logits", "a last dimension with stride 1",
                       str_cat("stride ", logits.stride(-1)));
   check_nonnull(logits, "logits");
   const Device dev = logits.device;
@@ -63,30 +101,16 @@ Problem make_problem(Mode mode, const TensorView& logits, const TensorView& targ
   Problem p;
   p.mode = mode;
   p.vocab = V;
+  p.vocab_offset = shard ? shard->offset : 0;
+  p.vocab_total = shard ? shard->vocab : V;
   p.n_rows = target.numel();
   p.dtype = logits.dtype;
   p.device = dev;
   p.logits = logits.data;
   p.target = target.data;
   p.target_dtype = target.dtype;
-  p.ignore_index = o.ignore_index;
-  p.reduction = o.reduction;
-  p.label_smoothing = static_cast<float>(o.label_smoothing);
-  p.z_loss_scale = static_cast<float>(o.z_loss);
-  p.softcap = static_cast<float>(o.softcap);
-  p.check_targets = o.check_targets;
-  p.algo = o.algo;
-
-  if (weight.defined()) {
-    check_dtype(weight, "weight", DType::kFloat32);
-    check_device(weight, "weight", dev);
-    check_ndim(weight, "weight", 1);
-    LOGITLESS_CHECK_ARG(weight.sizes[0] == V, "weight", str_cat("shape [", V, "] (one weight per class)"),
-                        str_cat("shape ", shape_str(weight)));
-    check_nonnull(weight, "weight");
-    p.weight = static_cast<const float*>(weight.data);
-    p.weight_stride = weight.strides[0];
-  }
+  fill_options(p, o);
+  add_weight(p, weight);
 
   std::vector<const int64_t*> strides = {logits.strides, target.strides};
   if (grad_logits) {
@@ -95,10 +119,10 @@ Problem make_problem(Mode mode, const TensorView& logits, const TensorView& targ
     check_dtype(g, "grad_logits", logits.dtype);
     check_device(g, "grad_logits", dev);
     check_shape(g, "grad_logits", logits, logits.ndim, "the shape of logits");
-    LOGITLESS_CHECK_ARG(g.stride(-1) == 1 || V == 1, "grad_logits", "a last dimension with stride 1",
+    LOGITLESS_CHECK_ARG(g.stride(-1) == 1 || V <= 1, "grad_logits", "a last dimension with stride 1",
                         str_cat("stride ", g.stride(-1)));
     check_nonnull(g, "grad_logits");
-    if (g.data == logits.data) {
+    if (g.data == logits.data && g.numel() > 0) {  // (two empty tensors may both have no storage)
       bool same = true;
       for (int d = 0; d + 1 < logits.ndim; ++d) same = same && (g.strides[d] == logits.strides[d] || g.sizes[d] == 1);
       LOGITLESS_CHECK_ARG(same, "grad_logits", "the strides of logits when it aliases logits (in-place)",
@@ -114,7 +138,7 @@ Problem make_problem(Mode mode, const TensorView& logits, const TensorView& targ
     p.grad_rows = layouts[2];
     LOGITLESS_CHECK_ARG(rows_disjoint(p.grad_rows, V), "grad_logits", "rows that do not overlap",
                         "overlapping rows (a broadcast or too-small stride)");
-    if (p.grad != p.logits && p.n_rows > 0) {
+    if (p.grad != p.logits && p.n_rows > 0 && V > 0) {
       // A separate gradient buffer must not overlap the logits: the kernels read one while writing the other.
       const int64_t es = dtype_size(p.dtype);
       auto span = [&](const void* base, const TensorView& t) {
@@ -225,6 +249,105 @@ void cross_entropy_backward(const TensorView& logits, const TensorView& target, 
                                   per_row ? "one per row for reduction none" : "a scalar for reduction sum or mean");
   p.grad_scale_per_row = per_row;
   check_workspace(p, logits, target, weight, options, workspace);
+  dispatch(p, workspace, stream);
+}
+
+// ---- vocabulary-parallel (include/logitless/vocab_parallel.h) -------------------------------------------------
+
+size_t cross_entropy_shard_workspace_bytes(const TensorView& target, const CrossEntropyOptions& options) {
+  check_defined(target, "target");
+  if (target.device.type != DeviceType::kCUDA) return 0;
+#if defined(LOGITLESS_WITH_CUDA)
+  // Every shard call needs what a call over the same rows does: the scalars and the rows' partial losses.
+  return ce::cuda_workspace_bytes(target.numel(), 0, false, options);
+#else
+  (void)options;
+  return 0;
+#endif
+}
+
+namespace {
+void check_shard_workspace(const Problem& p, const TensorView& target, const CrossEntropyOptions& o, Workspace ws) {
+  const size_t need = cross_entropy_shard_workspace_bytes(target, o);
+  LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
+  LOGITLESS_CHECK_ARG(need == 0 || ws.data != nullptr, "workspace", "a non-null pointer", "nullptr");
+  (void)p;
+}
+
+// partials: float32 [*shape, 4] contiguous, with `lead` leading dimensions of `target`'s shape after `shards`.
+const float* check_partials(const TensorView& t, const TensorView& target, int64_t shards, const Device& dev) {
+  check_defined(t, "partials");
+  check_dtype(t, "partials", DType::kFloat32);
+  check_device(t, "partials", dev);
+  const int64_t want = shards * target.numel() * kShardStats;
+  LOGITLESS_CHECK_ARG(t.ndim >= 1 && t.size(-1) == kShardStats && t.numel() == want, "partials",
+                      str_cat(shards > 1 ? "[R, *, 4]" : "[*, 4]", " with ", want,
+                              " elements (4 per row of target, per shard)"),
+                      str_cat("shape ", shape_str(t)));
+  check_contiguous(t, "partials");
+  check_nonnull(t, "partials");
+  return static_cast<const float*>(t.data);
+}
+}  // namespace
+
+void cross_entropy_shard_partials(const TensorView& logits, const TensorView& target, const TensorView& weight,
+                                  const VocabShard& shard, const CrossEntropyOptions& options,
+                                  const TensorView& partials, Workspace workspace, StreamHandle stream) {
+  Problem p = make_problem(Mode::kPartials, logits, target, weight, options, nullptr, &shard);
+  p.partials = const_cast<float*>(check_partials(partials, target, 1, p.device));
+  check_shard_workspace(p, target, options, workspace);
+  dispatch(p, workspace, stream);
+}
+
+void cross_entropy_shard_finalize(const TensorView& partials, const TensorView& target, const TensorView& weight,
+                                  int64_t vocab, const CrossEntropyOptions& options, const TensorView& loss,
+                                  const TensorView& lse, const TensorView& z_loss, Workspace workspace,
+                                  StreamHandle stream) {
+  check_options(options);
+  check_defined(target, "target");
+  check_index_dtype(target, "target");
+  LOGITLESS_CHECK_ARG(target.device.type == DeviceType::kCPU || target.device.type == DeviceType::kCUDA, "target",
+                      "a CPU or CUDA tensor", static_cast<int>(target.device.type));
+  check_nonnull(target, "target");
+  LOGITLESS_CHECK_ARG(vocab >= 1, "vocab", "the whole vocabulary's size, >= 1", vocab);
+  check_defined(partials, "partials");
+  const int64_t n = target.numel();
+  // R from the partials' size: [R, *, 4] (R = 1 may also come as [*, 4]); with no rows there is nothing to combine.
+  const int64_t per_shard = n * kShardStats;
+  const int64_t shards = per_shard > 0 ? partials.numel() / per_shard : 1;
+  LOGITLESS_CHECK_ARG(shards >= 1, "partials", "every shard's partials, [R, *, 4] with R >= 1",
+                      str_cat("shape ", shape_str(partials)));
+  Problem p;
+  p.mode = Mode::kFinalize;
+  p.device = target.device;
+  p.n_rows = n;
+  p.vocab = vocab;
+  p.vocab_total = vocab;
+  p.target = target.data;
+  p.target_dtype = target.dtype;
+  p.target_rows = collapse_rows(target.sizes, target.ndim, {target.strides}, "target")[0];
+  fill_options(p, options);
+  add_weight(p, weight);
+  p.partials_in = check_partials(partials, target, shards, p.device);
+  p.n_shards = shards;
+  check_outputs(p, loss, lse, z_loss);
+  check_shard_workspace(p, target, options, workspace);
+  dispatch(p, workspace, stream);
+}
+
+void cross_entropy_shard_backward(const TensorView& logits, const TensorView& target, const TensorView& weight,
+                                  const VocabShard& shard, const TensorView& lse, const TensorView& grad_loss,
+                                  const CrossEntropyOptions& options, const TensorView& grad_logits,
+                                  Workspace workspace, StreamHandle stream) {
+  Problem p = make_problem(Mode::kBackward, logits, target, weight, options, &grad_logits, &shard);
+  check_defined(lse, "lse");
+  p.lse_in = check_row_vector(lse, "lse", p.n_rows, p.device, "one per row, from the finalize");
+  check_defined(grad_loss, "grad_loss");
+  const bool per_row = options.reduction == Reduction::kNone;
+  p.grad_scale = check_row_vector(grad_loss, "grad_loss", per_row ? p.n_rows : 1, p.device,
+                                  per_row ? "one per row for reduction none" : "a scalar for reduction sum or mean");
+  p.grad_scale_per_row = per_row;
+  check_shard_workspace(p, target, options, workspace);
   dispatch(p, workspace, stream);
 }
 

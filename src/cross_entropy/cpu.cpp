@@ -1,5 +1,6 @@
 // Cross-entropy on the CPU: the oracle the CUDA kernels are tested against, and a real backend.
 // Per row: two passes (max, then sums) in double, so it is more accurate than any GPU path.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -18,18 +19,31 @@ struct RowResult {
   bool ignored = true;
 };
 
-// Everything about a row that does not depend on the reduction.
+// Everything about a row that does not depend on the reduction. Column j of a row is class offset + j (a
+// vocabulary shard's columns; offset 0 and vocab == V otherwise).
 struct RowContext {
   const Problem& p;
-  double W;  // sum of class weights (V without weights)
+  double W;  // sum of the class weights over the whole vocabulary (V without weights)
+  int64_t V = p.total_vocab();
 
-  double weight(int64_t j) const { return p.weight ? static_cast<double>(p.weight[j * p.weight_stride]) : 1.0; }
+  // The weight of class c (global index).
+  double class_weight(int64_t c) const {
+    return p.weight ? static_cast<double>(p.weight[c * p.weight_stride]) : 1.0;
+  }
+  // The weight of column j.
+  double weight(int64_t j) const { return class_weight(p.vocab_offset + j); }
 
   double capped(double y) const { return p.softcap > 0 ? p.softcap * std::tanh(y / p.softcap) : y; }
 
   int64_t target(int64_t i) const { return load_index(p.target, p.target_dtype, p.target_rows.offset(i)); }
 
-  bool valid(int64_t t) const { return t >= 0 && t < p.vocab; }
+  bool valid(int64_t t) const { return t >= 0 && t < V; }
+
+  // The column of class t in these logits, or -1 when another shard holds it.
+  int64_t column(int64_t t) const {
+    const int64_t c = t - p.vocab_offset;
+    return c >= 0 && c < p.vocab ? c : -1;
+  }
 
   // x_j of row i (after the cap), in double.
   void load_row(int64_t i, std::vector<double>& x) const {
@@ -51,7 +65,20 @@ struct RowContext {
     return m + std::log(s);
   }
 
-  RowResult forward_row(int64_t i, std::vector<double>& x, double* lse_override) const {
+  // The loss of a row from its statistics (the algebra of math.h, in double).
+  RowResult row_result(int64_t t, double lse, double x_t, double swx) const {
+    RowResult r;
+    r.ignored = false;
+    const double eps = p.label_smoothing;
+    double loss = (1 - eps) * class_weight(t) * (lse - x_t);
+    if (eps != 0) loss += eps / static_cast<double>(V) * (W * lse - swx);
+    r.z = p.z_loss_scale * lse * lse;
+    r.loss = loss + r.z;
+    r.lse = lse;
+    return r;
+  }
+
+  RowResult forward_row(int64_t i, std::vector<double>& x) const {
     RowResult r;
     const int64_t t = target(i);
     if (t == p.ignore_index) return r;
@@ -61,18 +88,73 @@ struct RowContext {
       return r;
     }
     load_row(i, x);
-    const double lse = lse_override ? *lse_override : lse_of(x);
-    const double eps = p.label_smoothing, V = static_cast<double>(p.vocab);
-    double loss = (1 - eps) * weight(t) * (lse - x[t]);
-    if (eps != 0) {
-      double swx = 0;
+    double swx = 0;
+    if (p.label_smoothing != 0)
       for (int64_t j = 0; j < p.vocab; ++j) swx += weight(j) * x[j];
-      loss += eps / V * (W * lse - swx);
+    return row_result(t, lse_of(x), x[t], swx);
+  }
+
+  // A shard's partial statistics of row i (include/logitless/vocab_parallel.h), in double, stored as float.
+  void partials_row(int64_t i, std::vector<double>& x, float* out) const {
+    const double inf = std::numeric_limits<double>::infinity();
+    double m = -inf, s = 0, x_t = 0, swx = 0;
+    const int64_t t = target(i);
+    if (t != p.ignore_index && valid(t)) {
+      load_row(i, x);
+      bool nan = false;
+      for (int64_t j = 0; j < p.vocab; ++j) {
+        nan = nan || std::isnan(x[j]);
+        m = x[j] > m ? x[j] : m;
+      }
+      if (nan) {
+        m = s = kNaN;
+      } else if (m == inf) {
+        s = kNaN;
+      } else if (m != -inf) {
+        for (int64_t j = 0; j < p.vocab; ++j) s += std::exp(x[j] - m);
+      }
+      const int64_t c = column(t);
+      if (c >= 0) x_t = x[c];
+      if (p.label_smoothing != 0)
+        for (int64_t j = 0; j < p.vocab; ++j) swx += weight(j) * x[j];
     }
-    r.z = p.z_loss_scale * lse * lse;
-    r.loss = loss + r.z;
-    r.lse = lse;
-    return r;
+    out[0] = static_cast<float>(m);
+    out[1] = static_cast<float>(s);
+    out[2] = static_cast<float>(x_t);
+    out[3] = static_cast<float>(swx);
+  }
+
+  // Row i's loss from every shard's partials (rank order).
+  RowResult finalize_row(int64_t i) const {
+    RowResult r;
+    const int64_t t = target(i);
+    if (t == p.ignore_index) return r;
+    r.ignored = false;
+    if (!valid(t)) {
+      r.loss = r.lse = r.z = kNaN;
+      return r;
+    }
+    const double inf = std::numeric_limits<double>::infinity();
+    const int64_t N = p.n_rows;
+    double M = -inf;
+    bool nan = false;
+    for (int64_t k = 0; k < p.n_shards; ++k) {
+      const double m = p.partials_in[(k * N + i) * 4];
+      nan = nan || std::isnan(m);
+      M = m > M ? m : M;
+    }
+    double lse = kNaN, x_t = 0, swx = 0;
+    if (!nan && std::isfinite(M)) {
+      double s = 0;
+      for (int64_t k = 0; k < p.n_shards; ++k) {
+        const float* q = p.partials_in + (k * N + i) * 4;
+        if (q[0] != -inf) s += static_cast<double>(q[1]) * std::exp(static_cast<double>(q[0]) - M);
+        x_t += q[2];
+        swx += q[3];
+      }
+      lse = M + std::log(s);
+    }
+    return row_result(t, lse, x_t, swx);
   }
 
   // Writes scale * d(loss_i)/d(logits_i) into the gradient row; x holds the row's capped logits.
@@ -87,12 +169,13 @@ struct RowContext {
       for (int64_t j = 0; j < p.vocab; ++j) store_float(p.grad, p.dtype, off + j, NAN);
       return;
     }
-    const double eps = p.label_smoothing, V = static_cast<double>(p.vocab);
-    const double b = scale * (1 - eps) * weight(t);
-    const double c = scale * eps / V;
+    const double eps = p.label_smoothing;
+    const double b = scale * (1 - eps) * class_weight(t);
+    const double c = scale * eps / static_cast<double>(V);
     const double a = b + c * W + scale * 2.0 * p.z_loss_scale * lse;
+    const int64_t tc = column(t);
     for (int64_t j = 0; j < p.vocab; ++j) {
-      double g = a * std::exp(x[j] - lse) - c * weight(j) - (j == t ? b : 0.0);
+      double g = a * std::exp(x[j] - lse) - c * weight(j) - (j == tc ? b : 0.0);
       if (p.softcap > 0) {
         const double u = x[j] / p.softcap;
         g *= 1.0 - u * u;
@@ -105,15 +188,15 @@ struct RowContext {
 }  // namespace
 
 void run_cpu(const Problem& p) {
-  const int64_t N = p.n_rows, V = p.vocab;
-  double W = static_cast<double>(V);
+  const int64_t N = p.n_rows, V = p.vocab, Vt = p.total_vocab();
+  double W = static_cast<double>(Vt);
   if (p.weight) {
     W = 0;
-    for (int64_t j = 0; j < V; ++j) W += p.weight[j * p.weight_stride];
+    for (int64_t j = 0; j < Vt; ++j) W += p.weight[j * p.weight_stride];
   }
   const RowContext ctx{p, W};
   // A thread team costs milliseconds beside PyTorch's own OpenMP runtime: small problems run on one thread.
-  const bool parallel = N * V >= (int64_t{1} << 16);
+  const bool parallel = N * std::max<int64_t>(V, 1) >= (int64_t{1} << 16);
 
   // Targets first: a bad one is reported before any output is written.
   double denom = 0;
@@ -122,11 +205,11 @@ void run_cpu(const Problem& p) {
     if (t == p.ignore_index) continue;
     if (!ctx.valid(t)) {
       if (p.check_targets)
-        throw_invalid(str_cat("target: expected values in [0, ", V, ") or ignore_index (", p.ignore_index,
+        throw_invalid(str_cat("target: expected values in [0, ", Vt, ") or ignore_index (", p.ignore_index,
                               "), got ", t, " at row ", i, " (the first bad row)"));
       continue;  // its loss is NaN; the denominator counts only rows with a valid target
     }
-    denom += ctx.weight(t);
+    denom += ctx.class_weight(t);
   }
   // Mean over no rows is 0 with gradient 0 (documented), not NaN.
   const double inv_denom = p.reduction == Reduction::kMean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
@@ -135,6 +218,16 @@ void run_cpu(const Problem& p) {
     if (!p.grad_scale) return 1.0;
     return p.grad_scale[p.grad_scale_per_row ? i : 0];
   };
+
+  if (p.mode == Mode::kPartials) {
+#pragma omp parallel if (parallel)
+    {
+      std::vector<double> x(static_cast<size_t>(V));
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < N; ++i) ctx.partials_row(i, x, p.partials + i * 4);
+    }
+    return;
+  }
 
   if (p.mode == Mode::kBackward) {
 #pragma omp parallel if (parallel)
@@ -156,7 +249,7 @@ void run_cpu(const Problem& p) {
     std::vector<double> x(static_cast<size_t>(V));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
-      const RowResult r = ctx.forward_row(i, x, nullptr);
+      const RowResult r = p.mode == Mode::kFinalize ? ctx.finalize_row(i) : ctx.forward_row(i, x);
       row_loss[i] = r.loss;
       if (p.lse) p.lse[i] = static_cast<float>(r.lse);
       if (p.z_loss) p.z_loss[i] = static_cast<float>(r.z);

@@ -9,12 +9,17 @@
 
 namespace logitless::ce {
 
-enum class Mode { kForward, kForwardBackward, kBackward };
+// kPartials and kFinalize are the vocabulary-parallel steps (include/logitless/vocab_parallel.h): a shard's
+// partial statistics, and the loss from every shard's partials (no logits).
+enum class Mode { kForward, kForwardBackward, kBackward, kPartials, kFinalize };
 
 struct Problem {
   Mode mode = Mode::kForward;
   int64_t n_rows = 0;
-  int64_t vocab = 0;
+  int64_t vocab = 0;         // columns of the logits (a shard's V_r; kFinalize: the whole vocabulary)
+  int64_t vocab_offset = 0;  // the class of column 0 (a vocabulary shard's offset; 0 otherwise)
+  int64_t vocab_total = 0;   // the whole vocabulary V (0: vocab): targets are valid in [0, V), W and eps / V
+                             // are over it
   DType dtype = DType::kFloat32;  // logits and grad
 
   const void* logits = nullptr;
@@ -22,7 +27,7 @@ struct Problem {
   const void* target = nullptr;
   DType target_dtype = DType::kInt64;
   RowLayout target_rows;
-  const float* weight = nullptr;  // [V] or nullptr
+  const float* weight = nullptr;  // [total_vocab()] (every class, also for a shard) or nullptr
   int64_t weight_stride = 1;
 
   float* loss = nullptr;    // [] (sum/mean) or [N] contiguous (none); unused in kBackward
@@ -33,6 +38,9 @@ struct Problem {
   const float* lse_in = nullptr;      // [N] (kBackward)
   const float* grad_scale = nullptr;  // [] or [N]; kForwardBackward: optional; kBackward: grad_loss
   bool grad_scale_per_row = false;
+  float* partials = nullptr;            // kPartials: [N, 4] out
+  const float* partials_in = nullptr;   // kFinalize: [n_shards, N, 4]
+  int64_t n_shards = 0;
 
   int64_t ignore_index = -100;
   Reduction reduction = Reduction::kMean;
@@ -42,6 +50,8 @@ struct Problem {
   bool check_targets = true;
   CrossEntropyAlgo algo = CrossEntropyAlgo::kAuto;
   Device device;
+
+  int64_t total_vocab() const { return vocab_total > 0 ? vocab_total : vocab; }
 };
 
 void run_cpu(const Problem& p);

@@ -1,12 +1,16 @@
 // Linear cross-entropy: argument validation and dispatch. Every check happens here, before any backend
 // runs, so a bad call never touches memory.
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <utility>
 
 #include "common/check.h"
 #include "linear_cross_entropy/problem.h"
+#include "linear_cross_entropy/cuda/plan.h"
 #include "logitless/linear_cross_entropy.h"
+#include "logitless/vocab_parallel.h"
 
 namespace logitless {
 namespace {
@@ -62,8 +66,10 @@ void check_disjoint(const TensorView& out, const char* out_name, const TensorVie
 }
 
 // hidden, weight and target, and the options: what every entry point (and every workspace query) takes.
+// `shard`: the weight is a vocabulary shard's rows (which may be none); targets and class weights are of the
+// whole vocabulary.
 Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weight, const TensorView& target,
-                     const LinearCrossEntropyOptions& o) {
+                     const LinearCrossEntropyOptions& o, const VocabShard* shard = nullptr) {
   check_options(o);
   check_defined(hidden, "hidden");
   check_float_dtype(hidden, "hidden");
@@ -85,10 +91,19 @@ Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weig
   LOGITLESS_CHECK_ARG(weight.ndim == 2 && weight.sizes[1] == H, "weight", str_cat("shape [V, ", H, "] ([V, H], H from hidden)"),
                       str_cat("shape ", shape_str(weight)));
   const int64_t V = weight.sizes[0];
-  LOGITLESS_CHECK_ARG(V >= 1, "weight", "a vocabulary (first dimension) of size >= 1", str_cat("shape ", shape_str(weight)));
+  if (shard) {
+    LOGITLESS_CHECK_ARG(shard->offset >= 0, "shard.offset", "a class index >= 0", shard->offset);
+    LOGITLESS_CHECK_ARG(shard->vocab >= 1 && shard->vocab - shard->offset >= V, "shard.vocab",
+                        str_cat("the whole vocabulary, >= 1 and >= offset + the shard's ", V, " classes (",
+                                shard->offset + V, ")"),
+                        shard->vocab);
+  } else {
+    LOGITLESS_CHECK_ARG(V >= 1, "weight", "a vocabulary (first dimension) of size >= 1",
+                        str_cat("shape ", shape_str(weight)));
+  }
   LOGITLESS_CHECK_ARG(weight.strides[1] == 1 || H == 1, "weight", "a last dimension with stride 1",
                       str_cat("stride ", weight.strides[1]));
-  LOGITLESS_CHECK_ARG(weight.strides[0] >= H || V == 1, "weight", str_cat("a row stride >= ", H, " (rows that do not overlap)"),
+  LOGITLESS_CHECK_ARG(weight.strides[0] >= H || V <= 1, "weight", str_cat("a row stride >= ", H, " (rows that do not overlap)"),
                       str_cat("stride ", weight.strides[0]));
   check_nonnull(weight, "weight");
 
@@ -103,6 +118,8 @@ Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weig
   p.n_tokens = target.numel();
   p.hidden = H;
   p.vocab = V;
+  p.vocab_offset = shard ? shard->offset : 0;
+  p.vocab_total = shard ? shard->vocab : V;
   p.dtype = hidden.dtype;
   p.device = dev;
   p.options = o;
@@ -111,13 +128,13 @@ Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weig
   const int64_t ld = uniform_row_stride(hidden, "hidden", H);
   p.hidden_uniform = ld >= H;  // stride 0 (a broadcast) or overlapping rows: a GEMM cannot read them in place
   p.hidden_ld = p.hidden_uniform ? ld : H;
-  p.weight = Matrix{weight.data, weight.dtype, V == 1 ? H : weight.strides[0]};
+  p.weight = Matrix{weight.data, weight.dtype, V <= 1 ? H : weight.strides[0]};
   p.target = target.data;
   p.target_dtype = target.dtype;
   p.target_rows = collapse_rows(target.sizes, target.ndim, {target.strides}, "target")[0];
   if (dev.type == DeviceType::kCUDA) {
     check_gemm_extent(p.n_tokens, "hidden", "a token count");
-    check_gemm_extent(V, "weight", "a vocabulary size");
+    check_gemm_extent(p.vocab_total, "weight", "a vocabulary size");
     check_gemm_extent(p.hidden_ld, "hidden", "a row stride");
     check_gemm_extent(p.weight.ld, "weight", "a row stride");
   }
@@ -154,11 +171,11 @@ void add_grads(Problem& p, const TensorView& hidden, const TensorView& weight, c
     check_shape(grad_weight, "grad_weight", weight, 2, "the shape of weight");
     LOGITLESS_CHECK_ARG(grad_weight.strides[1] == 1 || H == 1, "grad_weight", "a last dimension with stride 1",
                         str_cat("stride ", grad_weight.strides[1]));
-    LOGITLESS_CHECK_ARG(grad_weight.strides[0] >= H || V == 1, "grad_weight",
+    LOGITLESS_CHECK_ARG(grad_weight.strides[0] >= H || V <= 1, "grad_weight",
                         str_cat("a row stride >= ", H, " (rows that do not overlap)"),
                         str_cat("stride ", grad_weight.strides[0]));
     check_nonnull(grad_weight, "grad_weight");
-    const int64_t ld = V == 1 ? H : grad_weight.strides[0];
+    const int64_t ld = V <= 1 ? H : grad_weight.strides[0];
     if (p.device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_weight", "a row stride");
     p.grad_weight = Matrix{grad_weight.data, grad_weight.dtype, ld};
   }
@@ -202,8 +219,9 @@ void add_inputs(Problem& p, const TensorView& bias, const TensorView& class_weig
     check_dtype(class_weight, "class_weight", DType::kFloat32);
     check_device(class_weight, "class_weight", p.device);
     check_ndim(class_weight, "class_weight", 1);
-    LOGITLESS_CHECK_ARG(class_weight.sizes[0] == p.vocab, "class_weight",
-                        str_cat("shape [", p.vocab, "] (one weight per class)"), str_cat("shape ", shape_str(class_weight)));
+    LOGITLESS_CHECK_ARG(class_weight.sizes[0] == p.vocab_total, "class_weight",
+                        str_cat("shape [", p.vocab_total, "] (one weight per class)"),
+                        str_cat("shape ", shape_str(class_weight)));
     check_nonnull(class_weight, "class_weight");
     p.class_weight = static_cast<const float*>(class_weight.data);
     p.class_weight_stride = class_weight.strides[0];
@@ -341,6 +359,152 @@ void linear_cross_entropy_backward(const TensorView& hidden, const TensorView& w
   p.lse = check_row_vector(lse, "lse", p.n_tokens, p.device, "one per token, from the forward");
   p.grad_scale = upstream(p, grad_loss, "grad_loss");
   p.grad_scale_per_row = options.reduction == Reduction::kNone;
+  dispatch(p, workspace, stream);
+}
+
+// ---- vocabulary-parallel (include/logitless/vocab_parallel.h) -------------------------------------------------
+
+namespace {
+
+// float32 [shards * rows * 4] contiguous, last dimension 4; 16-byte aligned on CUDA (rows are read as float4).
+float* check_partials(const TensorView& t, int64_t rows, int64_t shards, const Device& dev, const char* what) {
+  check_defined(t, "partials");
+  check_dtype(t, "partials", DType::kFloat32);
+  check_device(t, "partials", dev);
+  const int64_t want = shards * rows * kShardStats;
+  LOGITLESS_CHECK_ARG(t.ndim >= 1 && t.size(-1) == kShardStats && t.numel() == want, "partials",
+                      str_cat(what, " with ", want, " elements"), str_cat("shape ", shape_str(t)));
+  check_contiguous(t, "partials");
+  check_nonnull(t, "partials");
+  LOGITLESS_CHECK_ARG(dev.type != DeviceType::kCUDA || reinterpret_cast<uintptr_t>(t.data) % 16 == 0, "partials",
+                      "a 16-byte aligned pointer", "a misaligned view");
+  return static_cast<float*>(t.data);
+}
+
+}  // namespace
+
+size_t linear_cross_entropy_shard_partials_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                           const TensorView& target, const VocabShard& shard,
+                                                           const LinearCrossEntropyOptions& options) {
+  return workspace_bytes(base_problem(Mode::kPartials, hidden, weight, target, options, &shard));
+}
+
+void linear_cross_entropy_shard_partials(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                         const TensorView& target, const TensorView& class_weight,
+                                         const VocabShard& shard, const LinearCrossEntropyOptions& options,
+                                         const TensorView& partials, Workspace workspace, StreamHandle stream) {
+  Problem p = base_problem(Mode::kPartials, hidden, weight, target, options, &shard);
+  add_inputs(p, bias, class_weight);
+  p.partials = check_partials(partials, p.n_tokens, 1, p.device, "[*, 4] (4 per token)");
+  dispatch(p, workspace, stream);
+}
+
+size_t linear_cross_entropy_shard_backward_workspace_bytes(
+    const TensorView& hidden, const TensorView& weight, const TensorView& target, const TensorView& grad_hidden,
+    const TensorView& grad_weight, const TensorView& grad_bias, const VocabShard& shard,
+    const LinearCrossEntropyOptions& options) {
+  Problem p = base_problem(Mode::kBackward, hidden, weight, target, options, &shard);
+  add_grads(p, hidden, weight, nullptr, grad_hidden, grad_weight, grad_bias);
+  return workspace_bytes(p);
+}
+
+void linear_cross_entropy_shard_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                         const TensorView& target, const TensorView& class_weight,
+                                         const VocabShard& shard, const TensorView& lse, const TensorView& grad_loss,
+                                         const LinearCrossEntropyOptions& options, const TensorView& grad_hidden,
+                                         const TensorView& grad_weight, const TensorView& grad_bias,
+                                         Workspace workspace, StreamHandle stream) {
+  Problem p = base_problem(Mode::kBackward, hidden, weight, target, options, &shard);
+  add_inputs(p, bias, class_weight);
+  add_grads(p, hidden, weight, &bias, grad_hidden, grad_weight, grad_bias);
+  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
+  p.lse = check_row_vector(lse, "lse", p.n_tokens, p.device, "one per token, from the finalize");
+  p.grad_scale = upstream(p, grad_loss, "grad_loss");
+  p.grad_scale_per_row = options.reduction == Reduction::kNone;
+  dispatch(p, workspace, stream);
+}
+
+int64_t linear_cross_entropy_shard_chunk_tokens(int64_t n_tokens, int64_t widest_shard,
+                                                const LinearCrossEntropyOptions& options) {
+  check_options(options);
+  LOGITLESS_CHECK_ARG(n_tokens >= 0, "n_tokens", "a count >= 0", n_tokens);
+  LOGITLESS_CHECK_ARG(widest_shard >= 0, "widest_shard", "a count >= 0", widest_shard);
+  return lce::shard_chunk_tokens(n_tokens, widest_shard, options.chunk_tokens, options.memory_budget);
+}
+
+namespace {
+
+// The common part of a step sequence's calls: the problem with its gradients, its chunk count.
+Problem step_problem(Mode mode, const TensorView& hidden, const TensorView& weight, const TensorView& target,
+                     const TensorView& grad_hidden, const TensorView& grad_weight, const TensorView& grad_bias,
+                     const TensorView* bias, const VocabShard& shard, const LinearCrossEntropyOptions& options,
+                     int64_t* num_chunks) {
+  LOGITLESS_CHECK_ARG(options.chunk_tokens > 0, "options.chunk_tokens",
+                      "the token chunk every rank uses (linear_cross_entropy_shard_chunk_tokens), > 0",
+                      options.chunk_tokens);
+  LOGITLESS_CHECK_ARG(options.reduction != Reduction::kNone, "reduction",
+                      "sum or mean (the gradient in the forward needs the upstream gradient of a scalar)", "none");
+  Problem p = base_problem(mode, hidden, weight, target, options, &shard);
+  add_grads(p, hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
+  *num_chunks = (p.n_tokens + options.chunk_tokens - 1) / options.chunk_tokens;
+  return p;
+}
+
+size_t step_workspace_bytes(const Problem& p) {
+  if (p.device.type == DeviceType::kCPU) return lce::cpu_step_workspace_bytes(p);
+  return workspace_bytes(p);
+}
+
+}  // namespace
+
+LinearCrossEntropyShardSteps linear_cross_entropy_shard_steps(const TensorView& hidden, const TensorView& weight,
+                                                              const TensorView& target, const TensorView& grad_hidden,
+                                                              const TensorView& grad_weight,
+                                                              const TensorView& grad_bias, const VocabShard& shard,
+                                                              const LinearCrossEntropyOptions& options) {
+  LinearCrossEntropyShardSteps out;
+  const Problem p = step_problem(Mode::kStepLogits, hidden, weight, target, grad_hidden, grad_weight, grad_bias,
+                                 nullptr, shard, options, &out.num_chunks);
+  out.chunk_tokens = options.chunk_tokens;
+  out.workspace_bytes = step_workspace_bytes(p);
+  return out;
+}
+
+void linear_cross_entropy_shard_forward_backward_step(
+    ShardStep step, int64_t chunk, const TensorView& partials, const TensorView& hidden, const TensorView& weight,
+    const TensorView& bias, const TensorView& target, const TensorView& class_weight, const VocabShard& shard,
+    const LinearCrossEntropyOptions& options, const TensorView& loss, const TensorView& lse,
+    const TensorView& grad_hidden, const TensorView& grad_weight, const TensorView& grad_bias, Workspace workspace,
+    StreamHandle stream) {
+  LOGITLESS_CHECK_ARG(step == ShardStep::kLogits || step == ShardStep::kGradient, "step", "logits or gradient",
+                      static_cast<int>(step));
+  int64_t chunks = 0;
+  Problem p = step_problem(step == ShardStep::kLogits ? Mode::kStepLogits : Mode::kStepGradient, hidden, weight,
+                           target, grad_hidden, grad_weight, grad_bias, &bias, shard, options, &chunks);
+  LOGITLESS_CHECK_ARG(chunk >= 0 && chunk < chunks, "chunk", str_cat("a chunk in [0, ", chunks, ")"), chunk);
+  add_inputs(p, bias, class_weight);
+  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
+  add_forward_outputs(p, loss, lse);
+  p.step_chunk = chunk;
+  const int64_t rows = std::min(options.chunk_tokens, p.n_tokens - chunk * options.chunk_tokens);
+  if (step == ShardStep::kLogits) {
+    p.partials = check_partials(partials, rows, 1, p.device, "[rows, 4] (this shard's partials of the chunk)");
+  } else {
+    check_defined(partials, "partials");
+    const int64_t shards = partials.numel() / (rows * kShardStats);
+    LOGITLESS_CHECK_ARG(shards >= 1, "partials", "every shard's partials of the chunk, [R, rows, 4] with R >= 1",
+                        str_cat("shape ", shape_str(partials)));
+    p.partials_in = check_partials(partials, rows, shards, p.device, "[R, rows, 4] (every shard's, rank order)");
+    p.n_shards = shards;
+  }
+  const size_t need = step_workspace_bytes(p);
+  LOGITLESS_CHECK_ARG(workspace.bytes >= need, "workspace", str_cat(">= ", need, " bytes (the sequence's)"),
+                      str_cat(workspace.bytes, " bytes"));
+  LOGITLESS_CHECK_ARG(need == 0 || workspace.data != nullptr, "workspace", "a non-null pointer", "nullptr");
+  if (p.device.type == DeviceType::kCPU) {
+    lce::run_cpu_step(p, workspace);
+    return;
+  }
   dispatch(p, workspace, stream);
 }
 

@@ -10,7 +10,9 @@
 
 namespace logitless::lce {
 
-enum class Mode { kForward, kForwardBackward, kBackward };
+// kPartials and the two steps are the vocabulary-parallel calls (include/logitless/vocab_parallel.h): a shard's
+// partial statistics (the recompute schedule's forward), and the gradient-in-forward schedule's steps.
+enum class Mode { kForward, kForwardBackward, kBackward, kPartials, kStepLogits, kStepGradient };
 
 // A 2-D operand with one row stride (what a GEMM can take): element (i, j) at data[i * ld + j].
 struct Matrix {
@@ -23,7 +25,9 @@ struct Problem {
   Mode mode = Mode::kForward;
   int64_t n_tokens = 0;  // N
   int64_t hidden = 0;    // H
-  int64_t vocab = 0;     // V
+  int64_t vocab = 0;     // V: the weight's rows (a vocabulary shard's V_r)
+  int64_t vocab_offset = 0;  // a shard's first class (0 otherwise)
+  int64_t vocab_total = 0;   // the whole vocabulary (== vocab unless sharded): targets and class weights are of it
   DType dtype = DType::kFloat32;  // hidden and weight
   Device device;
 
@@ -41,7 +45,7 @@ struct Problem {
   const void* target = nullptr;
   DType target_dtype = DType::kInt64;
   RowLayout target_rows;
-  const float* class_weight = nullptr;  // [V] or nullptr
+  const float* class_weight = nullptr;  // [vocab_total] or nullptr
   int64_t class_weight_stride = 1;
 
   float* loss = nullptr;      // [] or [N] (none); forward modes
@@ -53,11 +57,20 @@ struct Problem {
   int64_t grad_bias_stride = 1;
   const float* grad_scale = nullptr;  // kForwardBackward: optional upstream factor; kBackward: grad_loss
   bool grad_scale_per_row = false;
+  float* partials = nullptr;             // kPartials, kStepLogits: [rows, 4] out (the whole call's, or the chunk's)
+  const float* partials_in = nullptr;    // kStepGradient: [n_shards, rows of the chunk, 4]
+  int64_t n_shards = 0;
+  int64_t step_chunk = 0;                // the steps' chunk
 
   LinearCrossEntropyOptions options;
+
+  bool sharded() const { return vocab_offset != 0 || vocab != vocab_total; }
 };
 
 void run_cpu(const Problem& p);
+// The steps on the CPU keep their gradient accumulators in the caller's workspace (host memory) between calls.
+size_t cpu_step_workspace_bytes(const Problem& p);
+void run_cpu_step(const Problem& p, Workspace ws);
 
 #if defined(LOGITLESS_WITH_CUDA)
 size_t cuda_workspace_bytes(const Problem& p);

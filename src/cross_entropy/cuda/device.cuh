@@ -42,11 +42,16 @@ __device__ __forceinline__ int64_t load_target(const KernelParams& p, int64_t ro
                        : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[off]);
 }
 
+// Targets are classes of the whole vocabulary (a vocabulary shard sees every row's target, in or out of it).
 enum class RowKind { kValid, kIgnored, kBad };
 __device__ __forceinline__ RowKind classify(const KernelParams& p, int64_t t) {
   if (t == p.ignore_index) return RowKind::kIgnored;
-  return (t >= 0 && t < p.vocab) ? RowKind::kValid : RowKind::kBad;
+  return (t >= 0 && t < p.vocab_total) ? RowKind::kValid : RowKind::kBad;
 }
+
+// The column of class t in these logits: outside [0, vocab) when another shard holds it, which no element
+// index and no chunk position ever equals (so such a row simply has no target term here).
+__device__ __forceinline__ int64_t target_column(const KernelParams& p, int64_t t) { return t - p.vocab_offset; }
 
 __device__ __forceinline__ float capped(const KernelParams& p, float y) {
   // Accurate tanh: the cap multiplies its error by softcap (a 1e-3 relative error at x = 30 would move the
@@ -54,8 +59,14 @@ __device__ __forceinline__ float capped(const KernelParams& p, float y) {
   return p.softcap > 0.f ? p.softcap * tanhf(y / p.softcap) : y;
 }
 
+// The weight of column j (class vocab_offset + j).
 __device__ __forceinline__ float class_weight(const KernelParams& p, int64_t j) {
-  return p.weight ? p.weight[j * p.weight_stride] : 1.f;
+  return p.weight ? p.weight[(p.vocab_offset + j) * p.weight_stride] : 1.f;
+}
+
+// The weight of class t (a row's target, of the whole vocabulary).
+__device__ __forceinline__ float target_weight(const KernelParams& p, int64_t t) {
+  return p.weight ? p.weight[t * p.weight_stride] : 1.f;
 }
 
 // The upstream factor of a row's gradient: 1/denominator for mean, times the incoming gradient if given.
@@ -72,7 +83,7 @@ __device__ __forceinline__ void write_row_outputs(const KernelParams& p, int64_t
   if (kind == RowKind::kBad) {
     loss = lse = zt = NAN;
   } else if (kind == RowKind::kValid) {
-    const LossTerms lt = row_loss(st, class_weight(p, t), p.scalars->weight_sum, p.eps, p.inv_v, p.z);
+    const LossTerms lt = row_loss(st, target_weight(p, t), p.scalars->weight_sum, p.eps, p.inv_v, p.z);
     loss = lt.loss;
     zt = lt.z_term;
     lse = st.lse;
@@ -82,7 +93,14 @@ __device__ __forceinline__ void write_row_outputs(const KernelParams& p, int64_t
   if (p.z_loss) p.z_loss[row] = zt;
 }
 
-// d(loss)/d(logit) of one element with capped value x at class j of a row with target t.
+// A vocabulary shard's partial statistics of a row (thread 0 only): max, sum of exp(x - max), the target's logit
+// (0 when another shard holds it) and sum of w x.
+__device__ __forceinline__ void write_row_partials(const KernelParams& p, int64_t row, float m, float s, float x_t,
+                                                   float swx) {
+  reinterpret_cast<float4*>(p.partials)[row] = make_float4(m, s, x_t, swx);
+}
+
+// d(loss)/d(logit) of one element with capped value x at column j of a row whose target is column t.
 __device__ __forceinline__ float grad_elem(const KernelParams& p, const GradCoeffs& g, float lse_l2, float x,
                                            int64_t j, int64_t t) {
   // p_j = exp(x - lse) = 2^(x log2e - lse log2e)

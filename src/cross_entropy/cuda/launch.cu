@@ -33,10 +33,10 @@ __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const KernelPar
   for (int64_t i = tid; i < p.n_rows; i += blockDim.x) {
     const int64_t t = load_target(p, i);
     const RowKind k = classify(p, t);
-    if (k == RowKind::kValid) denom += class_weight(p, t);
+    if (k == RowKind::kValid) denom += target_weight(p, t);
     if (k == RowKind::kBad && i < bad) bad = i;
   }
-  double wsum = static_cast<double>(p.vocab);
+  double wsum = static_cast<double>(p.vocab_total);  // W is over the whole vocabulary, also for a shard
   for (int o = 16; o > 0; o >>= 1) {
     denom += __shfl_xor_sync(0xFFFFFFFFu, denom, o);
     bad = min(bad, __shfl_xor_sync(0xFFFFFFFFu, bad, o));
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const KernelPar
   __syncthreads();
   if (p.weight && p.eps != 0.f) {  // W is only used by label smoothing
     double w = 0;
-    for (int64_t j = tid; j < p.vocab; j += blockDim.x) w += class_weight(p, j);
+    for (int64_t j = tid; j < p.vocab_total; j += blockDim.x) w += target_weight(p, j);
     for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xFFFFFFFFu, w, o);
     __shared__ double sh_w[kReduceThreads / 32];
     if (lane == 0) sh_w[warp] = w;
@@ -82,6 +82,31 @@ __global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const float* r
   }
 }
 
+// Every shard's partials of each row [n_shards, N] combined in rank order (include/logitless/vocab_parallel.h),
+// then the row's outputs as the row kernels write them. One thread per row: R float4 reads each.
+__global__ void combine_partials_kernel(const KernelParams p, const float4* partials, int64_t n_shards) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.n_rows;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = load_target(p, i);
+    const RowKind kind = classify(p, t);
+    RowStats st{0.f, 0.f, 0.f};
+    if (kind == RowKind::kValid) {
+      float M = -INFINITY;
+      for (int64_t r = 0; r < n_shards; ++r) M = max_nan(M, partials[r * p.n_rows + i].x);
+      float s = 0.f;
+      for (int64_t r = 0; r < n_shards; ++r) {
+        const float4 q = partials[r * p.n_rows + i];
+        if (q.x != -INFINITY) s += q.y * expf(q.x - M);  // accurate exp: R terms per row, not a hot loop
+        st.x_target += q.z;
+        st.sum_wx += q.w;
+      }
+      // NaN, +inf (an infinite logit) or -inf (every logit -inf) as the maximum: NaN, as for one device.
+      st.lse = isfinite(M) ? M + logf(s) : NAN;
+    }
+    write_row_outputs(p, i, kind, st, t);
+  }
+}
+
 KernelParams make_params(const Problem& pr, Scalars* scalars, float* row_loss) {
   KernelParams k;
   k.logits = static_cast<const char*>(pr.logits);
@@ -100,11 +125,14 @@ KernelParams make_params(const Problem& pr, Scalars* scalars, float* row_loss) {
   k.grad_scale = pr.grad_scale;
   k.grad_scale_per_row = pr.grad_scale_per_row;
   k.scalars = scalars;
+  k.partials = pr.partials;
   k.n_rows = pr.n_rows;
   k.vocab = pr.vocab;
+  k.vocab_offset = pr.vocab_offset;
+  k.vocab_total = pr.total_vocab();
   k.ignore_index = pr.ignore_index;
   k.eps = pr.label_smoothing;
-  k.inv_v = 1.f / static_cast<float>(pr.vocab);
+  k.inv_v = 1.f / static_cast<float>(pr.total_vocab());
   k.z = pr.z_loss_scale;
   k.softcap = pr.softcap;
   return k;
@@ -122,7 +150,7 @@ void throw_if_bad_target(const Problem& pr, const Scalars* scalars, cudaStream_t
   const char* addr = static_cast<const char*>(pr.target) + pr.target_rows.offset(first_bad) * es;
   LOGITLESS_CUDA_CHECK(cudaMemcpy(&value, addr, es, cudaMemcpyDeviceToHost));
   if (es == 4) value = static_cast<int32_t>(value & 0xFFFFFFFF);
-  throw_invalid(str_cat("target: expected values in [0, ", pr.vocab, ") or ignore_index (", pr.ignore_index, "), got ",
+  throw_invalid(str_cat("target: expected values in [0, ", pr.total_vocab(), ") or ignore_index (", pr.ignore_index, "), got ",
                         value, " at row ", first_bad, " (the first bad row)"));
 }
 
@@ -141,41 +169,54 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
   DeviceGuard guard(pr.device.index);
   Scalars* scalars = static_cast<Scalars*>(ws.data);
   float* partials = reinterpret_cast<float*>(static_cast<char*>(ws.data) + kScalarsBytes);
-  const bool forward = pr.mode != Mode::kBackward;
-  float* row_loss = forward ? (pr.reduction == Reduction::kNone ? pr.loss : partials) : nullptr;
+  const bool loss_out = pr.mode != Mode::kBackward && pr.mode != Mode::kPartials;
+  float* row_loss = loss_out ? (pr.reduction == Reduction::kNone ? pr.loss : partials) : nullptr;
   const KernelParams kp = make_params(pr, scalars, row_loss);
 
   if (pr.n_rows > 0) {
     prepass_kernel<<<1, kReduceThreads, 0, stream>>>(kp, pr.reduction, scalars);
     LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy prepass");
-    if (pr.check_targets && !stream_is_capturing(stream)) throw_if_bad_target(pr, scalars, stream);
+    const bool checks = pr.mode != Mode::kBackward;  // the backward trusts the forward's check
+    if (checks && pr.check_targets && !stream_is_capturing(stream)) throw_if_bad_target(pr, scalars, stream);
 
     const DeviceInfo& info = device_info(pr.device.index);
-    PlanInputs in;
-    in.vocab = pr.vocab;
-    in.elem_bytes = static_cast<int>(dtype_size(pr.dtype));
-    in.backward_only = pr.mode == Mode::kBackward;
-    in.forward_only = pr.mode == Mode::kForward;
-    in.row_resident_capable = row_resident_available(pr.device.index);
-    in.smem_per_block = info.max_smem_per_block_optin - 4096;  // room for the static shared memory (about 2 KB)
-    in.smem_per_sm = info.max_smem_per_sm;
-    in.requested = pr.algo;
-    Plan plan = plan_cross_entropy(in);
-    if (g_plan_hook) g_plan_hook(plan);
-    if (plan.algo == CrossEntropyAlgo::kAuto)
-      throw_invalid(str_cat("algo: expected an algorithm this GPU can run; row_resident needs a Hopper GPU (sm_90) "
-                            "and rows that fit a cluster's shared memory, got V=",
-                            pr.vocab, " on sm_", info.sm_major, info.sm_minor));
-    int clusters = 0;
-    if (plan.algo == CrossEntropyAlgo::kRowResident) {
-      clusters = launch_row_resident(pr.dtype, kp, plan, stream);
-      if (clusters == 0 && pr.algo == CrossEntropyAlgo::kRowResident)
-        throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
+    if (pr.mode == Mode::kFinalize) {
+      const int64_t blocks = std::min<int64_t>((pr.n_rows + 255) / 256, static_cast<int64_t>(info.sm_count) * 8);
+      combine_partials_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+          kp, reinterpret_cast<const float4*>(pr.partials_in), pr.n_shards);
+      LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy shard finalize");
+    } else if (pr.mode == Mode::kPartials || pr.vocab_offset != 0 || pr.vocab != pr.total_vocab()) {
+      // A vocabulary shard: its partial statistics, or its backward from the global lse. Both read each row once,
+      // which the streaming kernel does on every GPU (the row-resident kernel serves whole rows read twice).
+      launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
+      t_last_launch = debug::LaunchRecord{Plan{}, 0};
+    } else {
+      PlanInputs in;
+      in.vocab = pr.vocab;
+      in.elem_bytes = static_cast<int>(dtype_size(pr.dtype));
+      in.backward_only = pr.mode == Mode::kBackward;
+      in.forward_only = pr.mode == Mode::kForward;
+      in.row_resident_capable = row_resident_available(pr.device.index);
+      in.smem_per_block = info.max_smem_per_block_optin - 4096;  // room for the static shared memory (about 2 KB)
+      in.smem_per_sm = info.max_smem_per_sm;
+      in.requested = pr.algo;
+      Plan plan = plan_cross_entropy(in);
+      if (g_plan_hook) g_plan_hook(plan);
+      if (plan.algo == CrossEntropyAlgo::kAuto)
+        throw_invalid(str_cat("algo: expected an algorithm this GPU can run; row_resident needs a Hopper GPU (sm_90) "
+                              "and rows that fit a cluster's shared memory, got V=",
+                              pr.vocab, " on sm_", info.sm_major, info.sm_minor));
+      int clusters = 0;
+      if (plan.algo == CrossEntropyAlgo::kRowResident) {
+        clusters = launch_row_resident(pr.dtype, kp, plan, stream);
+        if (clusters == 0 && pr.algo == CrossEntropyAlgo::kRowResident)
+          throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
+      }
+      if (clusters == 0) launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
+      t_last_launch = debug::LaunchRecord{plan, clusters};
     }
-    if (clusters == 0) launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
-    t_last_launch = debug::LaunchRecord{plan, clusters};
   }
-  if (forward && pr.reduction != Reduction::kNone) {
+  if (loss_out && pr.reduction != Reduction::kNone) {
     finalize_kernel<<<1, kReduceThreads, 0, stream>>>(partials, pr.n_rows, scalars, pr.loss);
     LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy finalize");
   }

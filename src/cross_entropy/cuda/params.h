@@ -21,7 +21,7 @@ struct KernelParams {
   const void* target = nullptr;
   int target_is64 = 1;
   RowLayout target_rows;
-  const float* weight = nullptr;
+  const float* weight = nullptr;  // [vocab_total]: every class's weight
   int64_t weight_stride = 1;
 
   float* row_loss = nullptr;  // [N]: the loss output for reduction none, workspace partials otherwise
@@ -33,9 +33,13 @@ struct KernelParams {
   const float* grad_scale = nullptr;
   int grad_scale_per_row = 0;
   const Scalars* scalars = nullptr;
+  float* partials = nullptr;  // [N, 4] (16-byte rows): a vocabulary shard's partial statistics, written instead of
+                              // the outputs
 
   int64_t n_rows = 0;
-  int64_t vocab = 0;
+  int64_t vocab = 0;         // columns of the logits: the whole vocabulary, or a shard's slice of it
+  int64_t vocab_offset = 0;  // the class of column 0 (a vocabulary shard's offset)
+  int64_t vocab_total = 0;   // the whole vocabulary: targets are valid in [0, vocab_total), inv_v is its inverse
   int64_t ignore_index = -100;
   float eps = 0.f;      // label smoothing
   float inv_v = 0.f;    // 1 / V

@@ -21,9 +21,16 @@ __global__ void __launch_bounds__(kStreamingThreads) streaming_kernel(const __gr
   for (int64_t row = blockIdx.x; row < p.n_rows; row += gridDim.x) {
     const int64_t t = load_target(p, row);
     const RowKind kind = classify(p, t);
+    const int64_t tc = target_column(p, t);  // == t unless the logits are a vocabulary shard
     char* gdst = p.grad ? p.grad + p.grad_rows.offset(row) * kEs : nullptr;
     if (kind != RowKind::kValid) {
-      if (!kWithLse && tid == 0) write_row_outputs(p, row, kind, RowStats{0.f, 0.f, 0.f}, t);
+      if (!kWithLse && tid == 0) {
+        if (p.partials) {
+          write_row_partials(p, row, -INFINITY, 0.f, 0.f, 0.f);
+        } else {
+          write_row_outputs(p, row, kind, RowStats{0.f, 0.f, 0.f}, t);
+        }
+      }
       if (gdst) {
         const ChunkSpan<T> gspan(gdst, p.vocab);
         float v[kVec];
@@ -57,29 +64,34 @@ __global__ void __launch_bounds__(kStreamingThreads) streaming_kernel(const __gr
         online_add<kVec>(m, se, v);
       }
       // The target logit is read before the block reduction's barriers, hence before any thread of this
-      // CTA can overwrite the row (in place).
+      // CTA can overwrite the row (in place). A vocabulary shard reads it only when it holds the target.
       float x_t = 0.f;
-      if (tid == 0) x_t = capped(p, Vec<T>::load1(src + t * kEs));
+      if (tid == 0 && tc >= 0 && tc < p.vocab) x_t = capped(p, Vec<T>::load1(src + tc * kEs));
       block_online(m, se, swx, red);
+      if (p.partials) {  // a shard's statistics: the exchange and finalize combine them (no gradient here)
+        if (tid == 0) write_row_partials(p, row, m, se, x_t, swx);
+        continue;
+      }
       lse = m == -INFINITY ? NAN : m + logf(se);
       if (tid == 0) write_row_outputs(p, row, kind, RowStats{lse, x_t, swx}, t);
     }
     if (gdst) {
-      const GradCoeffs g = row_grad_coeffs(lse, class_weight(p, t), W, p.eps, p.inv_v, p.z, row_grad_scale(p, row));
+      const GradCoeffs g = row_grad_coeffs(lse, target_weight(p, t), W, p.eps, p.inv_v, p.z, row_grad_scale(p, row));
       const float lse_l2 = lse * kLog2e;
-      const int64_t b = span.mis + t * kEs;
+      // A target column outside the shard gives a chunk index no whole chunk has (negative, or >= q_hi).
+      const int64_t b = span.mis + tc * kEs;
       const int q_t = static_cast<int>(b >> 4), slot_t = static_cast<int>((b & 15) / kEs);
       if ((reinterpret_cast<uintptr_t>(gdst) & 15u) == static_cast<uintptr_t>(span.mis)) {
-        loops.template grad<true>(span.base, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, t, span, gdst);
+        loops.template grad<true>(span.base, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, tc, span, gdst);
       } else {
-        loops.template grad<false>(span.base, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, t, span, gdst);
+        loops.template grad<false>(span.base, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, tc, span, gdst);
       }
       if (part >= 0) {
         float v[kVec];
         const uint32_t mask = load_chunk(span, part, nullptr, v);
 #pragma unroll
         for (int i = 0; i < kVec; ++i)
-          v[i] = (mask >> i) & 1u ? grad_elem(p, g, lse_l2, capped(p, v[i]), span.elem(part, i), t) : 0.f;
+          v[i] = (mask >> i) & 1u ? grad_elem(p, g, lse_l2, capped(p, v[i]), span.elem(part, i), tc) : 0.f;
         store_chunk(span, part, gdst, false, v);
       }
     }

@@ -9,6 +9,12 @@
 //                        buffer; per group: dX_g = dZ_g W, dW (+)= dZ_gᵀ X_g (float32 accumulation), db += Σ dZ
 //   backward:            per vocabulary chunk v: Z = X W_vᵀ (+b_v); dZ from the saved lse; dX (+)= dZ W_v;
 //                        dW_v = dZᵀ X (final: every token is in this product); db_v = Σ dZ
+// and for a vocabulary shard (include/logitless/vocab_parallel.h), whose weight rows are classes offset + j:
+//   partials:            per token chunk: Z = X_c W_rᵀ (+b_r); the cross-entropy family's shard partials
+//   backward:            as above, the gradient kernel comparing targets in global classes
+//   steps:               logits(k): Z_k into slot k % 2, its partials; gradient(k): the family's finalize of the
+//                        chunk's gathered partials -> lse and losses; dZ_k into the group buffer (or in place);
+//                        a group's GEMMs after its last chunk; the last chunk finishes dW, db and the loss
 #include <algorithm>
 
 #include "common/cuda/check.cuh"
@@ -17,6 +23,7 @@
 #include "linear_cross_entropy/cuda/plan.h"
 #include "linear_cross_entropy/problem.h"
 #include "logitless/cross_entropy.h"
+#include "logitless/vocab_parallel.h"
 
 namespace logitless::lce {
 namespace {
@@ -33,8 +40,15 @@ CrossEntropyOptions ce_options(const LinearCrossEntropyOptions& o) {
 }
 
 Pass pass_of(Mode m) {
-  return m == Mode::kForward ? Pass::kForward : m == Mode::kForwardBackward ? Pass::kForwardBackward : Pass::kBackward;
+  switch (m) {
+    case Mode::kForward:
+    case Mode::kPartials: return Pass::kForward;
+    case Mode::kBackward: return Pass::kBackward;
+    default: return Pass::kForwardBackward;
+  }
 }
+
+bool is_step(Mode m) { return m == Mode::kStepLogits || m == Mode::kStepGradient; }
 
 PlanInputs plan_inputs(const Problem& p) {
   PlanInputs in;
@@ -49,7 +63,9 @@ PlanInputs plan_inputs(const Problem& p) {
   in.grad_hidden_f32 = in.need_dx && p.grad_hidden.dtype == DType::kFloat32;
   in.grad_weight_f32 = in.need_dw && p.grad_weight.dtype == DType::kFloat32;
   in.copy_hidden = !p.hidden_uniform;
-  in.reduction_none = p.options.reduction == Reduction::kNone;
+  // The partials go to the caller; no per-token loss is reduced here.
+  in.reduction_none = p.options.reduction == Reduction::kNone || p.mode == Mode::kPartials;
+  in.steps = is_step(p.mode);
   in.chunk_tokens = p.options.chunk_tokens;
   in.chunk_vocab = p.options.chunk_vocab;
   in.memory_budget = p.options.memory_budget;
@@ -74,7 +90,7 @@ void throw_if_bad_target(const Problem& p, const Scalars* scalars, const int64_t
   if (first_bad >= p.n_tokens) return;
   int64_t value = 0;
   LOGITLESS_CUDA_CHECK(cudaMemcpy(&value, targets + first_bad, sizeof(value), cudaMemcpyDeviceToHost));
-  throw_invalid(str_cat("target: expected values in [0, ", p.vocab, ") or ignore_index (", p.options.ignore_index,
+  throw_invalid(str_cat("target: expected values in [0, ", p.vocab_total, ") or ignore_index (", p.options.ignore_index,
                         "), got ", value, " at row ", first_bad, " (the first bad row)"));
 }
 
@@ -122,13 +138,42 @@ struct Run {
                           Workspace{at<char>(plan.off_ce), plan.ce_bytes}, stream);
   }
 
+  VocabShard shard() const { return VocabShard{p.vocab_offset, p.vocab_total}; }
+  TensorView class_weight_view() const {
+    return p.class_weight ? TensorView::make(const_cast<float*>(p.class_weight), DType::kFloat32, p.device,
+                                             {p.vocab_total}, {p.class_weight_stride})
+                          : TensorView{};
+  }
+
+  // A shard's partial statistics of a chunk of float32 logits (the cross-entropy family's).
+  void shard_partials(const float* z, int64_t ld, int64_t r0, int64_t rows, float* out) const {
+    const TensorView zv = TensorView::make(const_cast<float*>(z), DType::kFloat32, p.device, {rows, p.vocab}, {ld, 1});
+    const TensorView tv = TensorView::make(targets + r0, DType::kInt64, p.device, {rows});
+    const TensorView pv = TensorView::make(out, DType::kFloat32, p.device, {rows, kShardStats});
+    cross_entropy_shard_partials(zv, tv, class_weight_view(), shard(), ce_options(p.options), pv,
+                                 Workspace{at<char>(plan.off_ce), plan.ce_bytes}, stream);
+  }
+
+  // The loss rows and lse of a chunk from every shard's partials [R, rows, 4].
+  void shard_finalize(const float* gathered, int64_t r0, int64_t rows, float* loss_rows, float* lse_rows) const {
+    const TensorView gv = TensorView::make(const_cast<float*>(gathered), DType::kFloat32, p.device,
+                                           {p.n_shards, rows, kShardStats});
+    const TensorView tv = TensorView::make(targets + r0, DType::kInt64, p.device, {rows});
+    const TensorView lv = TensorView::make(loss_rows, DType::kFloat32, p.device, {rows});
+    const TensorView sv = TensorView::make(lse_rows, DType::kFloat32, p.device, {rows});
+    cross_entropy_shard_finalize(gv, tv, class_weight_view(), p.vocab_total, ce_options(p.options), lv, sv,
+                                 TensorView{}, Workspace{at<char>(plan.off_ce), plan.ce_bytes}, stream);
+  }
+
   GradParams grad_params() const {
     GradParams g;
     g.scalars = scalars;
     g.ce.vocab = p.vocab;
+    g.ce.vocab_offset = p.vocab_offset;
+    g.ce.vocab_total = p.vocab_total;
     g.ce.ignore_index = p.options.ignore_index;
     g.ce.eps = static_cast<float>(p.options.label_smoothing);
-    g.ce.inv_v = 1.f / static_cast<float>(p.vocab);
+    g.ce.inv_v = 1.f / static_cast<float>(p.vocab_total);
     g.ce.z = static_cast<float>(p.options.z_loss);
     g.ce.softcap = static_cast<float>(p.options.softcap);
     g.ce.weight = p.class_weight;
@@ -210,6 +255,81 @@ struct Run {
     reduce_loss();
   }
 
+  // A shard's partial statistics of every token (the recompute schedule's forward).
+  void partials() const {
+    const int64_t N = p.n_tokens, S = plan.chunk_rows;
+    float* z = at<float>(plan.off_logits);
+    for (int64_t r0 = 0; r0 < N; r0 += S) {
+      const int64_t rows = std::min(S, N - r0);
+      logits(z, plan.ld_logits, r0, rows, 0, p.vocab);
+      shard_partials(z, plan.ld_logits, r0, rows, p.partials + r0 * kShardStats);
+    }
+  }
+
+  // The steps' logits slot of chunk k.
+  float* slot(int64_t k) const { return reinterpret_cast<float*>(ws + plan.off_logits + (k % 2) * plan.slot_bytes); }
+
+  void step_logits() const {
+    const int64_t k = p.step_chunk, S = plan.chunk_rows, r0 = k * S, rows = std::min(S, p.n_tokens - r0);
+    float* db = at<float>(plan.off_db);
+    if (k == 0 && db) LOGITLESS_CUDA_CHECK(cudaMemsetAsync(db, 0, static_cast<size_t>(p.vocab) * 4, stream));
+    logits(slot(k), plan.ld_logits, r0, rows, 0, p.vocab);
+    shard_partials(slot(k), plan.ld_logits, r0, rows, p.partials);
+  }
+
+  // As forward_backward's chunk, from the chunk's gathered partials; the group's GEMMs after its last chunk.
+  void step_gradient() const {
+    const int64_t N = p.n_tokens, H = p.hidden, V = p.vocab, S = plan.chunk_rows, G = plan.group_rows;
+    const int64_t es = dtype_size(p.dtype);
+    const int64_t k = p.step_chunk, r0 = k * S, rows = std::min(S, N - r0);
+    const int64_t g0 = r0 / G * G, grows = std::min(G, N - g0);  // the group: whole chunks
+    float* z = slot(k);
+    char* dz = plan.dlogits_in_place ? reinterpret_cast<char*>(z) : at<char>(plan.off_dlogits);  // in place: G = S
+    float* lse = p.lse ? p.lse : at<float>(plan.off_lse);
+    float* db = at<float>(plan.off_db);
+    float* dw_acc = at<float>(plan.off_dw);
+    shard_finalize(p.partials_in, r0, rows, loss_rows(r0), lse + r0);
+    GradParams g = grad_params();
+    g.logits = z;
+    g.ld_logits = plan.ld_logits;
+    g.dlogits = dz + (r0 - g0) * plan.ld_dlogits * es;
+    g.ld_dlogits = plan.ld_dlogits;
+    g.db_partial = db ? at<float>(plan.off_db_partial) : nullptr;
+    g.target = targets + r0;
+    g.lse = lse + r0;
+    g.rows = rows;
+    g.width = V;
+    g.col0 = 0;
+    launch_grad(g, p.dtype, stream);
+    if (db)
+      launch_column_sums(g.db_partial, (rows + kGradRowsPerBlock - 1) / kGradRowsPerBlock, plan.ld_logits, V, db,
+                         nullptr, DType::kFloat32, 1, stream);
+    if (r0 + rows == g0 + grows) {  // the group's last chunk: its GEMMs
+      if (p.grad_hidden.data) {
+        char* dx = static_cast<char*>(p.grad_hidden.data) + g0 * p.grad_hidden.ld * dtype_size(p.grad_hidden.dtype);
+        if (V == 0) {  // an empty shard contributes nothing (a GEMM over k = 0 would leave dx unwritten)
+          launch_cast(nullptr, 0, grows, H, dx, p.grad_hidden.dtype, p.grad_hidden.ld, 1, sm_count, stream);
+        } else {
+          gemm_row_major(blas, false, false, grows, H, V, dz, plan.ld_dlogits, p.weight.data, p.weight.ld, p.dtype,
+                         dx, p.grad_hidden.ld, p.grad_hidden.dtype, false);
+        }
+      }
+      if (p.grad_weight.data) {
+        void* dw = dw_acc ? static_cast<void*>(dw_acc) : p.grad_weight.data;
+        const int64_t ldw = dw_acc ? H : p.grad_weight.ld;
+        const DType dwt = dw_acc ? DType::kFloat32 : p.grad_weight.dtype;
+        gemm_row_major(blas, true, false, V, H, grows, dz, plan.ld_dlogits, hidden_rows(g0), ldx, p.dtype, dw, ldw, dwt,
+                       /*accumulate=*/g0 > 0);
+      }
+    }
+    if (r0 + rows == N) {  // the last chunk: the gradients and the loss are complete
+      if (dw_acc)
+        launch_cast(dw_acc, H, V, H, p.grad_weight.data, p.grad_weight.dtype, p.grad_weight.ld, 1, sm_count, stream);
+      if (db) launch_cast(db, V, 1, V, p.grad_bias, p.grad_bias_dtype, 0, p.grad_bias_stride, sm_count, stream);
+      reduce_loss();
+    }
+  }
+
   void backward() const {
     const int64_t N = p.n_tokens, H = p.hidden, V = p.vocab, C = plan.vocab_cols;
     float* z = at<float>(plan.off_logits);
@@ -253,10 +373,13 @@ struct Run {
     }
     if (dx_acc)
       launch_cast(dx_acc, H, N, H, p.grad_hidden.data, p.grad_hidden.dtype, p.grad_hidden.ld, 1, sm_count, stream);
+    if (V == 0 && p.grad_hidden.data)  // an empty shard: no vocabulary chunk wrote grad_hidden
+      launch_cast(nullptr, 0, N, H, p.grad_hidden.data, p.grad_hidden.dtype, p.grad_hidden.ld, 1, sm_count, stream);
   }
 
   // No tokens: the sums are empty. grad_hidden has no rows; grad_weight and grad_bias are zero.
   void empty() const {
+    if (p.mode == Mode::kPartials) return;  // no rows of partials
     if (p.mode != Mode::kBackward) reduce_loss();
     if (p.mode == Mode::kForward) return;
     if (p.grad_weight.data)
@@ -288,7 +411,7 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   pp.target_is64 = p.target_dtype == DType::kInt64;
   pp.target_rows = p.target_rows;
   pp.n = p.n_tokens;
-  pp.vocab = p.vocab;
+  pp.vocab = p.vocab_total;  // targets and class weights are of the whole vocabulary (also for a shard)
   pp.ignore_index = p.options.ignore_index;
   pp.class_weight = p.class_weight;
   pp.class_weight_stride = p.class_weight_stride;
@@ -296,9 +419,13 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   pp.need_weight_sum = p.class_weight != nullptr && p.options.label_smoothing != 0.0;
   pp.targets_out = r.targets;
   pp.scalars = r.scalars;
-  launch_prepass(pp, stream);
-  if (p.mode != Mode::kBackward && p.options.check_targets && !stream_is_capturing(stream))
-    throw_if_bad_target(p, r.scalars, r.targets, stream);
+  // The steps of one sequence share the first step's prepass (and its one check) through the workspace.
+  const bool later_step = is_step(p.mode) && !(p.mode == Mode::kStepLogits && p.step_chunk == 0);
+  if (!later_step) {
+    launch_prepass(pp, stream);
+    if (p.mode != Mode::kBackward && p.options.check_targets && !stream_is_capturing(stream))
+      throw_if_bad_target(p, r.scalars, r.targets, stream);
+  }
 
   if (p.n_tokens == 0) {
     r.empty();
@@ -308,8 +435,9 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   r.ldx = p.hidden_ld;
   if (!p.hidden_uniform) {
     void* copy = r.at<void>(plan.off_hidden);
-    launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_tokens, p.hidden, static_cast<int>(dtype_size(p.dtype)), copy,
-                     r.sm_count, stream);
+    if (!later_step)
+      launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_tokens, p.hidden, static_cast<int>(dtype_size(p.dtype)),
+                       copy, r.sm_count, stream);
     r.x = copy;
     r.ldx = p.hidden;
   }
@@ -318,6 +446,9 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
     case Mode::kForward: r.forward(); break;
     case Mode::kForwardBackward: r.forward_backward(); break;
     case Mode::kBackward: r.backward(); break;
+    case Mode::kPartials: r.partials(); break;
+    case Mode::kStepLogits: r.step_logits(); break;
+    case Mode::kStepGradient: r.step_gradient(); break;
   }
 }
 

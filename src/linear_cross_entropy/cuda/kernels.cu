@@ -124,6 +124,7 @@ __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constan
     for (int64_t r = rb * kGradRowsPerBlock; r < r1; ++r) {
       const int64_t t = p.target[r];
       const ce::RowKind kind = ce::classify(p.ce, t);
+      const int64_t tc = ce::target_column(p.ce, t);  // the target's column of a vocabulary shard (== t otherwise)
       float v[kGradCols];
       if (kind == ce::RowKind::kValid) {
         const float* src = p.logits + r * p.ld_logits + c;
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constan
         float scale = inv_denom;
         if (p.upstream) scale *= p.upstream[p.upstream_per_row ? r : 0];
         const ce::GradCoeffs g =
-            ce::row_grad_coeffs(lse, ce::class_weight(p.ce, t), W, p.ce.eps, p.ce.inv_v, p.ce.z, scale);
+            ce::row_grad_coeffs(lse, ce::target_weight(p.ce, t), W, p.ce.eps, p.ce.inv_v, p.ce.z, scale);
         const float lse_l2 = lse * ce::kLog2e;
         const int64_t j0 = p.col0 + c;
         // 16-byte aligned: ld_logits is a multiple of 8 columns, c of 4, and the chunk buffers 256-byte aligned.
@@ -143,13 +144,13 @@ __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constan
         if constexpr (kGeneral) {
           grad_group_values(
               mask, load_full, load_one,
-              [&](float x, int k) { return ce::grad_elem(p.ce, g, lse_l2, ce::capped(p.ce, x), j0 + k, t); }, v);
+              [&](float x, int k) { return ce::grad_elem(p.ce, g, lse_l2, ce::capped(p.ce, x), j0 + k, tc); }, v);
         } else {
           grad_group_values(
               mask, load_full, load_one,
               [&](float x, int k) {
                 const float d = g.a * ce::fast_exp2(fmaf(x, ce::kLog2e, -lse_l2));
-                return j0 + k == t ? d - g.b : d;
+                return j0 + k == tc ? d - g.b : d;
               },
               v);
         }

@@ -30,6 +30,14 @@ class Layout {
 
 }  // namespace
 
+int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens, size_t memory_budget) {
+  const int64_t max_rows = std::max<int64_t>(n, 1);
+  if (chunk_tokens > 0) return std::min(chunk_tokens, max_rows);
+  // 512 tokens at V_r = 64128 with 512 MiB: as many GEMM tiles per logits GEMM as one device's 256-token chunks
+  // at V = 128256, and a chunk's exchange (2048 floats a rank) is hidden behind the next chunk's GEMM.
+  return std::min(fit(std::max<size_t>(memory_budget, 1) / 4, 4 * round_up(widest_shard, 8)), max_rows);
+}
+
 Plan plan_linear_cross_entropy(const PlanInputs& in) {
   Plan p;
   p.pass = in.pass;
@@ -38,7 +46,29 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   const bool grads = in.pass != Pass::kForward;
   p.dlogits_in_place = grads && es == 4;
 
-  if (in.pass != Pass::kBackward) {
+  if (in.steps) {
+    // Chunks of exactly chunk_tokens (every rank's exchange pairs them up). float32 inputs form the gradient in
+    // place in the chunk's slot and run the GEMMs per chunk; 16-bit ones narrow it into a group buffer of whole
+    // chunks that takes the rest of the budget (or every token, when that costs no more than the float32
+    // grad_weight accumulator it saves), as the one-device plan does.
+    p.ld_logits = round_up(V, 8);
+    p.ld_dlogits = p.ld_logits;
+    const int64_t logits_row = 4 * p.ld_logits, grad_row = es * p.ld_logits;
+    const int64_t max_rows = std::max<int64_t>(N, 1);
+    p.chunk_rows = std::max<int64_t>(1, std::min(in.chunk_tokens, max_rows));
+    p.group_rows = p.chunk_rows;
+    const size_t slots = static_cast<size_t>(2 * p.chunk_rows * logits_row);
+    if (!p.dlogits_in_place) {
+      const int64_t all = ceil_div(max_rows, p.chunk_rows) * p.chunk_rows;
+      const int64_t fitted = fit(budget > slots ? budget - slots : 0, grad_row) / p.chunk_rows * p.chunk_rows;
+      p.group_rows = std::min(std::max(fitted, p.chunk_rows), all);
+      const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
+      if (p.group_rows < N && acc > 0 && slots + static_cast<size_t>(all * grad_row) <= budget + acc)
+        p.group_rows = all;
+    }
+    p.dw_accumulator = in.need_dw && !in.grad_weight_f32 && p.group_rows < N;
+    if (in.need_db) p.db_partial_rows = ceil_div(p.chunk_rows, kGradRowsPerBlock);
+  } else if (in.pass != Pass::kBackward) {
     // Token chunks of whole rows: the statistics of a row need all of its V logits.
     p.ld_logits = round_up(V, 8);  // 32-byte float32 rows; 16-byte rows of a 16-bit gradient alike
     const int64_t logits_row = 4 * p.ld_logits;
@@ -113,7 +143,12 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       if (p.dx_accumulator) p.off_dx = L.add(static_cast<size_t>(N * H * 4));
       if (in.need_db) p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
     } else {
-      p.off_logits = L.add(static_cast<size_t>(p.chunk_rows * p.ld_logits * 4));
+      p.slot_bytes = static_cast<size_t>(p.chunk_rows * p.ld_logits * 4);
+      p.off_logits = L.add(p.slot_bytes);
+      if (in.steps) {
+        p.slot_bytes = (p.slot_bytes + 255) / 256 * 256;
+        L.add(p.slot_bytes);  // the second slot, right after the first
+      }
       if (grads) {
         if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(p.group_rows * p.ld_dlogits * es));
         if (p.dw_accumulator) p.off_dw = L.add(static_cast<size_t>(V * H * 4));

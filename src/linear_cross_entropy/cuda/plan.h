@@ -29,6 +29,10 @@ struct PlanInputs {
   bool grad_weight_f32 = false;
   bool copy_hidden = false;        // hidden's rows do not have one stride a GEMM can take
   bool reduction_none = false;     // per-token losses go straight to the output
+  // The vocabulary-parallel gradient-in-forward steps (include/logitless/vocab_parallel.h): pass
+  // kForwardBackward with chunks of exactly chunk_tokens (agreed between the ranks), two float32 logits slots
+  // (a chunk's logits wait in one while the next chunk's are computed), groups of whole chunks.
+  bool steps = false;
   int64_t chunk_tokens = 0;        // options (0: from the budget)
   int64_t chunk_vocab = 0;
   size_t memory_budget = size_t{512} << 20;
@@ -66,7 +70,8 @@ struct Plan {
   size_t off_cublas = kNone;    // cuBLAS's workspace
   size_t cublas_bytes = 0;
   size_t off_hidden = kNone;    // [N, H] contiguous copy of hidden
-  size_t off_logits = kNone;    // float32 logits chunk
+  size_t off_logits = kNone;    // float32 logits chunk (steps: two slots, slot_bytes apart)
+  size_t slot_bytes = 0;
   size_t off_dlogits = kNone;   // the logits' gradient in the inputs' dtype (absent when in place)
   size_t off_dw = kNone;        // float32 [V, H]
   size_t off_dx = kNone;        // float32 [N, H]
@@ -76,6 +81,10 @@ struct Plan {
 };
 
 Plan plan_linear_cross_entropy(const PlanInputs& in);
+
+// The token chunk of the vocabulary-parallel steps: `chunk_tokens` when > 0, else a quarter of the budget over a
+// float32 logits row of the widest shard (the two slots take half of it), in multiples of 128, at most n (>= 1).
+int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens, size_t memory_budget);
 
 // cuBLAS's recommended workspace: 32 MiB on Hopper and later, 4 MiB before.
 inline size_t cublas_workspace_for(int sm_major) { return sm_major >= 9 ? size_t{32} << 20 : size_t{4} << 20; }
