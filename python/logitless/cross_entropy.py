@@ -267,6 +267,7 @@ def cross_entropy(
     *,
     check_targets: bool = True,
     algo: str = "auto",
+    process_group=None,
 ) -> Union[Tensor, Tuple[Tensor, ...]]:
     """Cross-entropy of `logits` [*, V] against class indices `target` [*] (class dimension last).
 
@@ -303,6 +304,13 @@ def cross_entropy(
             synchronization per call; it is skipped anyway while a CUDA graph is captured). False trusts them:
             a bad row then gets a NaN loss and gradient instead of an error.
         algo: CUDA kernel choice, for tests and benchmarks: "auto", "row_resident" (Hopper) or "streaming".
+        process_group: vocabulary parallelism. `logits` [*, V_r] is then this rank's slice of the vocabulary
+            (the ranks' slices in rank order tile [0, V); widths may differ, or be 0), `target` holds global class
+            indices of every row and `weight`, if given, the whole vocabulary's [V]; the result is the unsharded
+            loss, computed with one all_gather of 4 floats per row and rank (no logits gathered), the gradient of
+            each shard's logits without communication. A DTensor `logits` sharded along its last dimension
+            (``Shard(-1)``) does the same over its mesh. Every option works as above (the vocabulary-parallel path
+            runs eagerly: see logitless.vocab_parallel).
 
     Returns:
         The float32 loss ([] for sum/mean, [*] for none), or a tuple ``(loss, lse)``, ``(loss, z_loss)`` or
@@ -327,6 +335,13 @@ def cross_entropy(
         weight = weight.detach().to(torch.float32)
     params = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap), bool(check_targets),
               algo_code)
+
+    from . import vocab_parallel
+    if process_group is not None or vocab_parallel.is_dtensor(logits):
+        loss, lse, z = vocab_parallel.cross_entropy(logits, target, weight, params, inplace_backward, process_group)
+        if not (return_lse or return_z_loss):
+            return loss
+        return (loss,) + ((lse,) if return_lse else ()) + ((z,) if return_z_loss else ())
 
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     if not needs_grad or red == _NONE:

@@ -238,6 +238,8 @@ def linear_cross_entropy(
     chunk_vocab: Optional[int] = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     check_targets: bool = True,
+    process_group=None,
+    sequence_parallel: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Cross-entropy of the logits ``hidden @ weight.T + bias`` against class indices `target`, without
     the logits in memory: ``F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, -2), target.flatten())``
@@ -268,6 +270,18 @@ def linear_cross_entropy(
         check_targets: raise on a target outside [0, V) that is not ignore_index (on CUDA this reads one number
             back, a host synchronization per call; skipped while a CUDA graph is captured, where such a
             token's loss is NaN instead).
+        process_group: vocabulary parallelism (tensor parallelism of the LM head). `weight` [V_r, H] (and `bias`
+            [V_r]) are then this rank's rows of the head, the ranks' rows in rank order tiling [0, V) (widths may
+            differ, or be 0); `hidden` and `target` are every token on every rank; `class_weight`, if given, is the
+            whole vocabulary's [V]. The result is the unsharded loss: the logits are never gathered, the forward
+            exchanges 4 floats per token and rank (per token chunk with gradient_in_forward, overlapped with the
+            next chunk's GEMM), grad_hidden is summed over the ranks (one all_reduce, in float32) and
+            grad_weight / grad_bias are each rank's own. A DTensor `weight` sharded along the vocabulary
+            (``Shard(0)``, with `bias` likewise) does the same over its mesh. Works under FSDP2 (see
+            logitless.vocab_parallel for how each schedule treats a weight regathered for the backward).
+        sequence_parallel: with vocabulary parallelism, `hidden` [*, H] and `target` [*] are this rank's tokens
+            only (the same count on every rank, in rank order); they are all_gathered here, grad_hidden is
+            reduce_scattered back to them, and per-token outputs (reduction none, lse) are this rank's tokens'.
 
     Returns:
         The float32 loss ([] for sum/mean, [*] for none), or ``(loss, lse)`` with return_lse.
@@ -297,9 +311,16 @@ def linear_cross_entropy(
     options = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap or 0.0),
                bool(check_targets), int(chunk_tokens or 0), int(chunk_vocab or 0), int(memory_budget))
 
+    recompute = schedule == "recompute" or (schedule == "auto" and (red == _NONE or hidden.dtype == torch.float16))
+    from . import vocab_parallel
+    if process_group is not None or vocab_parallel.is_dtensor(weight):
+        loss, lse = vocab_parallel.linear_cross_entropy(hidden, weight, target, bias, class_weight, options, recompute,
+                                                        process_group, bool(sequence_parallel))
+        return (loss, lse) if return_lse else loss
+    if sequence_parallel:
+        raise ValueError("sequence_parallel: expected a process_group or a DTensor weight (vocabulary parallelism)")
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                               (bias is not None and bias.requires_grad))
-    recompute = schedule == "recompute" or (schedule == "auto" and (red == _NONE or hidden.dtype == torch.float16))
     if not needs_grad or recompute:
         loss, lse = _forward(hidden, weight, bias, target, class_weight, *options)
     else:

@@ -34,6 +34,7 @@ void bind_linear_cross_entropy(nb::module_& m);
 void bind_linear_policy_loss(nb::module_& m);
 void bind_policy_loss(nb::module_& m);
 void bind_rms_norm(nb::module_& m);
+void bind_vocab_parallel(nb::module_& m);
 
 }  // namespace logitless::bindings
 
@@ -57,4 +58,5 @@ NB_MODULE(_C, m) {
   bindings::bind_linear_policy_loss(m);
   bindings::bind_policy_loss(m);
   bindings::bind_rms_norm(m);
+  bindings::bind_vocab_parallel(m);
 }

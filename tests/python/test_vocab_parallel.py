@@ -1,0 +1,492 @@
+"""Vocabulary parallelism (logitless.cross_entropy / linear_cross_entropy with a process group or a DTensor):
+every rank's loss and gradients against the unsharded call, with ranks spawned on the CPU (gloo; 2 and 3 ranks,
+uneven and empty shards) and on two GPUs (NCCL; skipped with fewer). Every option, every reduction, both
+schedules, sequence parallelism, every token ignored, every target in the last shard, a weight whose storage is
+replaced between forward and backward (as FSDP2 frees and regathers it), bad targets raised on every rank.
+
+The ranks are spawned once per group size (a module fixture) and run one case per test; each case builds the same
+global inputs on every rank from a seed, computes the unsharded reference locally and compares inside the rank.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import logitless
+
+_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, backend, tasks, results):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    # A collective that a failed rank never joins times out instead of hanging the run.
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        name, args = item
+        try:
+            results.put((rank, "ok", globals()[name](rank, world, *args)))
+        except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+            results.put((rank, "err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Ranks:
+    """`world` spawned ranks that run the module's case functions on request."""
+
+    def __init__(self, world: int, backend: str):
+        ctx = mp.get_context("spawn")
+        self.world, self.device = world, "cuda" if backend == "nccl" else "cpu"
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, backend, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, name, *args):
+        for q in self.tasks:
+            q.put((name, args))
+        out, errors = {}, []
+        for _ in range(self.world):
+            rank, status, value = self.results.get(timeout=_TIMEOUT_S)
+            if status == "err":
+                errors.append(f"rank {rank}:\n{value}")
+            out[rank] = value
+        if errors:
+            pytest.fail("\n".join(errors), pytrace=False)
+        return [out[r] for r in range(self.world)]
+
+    def close(self):
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+
+
+@pytest.fixture(scope="module")
+def gloo2():
+    r = _Ranks(2, "gloo")
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def gloo3():
+    r = _Ranks(3, "gloo")
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def nccl2():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available():
+        pytest.skip("needs two CUDA devices and NCCL")
+    if not logitless._C.built_with_cuda():
+        pytest.skip("logitless was built without its CUDA backend")
+    r = _Ranks(2, "nccl")
+    yield r
+    r.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs and checks, inside the ranks.
+
+# Options by name: what each case passes to the loss (on top of the reduction).
+PRESETS = {
+    "plain": {},
+    "ignore": {"ignore_index": -100},
+    "ignore_in_range": {"ignore_index": 2},
+    "smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"z_loss": 1e-2},
+    "softcap": {"softcap": 4.0},
+    "class_weight": {"weight": True},
+    "all": {"label_smoothing": 0.05, "z_loss": 1e-2, "softcap": 8.0, "weight": True, "ignore_index": 2},
+    "all_ignored": {"all_ignored": True},
+    "targets_in_last_shard": {"last_shard": True},
+}
+
+
+def _device(world_device, rank):
+    return torch.device(f"cuda:{rank}") if world_device == "cuda" else torch.device("cpu")
+
+
+def _targets(n, v, preset, last_width, gen, device):
+    opts = PRESETS[preset]
+    ignore = opts.get("ignore_index", -100)
+    t = torch.randint(0, v, (n,), generator=gen)
+    if opts.get("last_shard"):
+        t = torch.randint(v - last_width, v, (n,), generator=gen)
+    t[0] = v - 1  # a target in the last class
+    if ignore == 2:
+        t[t == 2] = v - 1
+    if "ignore_index" in opts or preset == "all":
+        t[1::3] = ignore
+    if opts.get("all_ignored"):
+        t[:] = -100
+    return t.to(device)
+
+
+def _class_weight(v, gen, device):
+    return (torch.rand(v, generator=gen) * 1.75 + 0.25).to(device)
+
+
+def _tols(dtype, device):
+    # CPU: the same float64 math either way, the partials rounded to float32 in between. CUDA: cuBLAS sums the
+    # GEMMs of different shapes in different orders, and 16-bit gradients round at the last bit.
+    if dtype == torch.float32:
+        return (1e-5, 1e-6) if device.type == "cpu" else (2e-4, 2e-5)
+    return (2e-2, 2e-2)
+
+
+def _close(got, want, dtype, device, what):
+    rtol, atol = _tols(dtype, device)
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    scale = max(want.abs().max().item(), 1e-30) if want.numel() else 1.0
+    err = (got - want).abs()
+    bound = atol * scale + rtol * want.abs()
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN patterns differ"
+    ok = (err <= bound) | want.isnan()
+    assert bool(ok.all()), f"{what}: max error {err[~ok].max().item():.3g} (scale {scale:.3g})"
+
+
+def _upstream(loss, gen, device):
+    # A random upstream gradient: per row for reduction none, a scalar otherwise.
+    return (torch.rand(loss.shape, generator=gen) + 0.5).to(device)
+
+
+def _widths_of(rank, world, v):
+    # torch.chunk's split (what a DTensor Shard places).
+    chunk = -(-v // world)
+    return [max(0, min(v, (r + 1) * chunk) - min(v, r * chunk)) for r in range(world)]
+
+
+def _mesh(device, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world,))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Case functions (run on every rank: first arguments rank, world).
+
+
+def _ce_case(rank, world, dev, widths, dtype_name, preset, reduction, inplace, return_z, use_dtensor):
+    device = _device(dev, rank)
+    dtype = getattr(torch, dtype_name)
+    v = sum(widths)
+    if use_dtensor:
+        widths = _widths_of(rank, world, v)
+    off, width = sum(widths[:rank]), widths[rank]
+    gen = torch.Generator().manual_seed(1234 + v)
+    n = 11
+    logits = (torch.randn(n, v, generator=gen) * 3).to(device, dtype)
+    target = _targets(n, v, preset, [w for w in widths if w][-1], gen, device)
+    opts = dict(PRESETS[preset])
+    weight = _class_weight(v, gen, device) if opts.pop("weight", False) else None
+    for k in ("all_ignored", "last_shard"):
+        opts.pop(k, None)
+    kw = dict(opts, reduction=reduction, return_lse=True, return_z_loss=return_z)
+
+    x = logits.clone().requires_grad_(True)
+    ref = logitless.cross_entropy(x * 1, target, weight, **kw)
+    up = _upstream(ref[0], gen, device)
+    (ref[0] * up).sum().backward()
+
+    leaf = logits[:, off:off + width].clone().requires_grad_(True)
+    if use_dtensor:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        leaf = distribute_tensor(logits.clone(), _mesh(device, world), [Shard(1)]).requires_grad_(True)
+        got = logitless.cross_entropy(leaf * 1, target, weight, inplace_backward=inplace, **kw)
+    else:
+        got = logitless.cross_entropy(leaf * 1, target, weight, inplace_backward=inplace,
+                                      process_group=dist.group.WORLD, **kw)
+    (got[0] * up).sum().backward()
+    grad = leaf.grad.to_local() if use_dtensor else leaf.grad
+    for name, a, b in zip(("loss", "lse", "z_loss"), got, ref):
+        _close(a, b, torch.float32, device, name)
+    _close(grad, x.grad[:, off:off + width], dtype, device, "grad_logits")
+    if preset == "all_ignored" and reduction == "mean":
+        assert float(got[0]) == 0.0 and not grad.any()
+
+
+def _lce_case(rank, world, dev, widths, dtype_name, preset, reduction, schedule, sequence_parallel, bias,
+              use_dtensor, lse_out):
+    device = _device(dev, rank)
+    dtype = getattr(torch, dtype_name)
+    v = sum(widths)
+    if use_dtensor:
+        widths = _widths_of(rank, world, v)
+    off, width = sum(widths[:rank]), widths[rank]
+    gen = torch.Generator().manual_seed(4321 + v)
+    n, h = 12, 16
+    hidden = torch.randn(n, h, generator=gen).to(device, dtype)
+    weight = (torch.randn(v, h, generator=gen) * (2.0 / math.sqrt(h))).to(device, dtype)
+    b = (torch.randn(v, generator=gen) * 0.5).to(device, dtype) if bias else None
+    target = _targets(n, v, preset, [w for w in widths if w][-1], gen, device)
+    opts = dict(PRESETS[preset])
+    class_weight = _class_weight(v, gen, device) if opts.pop("weight", False) else None
+    for k in ("all_ignored", "last_shard"):
+        opts.pop(k, None)
+    kw = dict(opts, reduction=reduction, schedule=schedule, class_weight=class_weight, return_lse=lse_out)
+
+    hx, wx = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    bx = b.clone().requires_grad_(True) if bias else None
+    ref = logitless.linear_cross_entropy(hx, wx, target, bx, **kw)
+    ref_loss, ref_lse = ref if lse_out else (ref, None)
+    up = _upstream(ref_loss, gen, device)
+    (ref_loss * up).sum().backward()
+
+    rows = slice(None)
+    if sequence_parallel:
+        per = n // world
+        rows = slice(rank * per, (rank + 1) * per)
+    hl = hidden[rows].clone().requires_grad_(True)
+    if use_dtensor:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = _mesh(device, world)
+        wl = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_(True)
+        bl = distribute_tensor(b.clone(), mesh, [Shard(0)]).requires_grad_(True) if bias else None
+        got = logitless.linear_cross_entropy(hl, wl, target[rows], bl, sequence_parallel=sequence_parallel, **kw)
+    else:
+        wl = weight[off:off + width].clone().requires_grad_(True)
+        bl = b[off:off + width].clone().requires_grad_(True) if bias else None
+        got = logitless.linear_cross_entropy(hl, wl, target[rows], bl, process_group=dist.group.WORLD,
+                                             sequence_parallel=sequence_parallel, **kw)
+    loss, lse = got if lse_out else (got, None)
+    up_local = up[rows] if (reduction == "none" and sequence_parallel) else up
+    (loss * up_local).sum().backward()
+
+    _close(loss, ref_loss[rows] if reduction == "none" else ref_loss, torch.float32, device, "loss")
+    if lse_out:
+        _close(lse, ref_lse[rows], torch.float32, device, "lse")
+    local = (lambda g: g.to_local()) if use_dtensor else (lambda g: g)
+    _close(hl.grad, hx.grad[rows], dtype, device, "grad_hidden")
+    _close(local(wl.grad), wx.grad[off:off + width], dtype, device, "grad_weight")
+    if bias:
+        _close(local(bl.grad), bx.grad[off:off + width], dtype, device, "grad_bias")
+
+
+def _regathered_weight_case(rank, world, dev, schedule, how):
+    """The weight's storage is replaced between forward and backward (FSDP2 frees the unsharded weight after the
+    forward and regathers it, into new memory, for the backward): the backward must read the new storage."""
+    device = _device(dev, rank)
+    widths = [9, 14, 0][:world] if world == 3 else [9, 14]
+    v = sum(widths)
+    off, width = sum(widths[:rank]), widths[rank]
+    gen = torch.Generator().manual_seed(99)
+    n, h = 10, 8
+    hidden = torch.randn(n, h, generator=gen).to(device)
+    weight = (torch.randn(v, h, generator=gen) * 0.5).to(device)
+    target = torch.randint(0, v, (n,), generator=gen).to(device)
+    hx, wx = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logitless.linear_cross_entropy(hx, wx, target, schedule=schedule).backward()
+
+    hl = hidden.clone().requires_grad_(True)
+    wl = weight[off:off + width].clone().requires_grad_(True)
+    loss = logitless.linear_cross_entropy(hl, wl, target, schedule=schedule, process_group=dist.group.WORLD)
+    values = wl.detach().clone()
+    if how == "resize":  # FSDP2's way: the same tensor, its storage freed and allocated anew
+        storage = wl.untyped_storage()
+        nbytes = storage.nbytes()
+        storage.resize_(0)
+        storage.resize_(nbytes)
+        wl.data.copy_(values)
+    else:  # new storage under the same tensor, the old one poisoned
+        old = wl.data
+        wl.data = values.clone()
+        old.fill_(float("nan"))
+    loss.backward()
+    _close(hl.grad, hx.grad, torch.float32, device, "grad_hidden")
+    _close(wl.grad, wx.grad[off:off + width], torch.float32, device, "grad_weight")
+
+
+def _bad_target_case(rank, world, dev, linear):
+    device = _device(dev, rank)
+    v, widths = 12, [5, 7, 0][:world] if world == 3 else [5, 7]
+    off, width = sum(widths[:rank]), widths[rank]
+    target = torch.tensor([3, 11, 12, -100], device=device)  # 12 is outside [0, 12) on every rank
+    with pytest.raises(ValueError, match=r"expected values in \[0, 12\).*row 2"):
+        if linear:
+            logitless.linear_cross_entropy(torch.randn(4, 6, device=device),
+                                           torch.randn(width, 6, device=device), target,
+                                           process_group=dist.group.WORLD)
+        else:
+            logitless.cross_entropy(torch.randn(4, width, device=device), target, process_group=dist.group.WORLD)
+    # The group still works afterwards: every rank raised before any exchange.
+    t = torch.ones(1, device=device)
+    dist.all_reduce(t)
+    assert float(t) == world
+
+
+def _no_tokens_case(rank, world, dev, schedule):
+    device = _device(dev, rank)
+    widths = [3, 4, 2][:world] if world == 3 else [3, 4]
+    off, width = sum(widths[:rank]), widths[rank]
+    hl = torch.randn(0, 5, device=device, requires_grad=True)
+    wl = torch.randn(width, 5, device=device, requires_grad=True)
+    loss = logitless.linear_cross_entropy(hl, wl, torch.zeros(0, dtype=torch.long, device=device), schedule=schedule,
+                                          process_group=dist.group.WORLD)
+    loss.backward()
+    assert float(loss) == 0.0 and hl.grad.shape == (0, 5) and not wl.grad.any()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tests on the CPU (gloo).
+
+CE_PRESETS = ["plain", "ignore", "ignore_in_range", "smoothing", "z_loss", "softcap", "class_weight", "all",
+              "all_ignored", "targets_in_last_shard"]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("preset", CE_PRESETS)
+def test_cross_entropy_two_ranks(gloo2, preset, reduction):
+    gloo2.run("_ce_case", "cpu", [17, 20], "float32", preset, reduction, False, True, False)
+
+
+@pytest.mark.parametrize("preset", ["all", "targets_in_last_shard", "all_ignored"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_three_uneven_ranks_with_an_empty_shard(gloo3, preset, reduction):
+    gloo3.run("_ce_case", "cpu", [4, 0, 33], "float32", preset, reduction, False, True, False)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cross_entropy_inplace_backward(gloo2, gloo3, world):
+    ranks = gloo2 if world == 2 else gloo3
+    ranks.run("_ce_case", "cpu", [20, 7, 10][:world], "float32", "all", "mean", True, False, False)
+
+
+def test_cross_entropy_bfloat16(gloo2):
+    gloo2.run("_ce_case", "cpu", [30, 7], "bfloat16", "all", "sum", False, False, False)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cross_entropy_dtensor_logits(gloo2, gloo3, world):
+    (gloo2 if world == 2 else gloo3).run("_ce_case", "cpu", [37], "float32", "all", "mean", False, True, True)
+
+
+LCE_PRESETS = ["plain", "ignore", "smoothing", "z_loss", "softcap", "class_weight", "all", "all_ignored",
+               "targets_in_last_shard"]
+
+
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("preset", LCE_PRESETS)
+def test_linear_cross_entropy_two_ranks(gloo2, preset, reduction, schedule):
+    gloo2.run("_lce_case", "cpu", [13, 16], "float32", preset, reduction, schedule, False, preset == "all", False,
+              True)
+
+
+@pytest.mark.parametrize("preset", ["plain", "all"])
+def test_linear_cross_entropy_reduction_none(gloo2, preset):
+    gloo2.run("_lce_case", "cpu", [13, 16], "float32", preset, "none", "auto", False, True, False, True)
+
+
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+@pytest.mark.parametrize("preset", ["all", "targets_in_last_shard", "all_ignored"])
+def test_linear_cross_entropy_three_uneven_ranks_with_an_empty_shard(gloo3, preset, schedule):
+    gloo3.run("_lce_case", "cpu", [2, 25, 0], "float32", preset, "mean", schedule, False, True, False, True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("reduction,schedule", [("mean", "gradient_in_forward"), ("sum", "recompute"),
+                                                ("none", "recompute")])
+def test_linear_cross_entropy_sequence_parallel(gloo2, gloo3, world, reduction, schedule):
+    (gloo2 if world == 2 else gloo3).run("_lce_case", "cpu", [11, 9, 5][:world], "float32", "all", reduction,
+                                         schedule, True, True, False, True)
+
+
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+def test_linear_cross_entropy_dtensor_weight(gloo3, schedule):
+    # 29 classes over 3 ranks: torch.chunk's split 10, 10, 9.
+    gloo3.run("_lce_case", "cpu", [29], "float32", "all", "mean", schedule, False, True, True, True)
+
+
+def test_linear_cross_entropy_bfloat16(gloo2):
+    gloo2.run("_lce_case", "cpu", [21, 20], "bfloat16", "all", "mean", "gradient_in_forward", False, True, False,
+              False)
+
+
+@pytest.mark.parametrize("how", ["resize", "replace"])
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+def test_weight_regathered_between_forward_and_backward(gloo3, schedule, how):
+    gloo3.run("_regathered_weight_case", "cpu", schedule, how)
+
+
+@pytest.mark.parametrize("linear", [False, True])
+def test_bad_target_raises_on_every_rank(gloo3, linear):
+    gloo3.run("_bad_target_case", "cpu", linear)
+
+
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+def test_no_tokens(gloo2, schedule):
+    gloo2.run("_no_tokens_case", "cpu", schedule)
+
+
+def test_sequence_parallel_needs_a_group():
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        logitless.linear_cross_entropy(torch.randn(2, 3), torch.randn(4, 3), torch.tensor([0, 1]),
+                                       sequence_parallel=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The same on two GPUs (NCCL).
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("preset", ["plain", "all", "all_ignored", "targets_in_last_shard"])
+def test_cuda_cross_entropy(nccl2, preset, reduction):
+    nccl2.run("_ce_case", "cuda", [1000, 3001], "bfloat16", preset, reduction, False, True, False)
+    nccl2.run("_ce_case", "cuda", [1000, 3001], "float32", preset, reduction, reduction != "none", True, False)
+
+
+def test_cuda_cross_entropy_dtensor(nccl2):
+    nccl2.run("_ce_case", "cuda", [4001], "float32", "all", "mean", False, True, True)
+
+
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("preset", ["plain", "all", "all_ignored", "targets_in_last_shard"])
+def test_cuda_linear_cross_entropy(nccl2, preset, reduction, schedule):
+    for dtype in ("float32", "bfloat16"):
+        nccl2.run("_lce_case", "cuda", [700, 1301], dtype, preset, reduction, schedule, False, True, False, True)
+
+
+@pytest.mark.parametrize("reduction,schedule", [("mean", "gradient_in_forward"), ("none", "recompute")])
+def test_cuda_linear_cross_entropy_sequence_parallel_and_dtensor(nccl2, reduction, schedule):
+    nccl2.run("_lce_case", "cuda", [700, 1301], "bfloat16", "all", reduction, schedule, True, True, False, True)
+    nccl2.run("_lce_case", "cuda", [2001], "float32", "all", reduction, schedule, False, True, True, True)
+
+
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+def test_cuda_weight_regathered_and_bad_target(nccl2, schedule):
+    nccl2.run("_regathered_weight_case", "cuda", schedule, "resize")
+    nccl2.run("_regathered_weight_case", "cuda", schedule, "replace")
+    nccl2.run("_bad_target_case", "cuda", schedule == "recompute")
+    nccl2.run("_no_tokens_case", "cuda", schedule)
