@@ -1,0 +1,61 @@
+"""Smoke runs of examples/finetune.py and examples/profile.py on the CPU: a tiny Llama config, a few steps,
+a small slice of the standard-library corpus; the reports they write are checked for their content.
+
+Skips when transformers is not importable (tools/test.sh installs it).
+Run: PYTHONPATH=build/<dir>/python python -m pytest tests/python/test_examples.py -q
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SMALL = ["--device", "cpu", "--seq", "64", "--batch", "2", "--corpus-mb", "0.5", "--tokenizer-vocab", "512"]
+
+
+def _run(script, tmp_path, *args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *SMALL, "--cache", str(tmp_path / "cache"),
+                           "--out", str(tmp_path / "out"), *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp_path / "out", proc.stdout
+
+
+def test_finetune_trains_every_mode_and_writes_the_report(tmp_path):
+    out, stdout = _run("finetune.py", tmp_path, "--steps", "3", "--timing-skip", "1",
+                       "--modes", "baseline,logitless,liger")
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert results["liger"]["skipped"]  # Liger needs a GPU
+    for mode in ("baseline", "logitless"):
+        r = results[mode]
+        assert r["ok"] and len(r["losses"]) == 3 and r["tokens_per_s"] > 0 and r["peak_rss"] > 0
+    # float32 on the CPU: the same losses up to float32 rounding, from the same weights and batches.
+    for a, b in zip(results["baseline"]["losses"], results["logitless"]["losses"]):
+        assert abs(a - b) <= 1e-4 * abs(a)
+    report = (out / "report.md").read_text()
+    assert report in stdout
+    for text in ("| baseline |", "| logitless |", "| liger |", "standard library", "## Loss curve", "## Chart"):
+        assert text in report
+    try:
+        import matplotlib  # noqa: F401 (the report has a chart when it is importable)
+    except ImportError:
+        assert "matplotlib is not importable" in report
+    else:
+        assert (out / "report.png").stat().st_size > 0
+
+
+def test_profile_writes_tables_and_traces(tmp_path):
+    out, stdout = _run("profile.py", tmp_path, "--warmup", "1", "--row-limit", "5")
+    text = (out / "profile.md").read_text()
+    assert "## baseline: top 5" in text and "## logitless: top 5" in text
+    assert "aten::_log_softmax" in text or "aten::mm" in text  # a real ops table
+    assert "logitless::" in text.split("## logitless")[1]  # the fused ops show up after patching
+    for mode in ("baseline", "logitless"):
+        trace = json.loads((out / f"trace_{mode}.json").read_text())
+        assert trace["traceEvents"]
