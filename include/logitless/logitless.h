@@ -4,6 +4,7 @@
 #include "logitless/cross_entropy.h"
 #include "logitless/error.h"
 #include "logitless/linear_cross_entropy.h"
+#include "logitless/linear_policy_loss.h"
 #include "logitless/policy_loss.h"
 #include "logitless/rms_norm.h"
 #include "logitless/tensor.h"
