@@ -87,6 +87,7 @@ struct LplInputs {
   TestTensor hidden, weight, bias, ids, adv, mask, old, ref;
   bool has_mask = false, has_old = false, has_ref = false;
   std::vector<double> w;  // [B*L] token weights
+  std::vector<double> h64, w64, b64;  // hidden, weight and bias in double, flat order
 
   LplInputs(const LplCase& cs, uint64_t seed) : c(cs) {
     std::mt19937_64 rng(seed);
@@ -128,6 +129,10 @@ struct LplInputs {
       bias = TestTensor(c.dtype, {V});
       bias.fill_normal(seed + 2, 0.5f);
     }
+    // The inputs' values in double, read by the reference (TestTensor::get per element is too slow for it).
+    for (int64_t i = 0; i < hidden.numel(); ++i) h64.push_back(hidden.get(i));
+    for (int64_t i = 0; i < weight.numel(); ++i) w64.push_back(weight.get(i));
+    for (int64_t j = 0; c.bias && j < V; ++j) b64.push_back(bias.get(j));
     adv = TestTensor(DType::kFloat32, {B});
     std::normal_distribution<double> nd(0.0, 1.0);
     for (int64_t b = 0; b < B; ++b) adv.set(b, static_cast<float>(nd(rng)));
@@ -222,23 +227,26 @@ struct LplInputs {
   int perturb_what = -1;  // 0 hidden, 1 weight, 2 bias
   int64_t perturb_at = -1;
   double perturb_by = 0;
-  double hv(int64_t flat) const {
-    return hidden.get(flat) + (perturb_what == 0 && perturb_at == flat ? perturb_by : 0.0);
-  }
-  double wv(int64_t flat) const {
-    return weight.get(flat) + (perturb_what == 1 && perturb_at == flat ? perturb_by : 0.0);
-  }
+  double hv(int64_t flat) const { return h64[flat] + (perturb_what == 0 && perturb_at == flat ? perturb_by : 0.0); }
+  double wv(int64_t flat) const { return w64[flat] + (perturb_what == 1 && perturb_at == flat ? perturb_by : 0.0); }
   double bv(int64_t j) const {
     if (!c.bias) return 0.0;
-    return bias.get(j) + (perturb_what == 2 && perturb_at == j ? perturb_by : 0.0);
+    return b64[j] + (perturb_what == 2 && perturb_at == j ? perturb_by : 0.0);
   }
   // z_j of token t (not divided by the temperature).
   std::vector<double> z(int64_t t) const {
     std::vector<double> out(static_cast<size_t>(c.V));
     const int64_t p0 = pos(t) * c.H;
+    std::vector<double> x(static_cast<size_t>(c.H));
+    for (int64_t k = 0; k < c.H; ++k) x[k] = hv(p0 + k);
     for (int64_t j = 0; j < c.V; ++j) {
       double acc = bv(j);
-      for (int64_t k = 0; k < c.H; ++k) acc += hv(p0 + k) * wv(j * c.H + k);
+      if (perturb_what == 1) {
+        for (int64_t k = 0; k < c.H; ++k) acc += x[k] * wv(j * c.H + k);
+      } else {
+        const double* wj = w64.data() + j * c.H;
+        for (int64_t k = 0; k < c.H; ++k) acc += x[k] * wj[k];
+      }
       out[j] = acc;
     }
     return out;
