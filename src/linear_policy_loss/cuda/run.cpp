@@ -254,11 +254,12 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   r.blas = cublas_handle(stream, r.at<void>(plan.off_cublas), plan.cublas_bytes);
 
   if (p.mode == Mode::kBackward) {
+    if (!grads) return;  // no gradient asked for
     if (policy) {
       if (seq) steps->sequence();
       steps->coefficients(0, t.n_rows, r.coeff);
     }
-    if (grads) r.sweep(nullptr, false, true);
+    r.sweep(nullptr, false, true);
     return;
   }
   if (!grads || !policy) {  // the forward (and its sequence terms)
