@@ -20,169 +20,27 @@
 //   * cluster (Hopper): C CTAs share a row, each streaming a slice of B / C bytes through both passes and
 //     exchanging only the 16-byte state between them. The plan picks C so that the slices in flight (resident
 //     CTAs x B / C) stay within an L2 budget (plan.h), so the second read comes from L2: B read + B written from
-//     HBM, as the row-resident cross-entropy kernel achieves with shared memory. That kernel's machinery (TMA into
-//     shared-memory stages, mbarriers) is not reused: its loop is written around the cross-entropy row, and a
-//     slice re-read from L2 needs neither stage memory nor a copy engine, only the cluster barrier.
+//     HBM, as the row-resident cross-entropy kernel achieves with shared memory. (The cross-entropy kernel measured
+//     63-74% of copy bandwidth with two reads through L2, against 88-97% with residency.)
+//   * row-resident (Hopper, rows_resident.cu): the slices sit in shared memory instead of L2; the plan picks it for
+//     the fused pass wherever the row fits a cluster's shared memory, and this kernel serves everything else.
 // A masked row costs only its gradient write (B bytes, 0 when no gradient is asked for); the forward without a
 // gradient and the backward from a saved lse read each row once.
-#include <cooperative_groups.h>
-#include <cuda/ptx>
-
-#include <cfloat>
 #include <map>
 #include <mutex>
 #include <tuple>
 
 #include "common/cuda/check.cuh"
-#include "common/cuda/chunk_loops.cuh"
-#include "common/cuda/online_softmax.cuh"
 #include "policy_loss/cuda/kernels.h"
-#include "policy_loss/math.h"
+#include "policy_loss/cuda/rows_device.cuh"
 
 namespace logitless::pl {
 namespace {
 
 namespace cg = cooperative_groups;
+using namespace rows_dev;
 
 thread_local RowsPlan t_last_plan;
-
-// The per-element work of the shared loops: the values as they are (the temperature acts through c), the
-// online-softmax state with or without the entropy accumulator, the softmax gradient.
-template <typename T, bool kEntropy>
-struct PolicyElem {
-  static constexpr int kVec = Vec<T>::kN;
-  float c;  // log2(e) / temperature
-  struct Acc {
-    float m = -INFINITY, s = 0.f, u = 0.f;
-  };
-
-  __device__ void load(const char* src, int q, int64_t, float* x, Acc&) const {
-    Vec<T>::unpack(load16(src + 16 * q), x);
-  }
-  template <int kN>
-  __device__ void add(Acc& a, const float* x) const {
-    if constexpr (kEntropy) {
-      online_add_entropy<kN>(a.m, a.s, a.u, x, c);
-    } else {
-      online_add_scaled<kN>(a.m, a.s, x, c);
-    }
-  }
-  template <typename G>
-  __device__ void grad(float* v, int q, int64_t, const G& g, float lse_l2, int q_t, int slot_t, int64_t) const {
-    softmax_grad_chunk<kVec>(v, g.a, g.b, c, lse_l2, q == q_t, slot_t);
-  }
-};
-
-struct Coeffs {
-  float a, b;  // grad_j = a p_j - [j == id] b
-};
-
-// A token's id and weight: what decides whether its row is read. Both loads are unconditional (a masked token's
-// id is valid memory too), so neither waits for the other, and the kernel issues them one row ahead.
-struct Token {
-  int64_t id = 0;
-  float w = 0.f;
-};
-
-// The rest of a token's inputs, needed only once its row's statistics are known.
-struct TokenInputs {
-  float adv = 0.f, old = 0.f, ref = 0.f, factor = 0.f;
-  float lse = 0.f, saved = 0.f;          // backward: saved lse, and saved logp (policy) or grad_logp (selective)
-  float ratio = 0.f, ratio_coeff = 0.f;  // backward, sequence level
-};
-
-__device__ __forceinline__ float load_weight(const KernelParams& p, int64_t r) {
-  if (!p.mask) return 1.f;
-  const int64_t off = p.mask_rows.offset(r);
-  switch (static_cast<DType>(p.mask_dtype)) {
-    case DType::kBool:
-    case DType::kUInt8: return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
-    case DType::kInt32: return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
-    case DType::kInt64: return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
-    default: return static_cast<const float*>(p.mask)[off];
-  }
-}
-
-__device__ __forceinline__ Token load_token(const KernelParams& p, int64_t r) {
-  Token k;
-  k.w = load_weight(p, r);
-  const int64_t off = p.ids_rows.offset(r);
-  k.id = p.ids_is64 ? static_cast<const int64_t*>(p.ids)[off]
-                    : static_cast<int64_t>(static_cast<const int32_t*>(p.ids)[off]);
-  return k;
-}
-
-template <bool kWithLse>
-__device__ __forceinline__ TokenInputs load_inputs(const KernelParams& p, int64_t r) {
-  TokenInputs k;
-  if (p.op != static_cast<int>(RowOp::kSelective)) {
-    const int64_t b = r / p.seq_len;
-    k.adv = p.adv[b * p.adv_stride];
-    if (p.has_old) k.old = p.old_logp[p.old_rows.offset(r)];
-    if (p.has_ref) k.ref = p.ref_logp[p.ref_rows.offset(r)];
-    k.factor = p.seq[b].factor;
-    if (kWithLse) {
-      k.ratio = p.seq[b].ratio;
-      k.ratio_coeff = p.seq[b].ratio_coeff;
-    }
-  }
-  if (kWithLse) {
-    k.lse = p.lse_in[r];
-    k.saved = p.op == static_cast<int>(RowOp::kSelective) ? p.grad_logp[r] : p.logp_in[r];
-  }
-  return k;
-}
-
-enum Kind { kValid = 0, kMasked = 1, kBad = 2 };
-__device__ __forceinline__ int kind_of(const KernelParams& p, const Token& k) {
-  if (k.w == 0.f) return kMasked;
-  return (k.id >= 0 && k.id < p.vocab) ? kValid : kBad;
-}
-
-__device__ __forceinline__ TermOptions<float> term_options(const KernelParams& p) {
-  return {p.beta, p.eps_low, p.eps_high, p.has_old != 0, p.has_ref != 0};
-}
-
-// Outputs of a row that is not read (thread 0 of rank 0): masked tokens get 0, bad ids NaN.
-__device__ __forceinline__ void write_skipped(const KernelParams& p, int64_t r, int kind) {
-  const float v = kind == kBad ? NAN : 0.f;
-  if (p.out_logp) p.out_logp[r] = v;
-  if (p.out_lse) p.out_lse[r] = v;
-  if (p.out_entropy) p.out_entropy[r] = v;
-  if (p.op == static_cast<int>(RowOp::kPolicyToken)) {
-    if (p.out_loss) p.out_loss[r] = v;
-    if (p.out_kl) p.out_kl[r] = v;
-    if (p.out_clipped) p.out_clipped[r] = 0;
-    p.row_loss[r] = v;
-  }
-}
-
-// The forward epilogue of a read row: its outputs (when `writer`) and c = d(loss)/d(logp), scaled by gscale.
-__device__ __forceinline__ float forward_epilogue(const KernelParams& p, int64_t r, const TokenInputs& k, float w,
-                                                  float lse, float logp, float entropy, bool writer, float gscale) {
-  if (writer) {
-    if (p.out_logp) p.out_logp[r] = logp;
-    if (p.out_lse) p.out_lse[r] = lse;
-    if (p.out_entropy) p.out_entropy[r] = entropy;
-  }
-  if (p.op != static_cast<int>(RowOp::kPolicyToken)) return 0.f;
-  const TokenTerms<float> t = token_terms<float>(logp, p.has_old ? k.old : logp, k.ref, k.adv, term_options(p));
-  const float kappa = w * k.factor;
-  if (writer) {
-    if (p.out_loss) p.out_loss[r] = t.loss;
-    if (p.out_kl) p.out_kl[r] = t.kl;
-    if (p.out_clipped) p.out_clipped[r] = t.clipped ? 1 : 0;
-    p.row_loss[r] = kappa * t.loss;
-  }
-  return kappa * t.dlogp * gscale;
-}
-
-// The backward epilogue: c from the saved statistics.
-__device__ __forceinline__ float backward_coeff(const KernelParams& p, const TokenInputs& k, float w, float gscale) {
-  if (p.op == static_cast<int>(RowOp::kSelective)) return k.saved;
-  const TokenTerms<float> t = token_terms_seq<float>(k.saved, k.ref, k.adv, k.ratio, term_options(p));
-  return (w * k.factor * t.dlogp + w * k.ratio_coeff) * gscale;
-}
 
 template <typename T, bool kWithLse, bool kEntropy>
 __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_constant__ KernelParams p) {
@@ -257,27 +115,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_const
       if (tid == 0 && owns_t) xt = Vec<T>::load1(src + t_local * kEs);
       block_online_scaled<kEntropy>(acc.m, acc.s, acc.u, xt, p.scale_l2, red);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (csize > 1) {
-        if (tid == 0) {
-          const float4 mine = make_float4(acc.m, acc.s, acc.u, xt);
-          for (int dst = 0; dst < csize; ++dst) *cluster.map_shared_rank(&xchg[parity][rank], dst) = mine;
-        }
-        cuda::ptx::barrier_cluster_arrive(cuda::ptx::sem_release);
-        cuda::ptx::barrier_cluster_wait(cuda::ptx::sem_acquire);
-        // Every CTA merges the same partials in the same order: they agree on lse and c to the bit.
-        float m = -INFINITY, s = 0.f, u = 0.f, x = 0.f;
-        for (int r = 0; r < csize; ++r) {
-          const float4 v = xchg[parity][r];
-          if constexpr (kEntropy) {
-            online_merge_entropy(m, s, u, v.x, v.y, v.z, p.scale_l2);
-          } else {
-            online_merge_scaled(m, s, v.x, v.y, p.scale_l2);
-          }
-          x += v.w;
-        }
-        acc.m = m, acc.s = s, acc.u = u, xt = x;
-        parity ^= 1;  // a peer may publish its next row's state before this CTA has read this row's
-      }
+      if (csize > 1)
+        cluster_merge<kEntropy>(cluster, xchg, parity, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
 #endif
       lse = acc.m == -INFINITY ? NAN : fmaf(acc.m, p.inv_temp, logf(acc.s));
       const float logp = fmaf(xt, p.inv_temp, -lse);
