@@ -32,6 +32,7 @@ set(LOGITLESS_CUDA_SOURCES
   src/linear_policy_loss/cuda/run.cpp
   src/policy_loss/cuda/launch.cu
   src/policy_loss/cuda/rows.cu
+  src/policy_loss/cuda/rows_resident.cu
   src/rms_norm/cuda/forward.cu
   src/rms_norm/cuda/backward.cu
 )

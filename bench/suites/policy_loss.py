@@ -23,7 +23,8 @@ the B (L+1) positions), timed in the same run; each row's note gives its time ov
 what a call allocates beyond its inputs, the gradients included (2 (B (L+1) + V) H bytes of them).
 
 LOGITLESS_BENCH_VARIANTS=1 adds rows for each CUDA kernel variant (streaming; clusters of 2, 4, 8 CTAs at 256
-and 512 threads): the data the planner's defaults (src/policy_loss/cuda/plan.h) should follow.
+and 512 threads; row-resident clusters of 3, 4 and 6 CTAs at 256 threads, 4 at 128): the data the planner's
+defaults (src/policy_loss/cuda/plan.h) should follow.
 """
 from __future__ import annotations
 
@@ -284,8 +285,10 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
         if variants and ctx.is_cuda:
             op = torch.ops.logitless.policy_loss_forward_backward_
             for algo, cluster, threads in [(1, 0, 256), (1, 0, 512), (2, 2, 256), (2, 2, 512), (2, 4, 256),
-                                           (2, 4, 512), (2, 8, 256), (2, 8, 512)]:
-                name = "streaming" if algo == 1 else f"cluster {cluster}"
+                                           (2, 4, 512), (2, 8, 256), (2, 8, 512), (3, 3, 256), (3, 4, 256),
+                                           (3, 4, 128), (3, 6, 256)]:
+                name = ("streaming" if algo == 1 else f"cluster {cluster}" if algo == 2
+                        else f"row-resident {cluster}")
                 opts = (0, 0, BETA, 0.2, 0.2, 1.0, 0, 0.0, True, algo, cluster, threads, False, False)
                 impls.append(Impl(f"variant: {name}, {threads} threads (fused op, in place)",
                                   lambda x, opts=opts: op(x, ids, adv.float(), mask, None, ref, *opts)[0],

@@ -77,6 +77,9 @@ enum class PolicyLossAlgo : int32_t {
   kStreaming = 1,  // any GPU: one CTA per row; the fused gradient pass re-reads the row (mostly from HBM)
   kCluster = 2,    // Hopper: a thread-block cluster shares each row, so each CTA's slice is small enough for
                    // the gradient pass to re-read it from L2 (raises where clusters are unavailable)
+  kRowResident = 3,  // Hopper: a cluster shares each row and every CTA keeps its slice in shared memory, so the
+                     // fused pass reads the row once (passes that read each row once stream; at most 256
+                     // threads; raises where clusters are unavailable or the row does not fit 16 CTAs)
 };
 
 struct PolicyLossOptions {
@@ -90,7 +93,8 @@ struct PolicyLossOptions {
   double num_items_in_batch = 0.0;    // kDapo: the divisor (> 0), or 0 for this batch's token count
   bool check_ids = true;              // throw on an id outside [0, V) at an unmasked token
   PolicyLossAlgo algo = PolicyLossAlgo::kAuto;
-  // Tiles for tests and benchmarks (0: chosen by the planner): CTAs sharing a row in kCluster, threads per CTA.
+  // Tiles for tests and benchmarks (0: chosen by the planner): CTAs sharing a row in kCluster and kRowResident,
+  // threads per CTA.
   int cluster_size = 0;
   int threads = 0;
 };

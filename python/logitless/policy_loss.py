@@ -36,7 +36,7 @@ __all__ = ["grpo_loss", "selective_log_softmax", "PolicyLossOutputs", "LOSS_TYPE
 # Must match logitless::PolicyLossType, ImportanceSamplingLevel and PolicyLossAlgo (include/logitless/policy_loss.h).
 LOSS_TYPES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3}
 IMPORTANCE_SAMPLING_LEVELS = {"token": 0, "sequence": 1}
-ALGOS = {"auto": 0, "streaming": 1, "cluster": 2}
+ALGOS = {"auto": 0, "streaming": 1, "cluster": 2, "row_resident": 3}
 
 _MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32)
 
@@ -278,7 +278,8 @@ def grpo_loss(
             costs a few more operations per logit, still within a memory-bound pass).
         check_ids: check that unmasked ids are in [0, V) (on CUDA this reads one number back per call; skipped
             during CUDA graph capture, where a bad token's values and gradient row are NaN instead).
-        algo: CUDA kernel choice, for tests and benchmarks: "auto", "streaming" or "cluster" (Hopper).
+        algo: CUDA kernel choice, for tests and benchmarks: "auto", "streaming", "cluster" or "row_resident"
+            (both Hopper; row_resident keeps each row in shared memory for the fused gradient pass).
 
     Returns:
         The float32 scalar loss, or ``(loss, PolicyLossOutputs)`` with return_per_token. Only the loss is

@@ -17,8 +17,8 @@ using pl::Problem;
 
 void check_common_tiles(PolicyLossAlgo algo, int cluster_size, int threads) {
   LOGITLESS_CHECK_ARG(algo == PolicyLossAlgo::kAuto || algo == PolicyLossAlgo::kStreaming ||
-                          algo == PolicyLossAlgo::kCluster,
-                      "algo", "auto, streaming or cluster", static_cast<int>(algo));
+                          algo == PolicyLossAlgo::kCluster || algo == PolicyLossAlgo::kRowResident,
+                      "algo", "auto, streaming, cluster or row_resident", static_cast<int>(algo));
   LOGITLESS_CHECK_ARG(cluster_size >= 0 && cluster_size <= 16, "cluster_size", "0 (auto) or 1..16", cluster_size);
   LOGITLESS_CHECK_ARG(threads == 0 || threads == 128 || threads == 256 || threads == 512, "threads",
                       "0 (auto), 128, 256 or 512", threads);

@@ -21,6 +21,7 @@
 #include "test_util.h"
 
 #if defined(LOGITLESS_WITH_CUDA)
+#include "policy_loss/cuda/kernels.h"
 #include "policy_loss/cuda/steps.h"
 #endif
 
@@ -621,7 +622,9 @@ TEST_P(PolicyLossCuda, EveryAlgorithmMatchesCpuBackend) {
   };
   for (const Variant v : {Variant{PolicyLossAlgo::kStreaming, 0, 0}, Variant{PolicyLossAlgo::kStreaming, 0, 512},
                           Variant{PolicyLossAlgo::kCluster, 0, 0}, Variant{PolicyLossAlgo::kCluster, 2, 256},
-                          Variant{PolicyLossAlgo::kCluster, 8, 128}}) {
+                          Variant{PolicyLossAlgo::kCluster, 8, 128}, Variant{PolicyLossAlgo::kRowResident, 0, 0},
+                          Variant{PolicyLossAlgo::kRowResident, 3, 128},
+                          Variant{PolicyLossAlgo::kRowResident, 16, 0}}) {
     SCOPED_TRACE(std::to_string(static_cast<int>(v.algo)) + " cluster " + std::to_string(v.cluster) + " threads " +
                  std::to_string(v.threads));
     in.opt.algo = v.algo;
@@ -629,12 +632,25 @@ TEST_P(PolicyLossCuda, EveryAlgorithmMatchesCpuBackend) {
     in.opt.threads = v.threads;
     try {
       const PlOut got = run_backend(in, PlEntry::kInPlace, true, up, c.preset == PlPreset::kFull);
+#if defined(LOGITLESS_WITH_CUDA)
+      // Token level, the fused pass is the last row launch: the resident kernel ran it (sequence level, the last
+      // launch is the backward from the saved lse, which streams).
+      if (v.algo == PolicyLossAlgo::kRowResident && c.level == ImportanceSamplingLevel::kToken && c.B * c.L > 0)
+        EXPECT_EQ(pl::debug::last_rows_plan().algo, PolicyLossAlgo::kRowResident);
+#endif
       PlOut w = want;
       if (c.preset != PlPreset::kFull) w.entropy = got.entropy;  // not requested in this run
       expect_outputs(in, PlEntry::kInPlace, got, w, ref, "cuda variant");
     } catch (const Error& err) {
       const std::string msg = err.what();
       if (v.algo == PolicyLossAlgo::kCluster && msg.find("algo") != std::string::npos) continue;  // not Hopper
+#if defined(LOGITLESS_WITH_CUDA)
+      // Every variant's tiles fit every shape here on Hopper: a refusal is a failure there.
+      if (v.algo == PolicyLossAlgo::kRowResident && msg.find("algo") != std::string::npos &&
+          !pl::rows_resident_available(0))
+        continue;
+#endif
+
       throw;
     }
   }
@@ -1109,6 +1125,118 @@ TEST(PolicyLossPlan, ExplicitTilesAreKept) {
   in.requested = PolicyLossAlgo::kStreaming;
   EXPECT_EQ(pl::plan_rows(in).cluster, 1);
   EXPECT_EQ(pl::plan_rows(in).threads, 128);
+}
+
+// H100: 228 KB of shared memory per SM, 227 KB per CTA after opting in (less the kernel's static 2 KB).
+pl::RowsPlanInputs hopper_resident(int64_t V, int elem_bytes, bool fused) {
+  pl::RowsPlanInputs in = hopper(V, elem_bytes, fused);
+  in.resident_capable = true;
+  in.smem_per_sm = 233472;
+  in.smem_per_block = 232448 - 2048;
+  return in;
+}
+
+TEST(PolicyLossPlan, RowResidentForLongFusedRows) {
+  // V = 150000 bf16 (300 KB rows): the smallest cluster whose one-stage slices let two CTAs share an SM is 3.
+  const pl::RowsPlan a = pl::plan_rows(hopper_resident(150000, 2, true));
+  EXPECT_EQ(a.algo, PolicyLossAlgo::kRowResident);
+  EXPECT_EQ(a.cluster, 3);
+  EXPECT_EQ(a.slice, 50000);
+  EXPECT_EQ(a.stages, 1);
+  EXPECT_EQ(a.stage_bytes, 100096);  // 100000 bytes + 16 of lead-in, rounded up to 128
+  EXPECT_EQ(a.smem_bytes, a.stage_bytes);
+  EXPECT_EQ(a.threads, pl::kResidentMaxThreads);
+  EXPECT_LE(2 * (a.smem_bytes + pl::kResidentReserve), 233472);
+  // As the cross-entropy plan: 3 CTAs at 128256, 5 at 256000 (bf16); float32 rows need twice the CTAs.
+  EXPECT_EQ(pl::plan_rows(hopper_resident(128256, 2, true)).cluster, 3);
+  EXPECT_EQ(pl::plan_rows(hopper_resident(256000, 2, true)).cluster, 5);
+  const pl::RowsPlan f32 = pl::plan_rows(hopper_resident(150000, 4, true));
+  EXPECT_EQ(f32.cluster, 6);
+  EXPECT_EQ(f32.slice % 4, 0);
+  EXPECT_GE(f32.slice * f32.cluster, 150000);
+  // A row that fits one CTA twice per SM: no cluster (V = 40000 bf16, 80 KB).
+  const pl::RowsPlan one = pl::plan_rows(hopper_resident(40000, 2, true));
+  EXPECT_EQ(one.algo, PolicyLossAlgo::kRowResident);
+  EXPECT_EQ(one.cluster, 1);
+  EXPECT_EQ(one.slice, 40000);
+  EXPECT_EQ(one.stages, 1);
+  for (int64_t V : {int64_t{32768}, int64_t{50000}, int64_t{150000}, int64_t{256000}, int64_t{800000}}) {
+    SCOPED_TRACE(V);
+    const pl::RowsPlan p = pl::plan_rows(hopper_resident(V, 2, true));
+    ASSERT_EQ(p.algo, PolicyLossAlgo::kRowResident);
+    EXPECT_GE(p.slice * p.cluster, V);
+    EXPECT_EQ(p.slice % 8, 0);
+    EXPECT_GE(p.stage_bytes, p.slice * 2 + 16);
+    EXPECT_EQ(p.stage_bytes % 128, 0);
+    EXPECT_LE(p.smem_bytes, 232448 - 2048);
+    EXPECT_LE(2 * (p.smem_bytes + pl::kResidentReserve), 233472);
+    if (p.cluster > 1) {  // the next smaller cluster would not let two CTAs share an SM
+      pl::RowsPlanInputs in = hopper_resident(V, 2, true);
+      in.cluster_size = p.cluster - 1;
+      in.requested = PolicyLossAlgo::kRowResident;
+      const pl::RowsPlan q = pl::plan_rows(in);
+      EXPECT_TRUE(q.algo != PolicyLossAlgo::kRowResident || 2 * (q.stage_bytes + pl::kResidentReserve) > 233472);
+    }
+  }
+}
+
+TEST(PolicyLossPlan, RowResidentOnlyWhereItPays) {
+  // Passes that read each row once (no gradient, or the backward from a saved lse) stream, also when asked for.
+  pl::RowsPlanInputs in = hopper_resident(150000, 2, false);
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kStreaming);
+  in.requested = PolicyLossAlgo::kRowResident;
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kStreaming);
+  EXPECT_EQ(pl::plan_rows(in).slice, 150000);
+  // Short rows: auto keeps the streaming kernel (its second read hits L2).
+  EXPECT_EQ(pl::plan_rows(hopper_resident(16000, 2, true)).algo, PolicyLossAlgo::kStreaming);
+  // No resident kernel here (not Hopper, or a pass the caller does not offer it for): the cluster plan as before.
+  in = hopper_resident(150000, 2, true);
+  in.resident_capable = false;
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kCluster);
+  EXPECT_EQ(pl::plan_rows(in).cluster, 4);
+  in.requested = PolicyLossAlgo::kRowResident;  // asked for explicitly: refused (the launcher raises)
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kAuto);
+  // Rows longer than 16 CTAs' shared memory (8 MB bf16): auto falls back to the cluster kernel, a request fails.
+  in = hopper_resident(4000000, 2, true);
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kCluster);
+  in.requested = PolicyLossAlgo::kRowResident;
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kAuto);
+  // An explicit stream or cluster request is kept.
+  in = hopper_resident(150000, 2, true);
+  in.requested = PolicyLossAlgo::kCluster;
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kCluster);
+  in.requested = PolicyLossAlgo::kStreaming;
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kStreaming);
+}
+
+TEST(PolicyLossPlan, RowResidentExplicitTiles) {
+  pl::RowsPlanInputs in = hopper_resident(1000, 2, true);
+  in.requested = PolicyLossAlgo::kRowResident;
+  pl::RowsPlan p = pl::plan_rows(in);  // short rows asked for: one CTA, several rows in flight
+  EXPECT_EQ(p.algo, PolicyLossAlgo::kRowResident);
+  EXPECT_EQ(p.cluster, 1);
+  EXPECT_EQ(p.slice, 1000);
+  EXPECT_EQ(p.stage_bytes, 2048);
+  EXPECT_EQ(p.stages, pl::kResidentMaxStages);
+  EXPECT_EQ(p.smem_bytes, 2048 * pl::kResidentMaxStages);
+  in.cluster_size = 8;
+  in.threads = 512;  // above the kernel's bound: capped
+  p = pl::plan_rows(in);
+  EXPECT_EQ(p.cluster, 8);
+  EXPECT_EQ(p.slice, 128);
+  EXPECT_EQ(p.threads, pl::kResidentMaxThreads);
+  in.threads = 128;
+  EXPECT_EQ(pl::plan_rows(in).threads, 128);
+  // An explicit cluster whose slice does not fit a CTA: refused.
+  in = hopper_resident(150000, 2, true);
+  in.requested = PolicyLossAlgo::kRowResident;
+  in.cluster_size = 1;
+  EXPECT_EQ(pl::plan_rows(in).algo, PolicyLossAlgo::kAuto);
+  in.cluster_size = 2;  // 150 KB: fits one CTA per SM
+  p = pl::plan_rows(in);
+  EXPECT_EQ(p.algo, PolicyLossAlgo::kRowResident);
+  EXPECT_EQ(p.stages, 1);
+  EXPECT_EQ(p.stage_bytes, 150016);
 }
 
 #if defined(LOGITLESS_WITH_CUDA)

@@ -645,7 +645,7 @@ def _run_or_skip_algo(fn):
 
 
 @needs_cuda
-@pytest.mark.parametrize("algo", ["auto", "streaming", "cluster"])
+@pytest.mark.parametrize("algo", ["auto", "streaming", "cluster", "row_resident"])
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("V", [1, 3, 4099, 32003, 150000])

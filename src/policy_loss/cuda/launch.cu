@@ -317,14 +317,26 @@ void run_rows(const Problem& pr, const KernelParams& base, RowsVariant v, bool f
   in.cluster_size = pr.cluster_size;
   in.threads = pr.threads;
   in.ctas_per_sm = rows_ctas_per_sm(pr.dtype, v, plan_threads(in));
+  // The row-resident kernel serves the fused pass only (the one pass that needs the row twice).
+  in.resident_capable = fused && !v.with_lse && rows_resident_available(pr.device.index);
+  in.smem_per_block = info.max_smem_per_block_optin - 2048;  // room for its static shared memory (about 1 KB)
+  in.smem_per_sm = info.max_smem_per_sm;
   RowsPlan plan = plan_rows(in);
   if (plan.algo == PolicyLossAlgo::kAuto)
-    throw_invalid(str_cat("algo: expected an algorithm this GPU can run; cluster needs thread-block clusters "
-                          "(sm_90 and a build for it), got sm_",
-                          info.sm_major, info.sm_minor));
+    throw_invalid(str_cat("algo: expected an algorithm this GPU can run; cluster and row_resident need thread-block "
+                          "clusters (sm_90 and a build for it), row_resident also rows that fit 16 CTAs' shared "
+                          "memory, got V=",
+                          pr.vocab, " on sm_", info.sm_major, info.sm_minor));
   KernelParams p = base;
   p.slice = plan.slice;
-  if (launch_rows(pr.dtype, v, p, plan, info.sm_count, stream)) return;
+  if (plan.algo == PolicyLossAlgo::kRowResident) {
+    if (launch_rows_resident(pr.dtype, v, p, plan, stream)) return;
+    if (pr.algo == PolicyLossAlgo::kRowResident)
+      throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs with ",
+                            plan.smem_bytes, " bytes of shared memory each on this GPU"));
+  } else if (launch_rows(pr.dtype, v, p, plan, info.sm_count, stream)) {
+    return;
+  }
   if (pr.algo == PolicyLossAlgo::kCluster)
     throw_invalid(str_cat("algo: cluster cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
   // Auto: no cluster of that size fits here; stream instead.

@@ -20,11 +20,25 @@ inline constexpr int64_t kSliceBudgetPerSm = 160 * 1024;
 // 68 MB in flight on an H100 only at full occupancy, and a row that short is read in microseconds).
 inline constexpr int64_t kClusterMinRowBytes = 64 * 1024;
 
+// The row-resident kernel (rows_resident.cu) keeps each CTA's slice of a row in shared memory: 1 read + 1 write
+// of the row in the fused pass. Its plan follows the cross-entropy kernel's, measured there on H100 (bf16, fused,
+// in place): one stage per CTA, the smallest cluster whose slice lets two CTAs share an SM, 256 threads: 87.8% of
+// copy bandwidth at V = 128256 (3 CTAs) and 96.5% at 256000 (6 CTAs), where two reads through L2 reached 63-74%.
+inline constexpr int kResidentMaxThreads = 256;  // its __launch_bounds__ (two CTAs per SM: up to 128 registers)
+inline constexpr int kResidentMaxStages = 4;     // rows in flight per CTA (more than one only for short rows)
+// Shared memory a resident CTA costs beyond its stages: its static shared memory (under 1 KB) and the 1 KB the
+// driver reserves per CTA, rounded up.
+inline constexpr int64_t kResidentReserve = 4096;
+
 struct RowsPlan {
   PolicyLossAlgo algo = PolicyLossAlgo::kStreaming;  // kAuto: the request cannot run here (the caller raises)
   int cluster = 1;    // CTAs sharing a row
   int threads = 256;  // per CTA
   int64_t slice = 0;  // elements of a row per CTA (the vocabulary without a cluster)
+  // Row-resident only: shared-memory stages per CTA (one row slice each), bytes per stage and in all.
+  int stages = 0;
+  int64_t stage_bytes = 0;
+  int64_t smem_bytes = 0;
 };
 
 struct RowsPlanInputs {
@@ -33,6 +47,9 @@ struct RowsPlanInputs {
   bool fused = false;            // statistics and gradient in one pass over each row (the only case a cluster helps)
   bool cluster_capable = false;  // the device and this build can launch thread-block clusters (sm_90+)
   int ctas_per_sm = 2;           // resident CTAs per SM at `threads` (the occupancy calculator's answer)
+  bool resident_capable = false;  // the device and this build can run the row-resident kernel (sm_90+)
+  int smem_per_block = 0;         // dynamic shared memory a CTA may opt into (bytes)
+  int smem_per_sm = 0;            // shared memory of one SM (bytes; 0: unknown)
   PolicyLossAlgo requested = PolicyLossAlgo::kAuto;
   int cluster_size = 0;  // 0: chosen here
   int threads = 0;       // 0: chosen here
