@@ -1,6 +1,7 @@
 // Cross-entropy: argument validation and dispatch. Every check happens here, before any backend runs,
 // so a bad call never touches memory.
 #include <cmath>
+#include <cstdint>
 
 #include "common/check.h"
 #include "cross_entropy/problem.h"
@@ -286,6 +287,9 @@ const float* check_partials(const TensorView& t, const TensorView& target, int64
                       str_cat("shape ", shape_str(t)));
   check_contiguous(t, "partials");
   check_nonnull(t, "partials");
+  // The CUDA kernels move a row of partials as one float4.
+  LOGITLESS_CHECK_ARG(dev.type != DeviceType::kCUDA || reinterpret_cast<uintptr_t>(t.data) % 16 == 0, "partials",
+                      "a 16-byte aligned pointer", "a misaligned view");
   return static_cast<const float*>(t.data);
 }
 }  // namespace

@@ -460,7 +460,7 @@ def test_sequence_parallel_needs_a_group():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("preset", ["plain", "all", "all_ignored", "targets_in_last_shard"])
+@pytest.mark.parametrize("preset", CE_PRESETS)
 def test_cuda_cross_entropy(nccl2, preset, reduction):
     nccl2.run("_ce_case", "cuda", [1000, 3001], "bfloat16", preset, reduction, False, True, False)
     nccl2.run("_ce_case", "cuda", [1000, 3001], "float32", preset, reduction, reduction != "none", True, False)
@@ -472,7 +472,7 @@ def test_cuda_cross_entropy_dtensor(nccl2):
 
 @pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("preset", ["plain", "all", "all_ignored", "targets_in_last_shard"])
+@pytest.mark.parametrize("preset", LCE_PRESETS)
 def test_cuda_linear_cross_entropy(nccl2, preset, reduction, schedule):
     for dtype in ("float32", "bfloat16"):
         nccl2.run("_lce_case", "cuda", [700, 1301], dtype, preset, reduction, schedule, False, True, False, True)
