@@ -8,6 +8,11 @@
 // residual-output gradient read too (8); fwd+bwd their sums (10, 16). rstd, the weight and the dW partial
 // sums are not counted. Each time is the median over samples of a batch of back-to-back calls (per call),
 // cycling through two sets of buffers so that no call finds its inputs in L2; the copy is timed the same way.
+//
+// Output (compact, so that the end of a long log holds all of it): one line per shape and pass with every
+// variant's % of the copy, then the fastest variant per shape and pass, last. Variant names: v<vectors a
+// thread>[p = prefetch] c<target CTA threads>[P = persistent grid, as many CTAs as fit | /n = at most n CTAs
+// an SM]; "def" is the library's default plan (what it launched follows in brackets).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -68,7 +73,8 @@ static Variant g_variant{};
 static bool g_hook_backward = false;  // which pass the hook rewrites (the other keeps its default plan)
 static int64_t g_nvec = 0;
 
-static void hook(rms::Plan& p, bool backward) {
+static void hook(rms::Plan& p, const rms::PlanInputs& in) {
+  const bool backward = in.backward;
   if (backward != g_hook_backward || p.algo != RMSNormAlgo::kRegisters || g_variant.vpt == 0) return;
   const Variant& v = g_variant;
   p.vpt = v.vpt;
@@ -78,19 +84,33 @@ static void hook(rms::Plan& p, bool backward) {
   while (tpr < want && tpr < 32) tpr <<= 1;
   if (want > 32) tpr = static_cast<int>((want + 31) / 32 * 32);
   p.threads_per_row = tpr;
-  const int cap = std::min(v.cta_threads, rms::max_cta_threads(backward, v.vpt, v.prefetch));
+  const int cap = std::min(v.cta_threads, rms::max_cta_threads(backward, v.vpt, v.prefetch, in.residual));
   p.rows_per_cta = std::max(1, cap / tpr);
   if (tpr > 32) p.rows_per_cta = std::min(p.rows_per_cta, rms::kMaxNamedBarrierRows);
   p.ctas_per_sm = v.ctas_per_sm;
 }
 
+// What the last launch of a pass ran, compactly: "v4p 128x2 1056" (vectors, prefetch, threads a row x
+// rows a CTA, CTAs), "generic 256x1 ..." for the generic kernel.
 static std::string describe(bool backward) {
   const rms::debug::LaunchRecord r = rms::debug::last_launch(backward);
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "vpt %d%s, %dx%d threads, %lld CTAs%s", r.plan.vpt, r.plan.prefetch ? " prefetch" : "",
-                r.plan.threads_per_row, r.plan.rows_per_cta, (long long)r.ctas,
-                r.plan.algo == RMSNormAlgo::kGeneric ? " (generic)" : "");
+  char buf[96];
+  if (r.plan.algo == RMSNormAlgo::kGeneric)
+    std::snprintf(buf, sizeof buf, "generic %dx%d %lld", r.plan.threads_per_row, r.plan.rows_per_cta,
+                  (long long)r.ctas);
+  else
+    std::snprintf(buf, sizeof buf, "v%d%s %dx%d %lld", r.plan.vpt, r.plan.prefetch ? "p" : "", r.plan.threads_per_row,
+                  r.plan.rows_per_cta, (long long)r.ctas);
   return buf;
+}
+
+// A variant's short name: v4pc128P, v8c256, v4c512/1; "def" for the default plan.
+static std::string short_name(const Variant& v) {
+  if (v.vpt == 0) return "def";
+  std::string n = "v" + std::to_string(v.vpt) + (v.prefetch ? "p" : "") + "c" + std::to_string(v.cta_threads);
+  if (v.ctas_per_sm >= rms::kPersistentCtasPerSm) n += "P";
+  else if (v.ctas_per_sm > 0) n += "/" + std::to_string(v.ctas_per_sm);
+  return n;
 }
 
 // Median milliseconds per call of f(i): `samples` samples, each a batch of `batch` calls between two events.
@@ -123,8 +143,8 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // rows survive a timeout
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
-  std::printf("%-12s %-9s %-34s %8s %7s %7s  %s\n", "shape", "pass", "variant", "ms", "GB/s", "%copy", "launched");
+  std::printf("device: %s, %d SMs, L2 %d MB; %% of a D2D copy per variant (- refused, ! mismatch)\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize >> 20);
 
   const std::vector<Variant> fwd_variants = {
       {"default", 0, false, 0, 0},
@@ -136,11 +156,11 @@ int main(int argc, char** argv) {
       {"vpt8 cta256", 8, false, 256, 0},
       {"vpt16 cta128", 16, false, 128, 0},
       {"vpt16 cta256", 16, false, 256, 0},
-      {"vpt8 cta128 persistent", 8, false, 128, 64},
-      {"vpt4 prefetch cta128 persistent", 4, true, 128, 64},
-      {"vpt4 prefetch cta256 persistent", 4, true, 256, 64},
-      {"vpt8 prefetch cta128 persistent", 8, true, 128, 64},
-      {"vpt8 prefetch cta256 persistent", 8, true, 256, 64},
+      {"vpt8 cta128 persistent", 8, false, 128, rms::kPersistentCtasPerSm},
+      {"vpt4 prefetch cta128 persistent", 4, true, 128, rms::kPersistentCtasPerSm},
+      {"vpt4 prefetch cta256 persistent", 4, true, 256, rms::kPersistentCtasPerSm},
+      {"vpt8 prefetch cta128 persistent", 8, true, 128, rms::kPersistentCtasPerSm},
+      {"vpt8 prefetch cta256 persistent", 8, true, 256, rms::kPersistentCtasPerSm},
       {"vpt8 prefetch cta128 2/SM", 8, true, 128, 2},
   };
   const std::vector<Variant> bwd_variants = {
@@ -163,6 +183,8 @@ int main(int argc, char** argv) {
   struct Best {
     std::string name;
     double pct = 0;
+    double def_pct = 0;     // the default plan's
+    std::string def_plan;   // what the default launched
   };
   std::map<std::string, Best> best;  // "shape pass" -> fastest variant
   std::vector<std::string> order;
@@ -170,7 +192,8 @@ int main(int argc, char** argv) {
   const Device dev{DeviceType::kCUDA, 0};
   constexpr int kSets = 2;
   rms::debug::set_plan_hook(hook);
-  for (auto [N, H] : shapes) {
+  for (const auto& shp : shapes) {
+    const int64_t N = shp.first, H = shp.second;
     const size_t elems = size_t(N) * H, bytes = elems * 2;
     g_nvec = H / 8;
     struct Set {
@@ -225,14 +248,28 @@ int main(int argc, char** argv) {
     const double copy_bw = 2.0 * bytes / copy_ms / 1e6;  // GB/s, read + write
     char shape[32];
     std::snprintf(shape, sizeof shape, "%lldx%lld", (long long)N, (long long)H);
-    auto row = [&](const char* pass, const char* name, float ms, double per_elem, const std::string& note) {
+    // One line per pass: "<shape> <pass> def[plan] 99.1 | v4c128 97.0 | ...", printed when the pass is done.
+    std::map<std::string, std::string> lines;
+    auto row = [&](const char* pass, const Variant& v, float ms, double per_elem, const std::string& plan, bool bad) {
       const double bw = per_elem * elems / ms / 1e6, pct = 100.0 * bw / copy_bw;
-      std::printf("%-12s %-9s %-34s %8.4f %7.0f %6.1f%%  %s\n", shape, pass, name, ms, bw, pct, note.c_str());
       const std::string key = std::string(shape) + " " + pass;
       if (!best.count(key)) order.push_back(key);
-      if (pct > best[key].pct) best[key] = {name, pct};
+      Best& b = best[key];
+      if (pct > b.pct) b.name = short_name(v), b.pct = pct;
+      if (v.vpt == 0) b.def_pct = pct, b.def_plan = plan;
+      char cell[96];
+      if (v.vpt == 0)
+        std::snprintf(cell, sizeof cell, "def[%s] %.1f%s", plan.c_str(), pct, bad ? "!" : "");
+      else
+        std::snprintf(cell, sizeof cell, " | %s %.1f%s", short_name(v).c_str(), pct, bad ? "!" : "");
+      lines[pass] += cell;
     };
-    row("copy", "cudaMemcpyAsync D2D (1R+1W)", copy_ms, 4.0, "");
+    auto refused = [&](const char* pass, const Variant& v) { lines[pass] += " | " + short_name(v) + " -"; };
+    auto flush = [&](const char* pass) {
+      std::printf("%s %-7s %s\n", shape, pass, lines[pass].c_str());
+      lines.erase(pass);
+    };
+    std::printf("%s copy %.4f ms %.0f GB/s\n", shape, copy_ms, copy_bw);
 
     // Mismatches of one output against the reference the default plan wrote.
     auto mismatches = [&](const __nv_bfloat16* a, const __nv_bfloat16* ref, int64_t n) {
@@ -252,17 +289,18 @@ int main(int argc, char** argv) {
           forward(0, residual);
           CK(cudaDeviceSynchronize());
           const std::string launched = describe(false);
-          std::string note = launched;
+          unsigned long long m = 0;
           if (v.vpt == 0) {
             CK(cudaMemcpy(ref_y, sets[0].y, bytes, cudaMemcpyDeviceToDevice));
-          } else if (const unsigned long long m = mismatches(sets[0].y, ref_y, elems)) {
-            note += " MISMATCH: " + std::to_string(m) + " elements of y";
+          } else if ((m = mismatches(sets[0].y, ref_y, elems)) != 0) {
+            std::printf("MISMATCH %s %s %s: %llu elements of y\n", shape, fpass, short_name(v).c_str(), m);
           }
-          row(fpass, v.name, per_call_ms([&](int i) { forward(i, residual); }), residual ? 8.0 : 4.0, note);
-        } catch (const std::exception& e) {
-          std::printf("%-12s %-9s %-34s refused: %s\n", shape, fpass, v.name, e.what());
+          row(fpass, v, per_call_ms([&](int i) { forward(i, residual); }), residual ? 8.0 : 4.0, launched, m != 0);
+        } catch (const std::exception&) {  // a plan the kernels cannot run: "-"
+          refused(fpass, v);
         }
       }
+      flush(fpass);
       g_variant = {};
       forward(0, residual);  // the default forward's rstd (and s) for the backward's checks
       const char* bpass = residual ? "bwd+res" : "bwd";
@@ -273,24 +311,30 @@ int main(int argc, char** argv) {
         try {
           backward(0, residual);
           CK(cudaDeviceSynchronize());
-          std::string note = describe(true);
+          const std::string launched = describe(true);
+          unsigned long long mx = 0, mw = 0;
           if (v.vpt == 0) {
             CK(cudaMemcpy(ref_dx, sets[0].dx, bytes, cudaMemcpyDeviceToDevice));
             CK(cudaMemcpy(ref_dw, dw, H * 2, cudaMemcpyDeviceToDevice));
           } else {
-            const unsigned long long mx = mismatches(sets[0].dx, ref_dx, elems), mw = mismatches(dw, ref_dw, H);
-            if (mx || mw) note += " MISMATCH: " + std::to_string(mx) + " of dx, " + std::to_string(mw) + " of dW";
+            mx = mismatches(sets[0].dx, ref_dx, elems), mw = mismatches(dw, ref_dw, H);
+            if (mx || mw)
+              std::printf("MISMATCH %s %s %s: %llu of dx, %llu of dW\n", shape, bpass, short_name(v).c_str(), mx, mw);
           }
-          row(bpass, v.name, per_call_ms([&](int i) { backward(i, residual); }), residual ? 8.0 : 6.0, note);
-          row(fbpass, v.name, per_call_ms([&](int i) {
+          row(bpass, v, per_call_ms([&](int i) { backward(i, residual); }), residual ? 8.0 : 6.0, launched,
+              mx || mw);
+          row(fbpass, v, per_call_ms([&](int i) {
                 forward(i, residual);  // default plan (the hook rewrites the backward only)
                 backward(i, residual);
               }),
-              residual ? 16.0 : 10.0, "forward: default");
-        } catch (const std::exception& e) {
-          std::printf("%-12s %-9s %-34s refused: %s\n", shape, bpass, v.name, e.what());
+              residual ? 16.0 : 10.0, launched, mx || mw);
+        } catch (const std::exception&) {  // a plan the kernels cannot run: "-"
+          refused(bpass, v);
+          refused(fbpass, v);
         }
       }
+      flush(bpass);
+      flush(fbpass);
       g_variant = {};
     }
     CK(cudaGetLastError());
@@ -303,10 +347,12 @@ int main(int argc, char** argv) {
   }
   rms::debug::set_plan_hook(nullptr);
 
-  std::printf("\nfastest variant per shape and pass (%% of the copy; fwd+bwd rows run the default forward):\n");
+  // The summary, last: the fastest variant per shape and pass against the default.
+  std::printf("\nfastest per shape and pass (%% of copy; fwd+bwd rows run the default forward):\n");
   for (const std::string& key : order) {
-    if (key.find(" copy") != std::string::npos) continue;
-    std::printf("  %-22s %-34s %6.1f%%\n", key.c_str(), best[key].name.c_str(), best[key].pct);
+    const Best& b = best[key];
+    std::printf("  %-18s best %-10s %5.1f%%  def %5.1f%% [%s]\n", key.c_str(), b.name.c_str(), b.pct, b.def_pct,
+                b.def_plan.c_str());
   }
   return 0;
 }

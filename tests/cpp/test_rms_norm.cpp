@@ -438,7 +438,8 @@ struct HookState {
 };
 HookState g_hook;
 
-void variant_hook(rms::Plan& p, bool backward) {
+void variant_hook(rms::Plan& p, const rms::PlanInputs& in) {
+  const bool backward = in.backward;
   if (p.algo != RMSNormAlgo::kRegisters) return;
   const rms::KernelVariant k = backward ? g_hook.bwd : g_hook.fwd;
   p.vpt = k.vpt;
@@ -448,7 +449,8 @@ void variant_hook(rms::Plan& p, bool backward) {
   while (tpr < want && tpr < 32) tpr <<= 1;
   if (want > 32) tpr = static_cast<int>((want + 31) / 32 * 32);
   p.threads_per_row = tpr;
-  p.rows_per_cta = std::max(1, std::min(256, rms::max_cta_threads(backward, k.vpt, k.prefetch)) / tpr);
+  p.rows_per_cta =
+      std::max(1, std::min(256, rms::max_cta_threads(backward, k.vpt, k.prefetch, in.residual)) / tpr);
   if (tpr > 32) p.rows_per_cta = std::min(p.rows_per_cta, rms::kMaxNamedBarrierRows);
   p.ctas_per_sm = g_hook.ctas_per_sm;
 }
@@ -460,6 +462,8 @@ TEST(RMSNormCudaVariants, EveryRegisterKernelMatchesCpuBackend) {
       {1056, 4096, DType::kBFloat16, false, C::kLlama, 0.0, false, Layout::kContiguous},
       {777, 2048, DType::kFloat16, true, C::kGemma, 1.0, true, Layout::kStrided},
       {300, 1024, DType::kFloat32, false, C::kNone, 0.0, true, Layout::kContiguous},
+      {2000, 1024, DType::kBFloat16, true, C::kGemma, 1.0, true, Layout::kContiguous},
+      {1000, 2048, DType::kFloat16, false, C::kLlama, 0.0, false, Layout::kStrided},
   };
   const size_t n = std::max(std::size(rms::kForwardVariants), std::size(rms::kBackwardVariants));
   for (const RmsCase& c : cases) {
@@ -618,34 +622,51 @@ TEST(RMSNormLarge, RowOffsetsBeyondInt32) {
 TEST(RMSNormPlan, Decisions) {
   using rms::Plan;
   using rms::PlanInputs;
-  auto plan = [](int64_t H, int es, bool bwd, bool aligned, RMSNormAlgo algo = RMSNormAlgo::kAuto, int vpt = 0) {
+  auto plan = [](int64_t H, int es, bool bwd, bool aligned, RMSNormAlgo algo = RMSNormAlgo::kAuto, int vpt = 0,
+                 bool residual = false) {
     PlanInputs in;
     in.hidden = H;
     in.elem_bytes = es;
     in.backward = bwd;
     in.vector_ok = aligned;
+    in.residual = residual;
     in.requested = algo;
     in.vpt = vpt;
     in.smem_per_block = 227 * 1024;
     return rms::plan_rms_norm(in);
   };
-  // bf16 H = 4096: 512 vectors; the forward holds 8 a thread (64 threads a row, 2 rows in a 128-thread
-  // CTA); the backward 4 a thread and prefetches its next row (128 threads a row, 2 rows in the 288 threads
-  // its registers allow), summing the rows' dW in one shared row of 4096 floats.
+  // The defaults follow rms::default_variant (the benchmark's fastest variants by row size and residual).
+  // bf16 H = 4096 (8 KB rows), no residual: the forward holds 4 vectors a thread and prefetches its next row
+  // in a persistent grid (128 threads a row, 2 rows in a 256-thread CTA).
   Plan f = plan(4096, 2, false, true);
   EXPECT_EQ(f.algo, RMSNormAlgo::kRegisters);
-  EXPECT_EQ(f.vpt, 8);
-  EXPECT_FALSE(f.prefetch);
-  EXPECT_EQ(f.threads_per_row, 64);
+  EXPECT_EQ(f.vpt, 4);
+  EXPECT_TRUE(f.prefetch);
+  EXPECT_EQ(f.threads_per_row, 128);
   EXPECT_EQ(f.rows_per_cta, 2);
-  EXPECT_EQ(f.ctas_per_sm, 0);
-  EXPECT_EQ(plan(2048, 2, false, true).rows_per_cta, 4);
+  EXPECT_EQ(f.ctas_per_sm, rms::kPersistentCtasPerSm);
+  EXPECT_EQ(plan(2048, 2, false, true).rows_per_cta, 2);  // 4 KB rows: 128-thread CTAs
+  // With the residual: 4 vectors, no prefetch, one row group a CTA of 256 threads.
+  Plan fr = plan(4096, 2, false, true, RMSNormAlgo::kAuto, 0, true);
+  EXPECT_EQ(fr.vpt, 4);
+  EXPECT_FALSE(fr.prefetch);
+  EXPECT_EQ(fr.rows_per_cta, 2);
+  EXPECT_EQ(fr.ctas_per_sm, 0);
+  // The backward at 2 vectors a thread, prefetching: 256 threads a row, one row a CTA (no shared dW row).
   Plan b = plan(4096, 2, true, true);
-  EXPECT_EQ(b.vpt, 4);
+  EXPECT_EQ(b.vpt, 2);
   EXPECT_TRUE(b.prefetch);
-  EXPECT_EQ(b.threads_per_row, 128);
-  EXPECT_EQ(b.rows_per_cta, 2);
-  EXPECT_EQ(b.smem_bytes, 4096u * 4);
+  EXPECT_EQ(b.threads_per_row, 256);
+  EXPECT_EQ(b.rows_per_cta, 1);
+  EXPECT_EQ(b.smem_bytes, 0u);
+  // 4 KB rows with the residual: 128 threads a row, 2 rows in a 256-thread CTA summing dW in shared memory.
+  Plan br = plan(2048, 2, true, true, RMSNormAlgo::kAuto, 0, true);
+  EXPECT_EQ(br.vpt, 2);
+  EXPECT_EQ(br.rows_per_cta, 2);
+  EXPECT_EQ(br.smem_bytes, 2048u * 4);
+  // 16 KB rows: 4 vectors, prefetching.
+  EXPECT_EQ(plan(8192, 2, true, true).vpt, 4);
+  EXPECT_TRUE(plan(8192, 2, true, true, RMSNormAlgo::kAuto, 0, true).prefetch);
   // A row the prefetching backward cannot hold: the same width without prefetch, then 8 vectors.
   Plan b2 = plan(12288, 2, true, true);
   EXPECT_EQ(b2.vpt, 4);
@@ -655,17 +676,18 @@ TEST(RMSNormPlan, Decisions) {
   EXPECT_TRUE(plan(4096, 2, true, true, RMSNormAlgo::kAuto, 4).prefetch);
   EXPECT_EQ(plan(16384, 2, true, true, RMSNormAlgo::kRegisters, 4).algo, RMSNormAlgo::kAuto);
   EXPECT_EQ(plan(16384, 2, true, true, RMSNormAlgo::kAuto, 4).algo, RMSNormAlgo::kGeneric);
-  // H = 5120 (80 threads at 8 vectors): whole warps, not a power of two.
-  EXPECT_EQ(plan(5120, 2, false, true).threads_per_row, 96);
+  // H = 5120 (160 threads at 4 vectors): whole warps, not a power of two.
+  EXPECT_EQ(plan(5120, 2, false, true).threads_per_row, 160);
   // Short rows share a warp in power-of-two groups.
   Plan s = plan(64, 2, false, true);
-  EXPECT_EQ(s.threads_per_row, 1);
-  EXPECT_EQ(s.rows_per_cta, 128);
+  EXPECT_EQ(s.threads_per_row, 2);
+  EXPECT_EQ(s.rows_per_cta, 64);
   // Misaligned rows, odd H, or rows beyond the register limits take the generic kernels.
   EXPECT_EQ(plan(4096, 2, false, false).algo, RMSNormAlgo::kGeneric);
   EXPECT_EQ(plan(4097, 2, false, true).algo, RMSNormAlgo::kGeneric);
   EXPECT_EQ(plan(32768, 2, false, true).algo, RMSNormAlgo::kRegisters);
-  EXPECT_EQ(plan(32768, 2, false, true).vpt, 16);
+  EXPECT_EQ(plan(32768, 2, false, true).vpt, 8);  // without the residual's registers 8 reach 32768
+  EXPECT_EQ(plan(32768, 2, false, true, RMSNormAlgo::kAuto, 0, true).vpt, 16);
   EXPECT_EQ(plan(65536, 2, false, true).algo, RMSNormAlgo::kGeneric);
   EXPECT_EQ(plan(16384, 2, true, true).algo, RMSNormAlgo::kRegisters);
   EXPECT_EQ(plan(32768, 2, true, true).algo, RMSNormAlgo::kGeneric);
@@ -697,17 +719,20 @@ TEST(RMSNormPlan, InvariantsForEveryHiddenSize) {
     for (bool bwd : {false, true})
       for (bool aligned : {true, false})
         for (int vpt : {0, 8})
+          for (bool res : {false, true})
           for (int64_t H = 1; H <= 70000; H += (H < 2048 ? 1 : 61)) {
             rms::PlanInputs in;
             in.hidden = H;
             in.elem_bytes = es;
             in.backward = bwd;
             in.vector_ok = aligned;
+            in.residual = res;
             in.vpt = vpt;
             in.smem_per_block = 227 * 1024;
             const rms::Plan p = rms::plan_rms_norm(in);
             const int tpr = p.threads_per_row, rows = p.rows_per_cta;
-            SCOPED_TRACE(testing::Message() << "H " << H << " es " << es << " bwd " << bwd << " vpt " << vpt);
+            SCOPED_TRACE(testing::Message() << "H " << H << " es " << es << " bwd " << bwd << " vpt " << vpt
+                                            << " residual " << res);
             ASSERT_EQ(p.threads() % 32, 0);
             if (tpr > 32) {
               ASSERT_EQ(tpr % 32, 0);
@@ -718,7 +743,9 @@ TEST(RMSNormPlan, InvariantsForEveryHiddenSize) {
             ASSERT_EQ(rms::plan_error(p, in), nullptr);
             if (p.algo == RMSNormAlgo::kRegisters) {
               ASSERT_TRUE(rms::instantiated(bwd, p.vpt, p.prefetch));
-              ASSERT_LE(p.threads(), rms::max_cta_threads(bwd, p.vpt, p.prefetch));
+              ASSERT_LE(p.threads(), rms::max_cta_threads(bwd, p.vpt, p.prefetch, res));
+              // A prefetching forward needs a next row: a persistent grid.
+              if (!bwd && p.prefetch) ASSERT_GT(p.ctas_per_sm, 0);
               ASSERT_GE(static_cast<int64_t>(tpr) * p.vpt * (16 / es), H);
               ASSERT_EQ(H % (16 / es), 0);
               ASSERT_LE(p.smem_bytes, 48u * 1024);
@@ -772,11 +799,19 @@ TEST(RMSNormPlan, PlanErrorRefusesWhatTheKernelsCannotRun) {
   EXPECT_TRUE(broken([](rms::Plan& p) { p.threads_per_row = 48; }));             // not whole warps
   EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 16; }));                // named barriers
   EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 0; }));
-  EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 8; }));                 // 512 > its 448 threads
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 8; }));                 // 1024 > its 608 threads
   EXPECT_TRUE(broken([](rms::Plan& p) { p.ctas_per_sm = -1; }));
   EXPECT_TRUE(broken([](rms::Plan& p) { p.smem_bytes = 16; }));
-  EXPECT_FALSE(broken([](rms::Plan& p) { p.rows_per_cta = 7, p.ctas_per_sm = 2; }));
-  EXPECT_FALSE(broken([](rms::Plan& p) { p.vpt = 16, p.threads_per_row = 32; }));
+  EXPECT_FALSE(broken([](rms::Plan& p) { p.rows_per_cta = 4, p.ctas_per_sm = 2; }));
+  EXPECT_FALSE(broken([](rms::Plan& p) { p.vpt = 16, p.prefetch = false, p.threads_per_row = 32; }));
+  // The residual's registers: 3 rows of 192 threads fit the plain kernel (608), not the fused one (512).
+  rms::PlanInputs with_res = in;
+  with_res.residual = true;
+  rms::Plan wide = good;
+  wide.threads_per_row = 192;
+  wide.rows_per_cta = 3;
+  EXPECT_EQ(rms::plan_error(wide, in), nullptr);
+  EXPECT_NE(rms::plan_error(wide, with_res), nullptr);
   rms::PlanInputs misaligned = in;
   misaligned.vector_ok = false;
   EXPECT_NE(rms::plan_error(good, misaligned), nullptr);

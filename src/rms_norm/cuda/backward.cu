@@ -25,7 +25,7 @@ namespace {
 // Thread t's vectors of x, dy (and the residual-output gradient) in row `row`, and the row's rstd. The
 // residual-output gradient is only added at the end, but loaded now: issued after the reduction it would
 // cost every row a full memory latency.
-template <typename T, int VPT>
+template <typename T, int VPT, bool kResidual>
 __device__ __forceinline__ void load_grad_row(const BackwardParams& p, int64_t row, int t, int tpr, int64_t nvec,
                                               uint4* xs, uint4* dys, uint4* drs, float& r) {
   constexpr int kN = Vec<T>::kN;
@@ -40,7 +40,7 @@ __device__ __forceinline__ void load_grad_row(const BackwardParams& p, int64_t r
       dys[k] = load16(dy + v * kN);
     }
   }
-  if (p.grad_residual_out) {
+  if constexpr (kResidual) {
     const T* dr = static_cast<const T*>(p.grad_residual_out) + row_offset(p.grad_residual_out_rows, rc);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -53,8 +53,10 @@ __device__ __forceinline__ void load_grad_row(const BackwardParams& p, int64_t r
 
 // kPrefetch: the loads of a slot's next row are issued before its current row is reduced (two rows in
 // registers), so they are in flight while the slot waits for its row's other warps and computes dx.
-template <typename T, int VPT, bool kPrefetch>
-__global__ void __maxnreg__(register_cap(true, VPT, kPrefetch)) backward_registers(const BackwardParams p) {
+// kResidual: p.grad_residual_out is set (without it the kernel holds less, so more rows fit on an SM).
+template <typename T, int VPT, bool kPrefetch, bool kResidual>
+__global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual))
+    backward_registers(const BackwardParams p) {
   using V = Vec<T>;
   constexpr int kN = V::kN;
   extern __shared__ __align__(16) float dw_row[];  // H floats when the CTA has several row slots
@@ -79,7 +81,7 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch)) backward_registe
 #pragma unroll
   for (int k = 0; k < VPT; ++k) next_x[k] = next_dy[k] = next_dr[k] = make_uint4(0, 0, 0, 0);
   int64_t row = static_cast<int64_t>(blockIdx.x) * slots + slot;
-  if (kPrefetch && row < p.n_rows) load_grad_row<T, VPT>(p, row, t, tpr, nvec, next_x, next_dy, next_dr, next_r);
+  if (kPrefetch && row < p.n_rows) load_grad_row<T, VPT, kResidual>(p, row, t, tpr, nvec, next_x, next_dy, next_dr, next_r);
 
   int parity = 0;
 #pragma unroll 1
@@ -93,9 +95,9 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch)) backward_registe
       for (int k = 0; k < VPT; ++k) xs[k] = next_x[k], dys[k] = next_dy[k], dres[k] = next_dr[k];
       r = next_r;
       if (row + step < p.n_rows)
-        load_grad_row<T, VPT>(p, row + step, t, tpr, nvec, next_x, next_dy, next_dr, next_r);
+        load_grad_row<T, VPT, kResidual>(p, row + step, t, tpr, nvec, next_x, next_dy, next_dr, next_r);
     } else if (active) {
-      load_grad_row<T, VPT>(p, row, t, tpr, nvec, xs, dys, dres, r);
+      load_grad_row<T, VPT, kResidual>(p, row, t, tpr, nvec, xs, dys, dres, r);
     }
     if (active) {
 #pragma unroll
@@ -129,7 +131,7 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch)) backward_registe
             o[e] = r * (d[e] * g[e]) - a[e] * c;
             if (want_dw) dw[k][e] += d[e] * normalized<T>(a[e], r, p.casting);
           }
-          if (p.grad_residual_out) {
+          if constexpr (kResidual) {
             float b[kN];
             V::unpack(dres[k], b);
 #pragma unroll
@@ -284,30 +286,35 @@ __global__ void __launch_bounds__(kReduceCols * kReduceGroups)
 
 using BackwardKernel = void (*)(BackwardParams);
 
-template <typename T>
-BackwardKernel pick(const Plan& plan) {
-  if (plan.algo == RMSNormAlgo::kGeneric) return backward_generic<T>;
+template <typename T, bool kResidual>
+BackwardKernel pick_registers(const Plan& plan) {
   // kBackwardVariants
   if (!plan.prefetch) {
     switch (plan.vpt) {
-      case 4: return backward_registers<T, 4, false>;
-      case 8: return backward_registers<T, 8, false>;
+      case 4: return backward_registers<T, 4, false, kResidual>;
+      case 8: return backward_registers<T, 8, false, kResidual>;
     }
   } else {
     switch (plan.vpt) {
-      case 2: return backward_registers<T, 2, true>;
-      case 4: return backward_registers<T, 4, true>;
+      case 2: return backward_registers<T, 2, true, kResidual>;
+      case 4: return backward_registers<T, 4, true, kResidual>;
     }
   }
   throw_runtime(str_cat("rms_norm backward: no register kernel for ", plan.vpt, " vectors per thread, prefetch ",
                         plan.prefetch ? 1 : 0));
 }
 
-BackwardKernel pick(DType dtype, const Plan& plan) {
+template <typename T>
+BackwardKernel pick(const Plan& plan, bool residual) {
+  if (plan.algo == RMSNormAlgo::kGeneric) return backward_generic<T>;
+  return residual ? pick_registers<T, true>(plan) : pick_registers<T, false>(plan);
+}
+
+BackwardKernel pick(DType dtype, const Plan& plan, bool residual) {
   switch (dtype) {
-    case DType::kFloat32: return pick<float>(plan);
-    case DType::kFloat16: return pick<__half>(plan);
-    case DType::kBFloat16: return pick<__nv_bfloat16>(plan);
+    case DType::kFloat32: return pick<float>(plan, residual);
+    case DType::kFloat16: return pick<__half>(plan, residual);
+    case DType::kBFloat16: return pick<__nv_bfloat16>(plan, residual);
     default: throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
   }
 }
@@ -320,13 +327,15 @@ struct Launch {
 
 // The plan, its kernel and the persistent grid for these arguments (occupancy is the device's answer for
 // this kernel, so the workspace size and the launch agree).
-Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, int vpt, bool vector_ok, int device) {
+Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, int vpt, bool vector_ok,
+               bool residual, int device) {
   const DeviceInfo& info = device_info(device);
   PlanInputs in;
   in.hidden = hidden;
   in.elem_bytes = static_cast<int>(dtype_size(dtype));
   in.backward = true;
   in.vector_ok = vector_ok;
+  in.residual = residual;
   in.requested = algo;
   in.vpt = vpt;
   in.smem_per_block = info.max_smem_per_block_optin;
@@ -336,12 +345,12 @@ Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, in
     throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ",
                           l.plan.why_not));
   if (const debug::PlanHook hook = debug::plan_hook()) {
-    hook(l.plan, true);
+    hook(l.plan, in);
     l.plan.smem_bytes = plan_smem_bytes(l.plan, in);
     if (const char* why = plan_error(l.plan, in))
       throw_invalid(str_cat("rms_norm backward: a debug plan hook made an unusable plan: ", why));
   }
-  l.kernel = pick(dtype, l.plan);
+  l.kernel = pick(dtype, l.plan, residual);
   // The opt-in for more than 48 KB of shared memory is a per-device attribute of the kernel, set (once per
   // device, with the occupancy query) before the first launch.
   int per_sm = max_ctas_per_sm(reinterpret_cast<const void*>(l.kernel), l.plan.threads(), l.plan.smem_bytes, device);
@@ -383,25 +392,30 @@ size_t backward_workspace_bytes_cuda(int64_t n_rows, int64_t hidden, DType dtype
                                      int device) {
   if (n_rows == 0) return 0;
   DeviceGuard guard(device);
-  // Alignment is a property of the tensors the backward will get, unknown here: size for every kernel
-  // that may run (the register one as if aligned, and the generic one).
+  // Alignment is a property of the tensors the backward will get, unknown here, and so is whether a
+  // residual-output gradient comes with them (the plan depends on it): size for every kernel that may run
+  // (the register ones as if aligned, with and without the residual, and the generic one).
   size_t need = 0;
-  if (o.algo != RMSNormAlgo::kGeneric) {
-    PlanInputs probe;
-    probe.hidden = hidden;
-    probe.elem_bytes = static_cast<int>(dtype_size(dtype));
-    probe.backward = true;
-    probe.vector_ok = true;
-    probe.requested = o.algo;
-    probe.vpt = o.vectors_per_thread;
-    if (plan_rms_norm(probe).algo == RMSNormAlgo::kRegisters) {
-      const Launch l = prepare(dtype, n_rows, hidden, RMSNormAlgo::kRegisters, o.vectors_per_thread, true, device);
+  for (bool residual : {false, true}) {
+    if (o.algo != RMSNormAlgo::kGeneric) {
+      PlanInputs probe;
+      probe.hidden = hidden;
+      probe.elem_bytes = static_cast<int>(dtype_size(dtype));
+      probe.backward = true;
+      probe.vector_ok = true;
+      probe.residual = residual;
+      probe.requested = o.algo;
+      probe.vpt = o.vectors_per_thread;
+      if (plan_rms_norm(probe).algo == RMSNormAlgo::kRegisters) {
+        const Launch l =
+            prepare(dtype, n_rows, hidden, RMSNormAlgo::kRegisters, o.vectors_per_thread, true, residual, device);
+        need = std::max(need, workspace_bytes(l.grid, hidden));
+      }
+    }
+    if (o.algo != RMSNormAlgo::kRegisters) {
+      const Launch l = prepare(dtype, n_rows, hidden, RMSNormAlgo::kGeneric, 0, false, residual, device);
       need = std::max(need, workspace_bytes(l.grid, hidden));
     }
-  }
-  if (o.algo != RMSNormAlgo::kRegisters) {
-    const Launch l = prepare(dtype, n_rows, hidden, RMSNormAlgo::kGeneric, 0, false, device);
-    need = std::max(need, workspace_bytes(l.grid, hidden));
   }
   return need;
 }
@@ -417,7 +431,8 @@ void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream) 
   const int64_t stride = workspace_row_stride(p.hidden);
   PersistentGrid grid;
   if (p.n_rows > 0) {
-    const Launch l = prepare(p.dtype, p.n_rows, p.hidden, p.algo, p.vectors_per_thread, vector_ok, p.device.index);
+    const Launch l = prepare(p.dtype, p.n_rows, p.hidden, p.algo, p.vectors_per_thread, vector_ok,
+                             p.grad_residual_out != nullptr, p.device.index);
     grid = l.grid;
     BackwardParams kp;
     kp.grad_y = p.grad_y;

@@ -19,7 +19,7 @@ namespace logitless::rms {
 namespace {
 
 // Thread t's vectors of x (and the residual) in row `row`: vectors t, t + tpr, ... (VPT of them).
-template <typename T, int VPT>
+template <typename T, int VPT, bool kResidual>
 __device__ __forceinline__ void load_row(const ForwardParams& p, int64_t row, int t, int tpr, int64_t nvec,
                                          uint4* xs, uint4* rs) {
   constexpr int kN = Vec<T>::kN;
@@ -30,7 +30,7 @@ __device__ __forceinline__ void load_row(const ForwardParams& p, int64_t row, in
     const int64_t v = t + static_cast<int64_t>(k) * tpr;
     if (v < nvec) xs[k] = load16(x + v * kN);
   }
-  if (p.residual) {
+  if constexpr (kResidual) {
     // All residual loads before the first store: residual_out may alias an input, so a store would
     // otherwise hold back every later load (one memory round trip per vector).
     const T* res = static_cast<const T*>(p.residual) + row_offset(p.residual_rows, rc);
@@ -44,9 +44,11 @@ __device__ __forceinline__ void load_row(const ForwardParams& p, int64_t row, in
 
 // Row groups base, base + grid * rows_per_cta, ...: one iteration unless the plan asks for a persistent
 // grid. kPrefetch: the loads of a thread's next row are issued before its current row is reduced, so they
-// are in flight while it waits for the row's other warps and computes y.
-template <typename T, int VPT, bool kPrefetch>
-__global__ void __maxnreg__(register_cap(false, VPT, kPrefetch)) forward_registers(const ForwardParams p) {
+// are in flight while it waits for the row's other warps and computes y. kResidual: p.residual is set (the
+// kernel without it holds half the data, so more of its CTAs fit on an SM).
+template <typename T, int VPT, bool kPrefetch, bool kResidual>
+__global__ void __maxnreg__(register_cap(false, VPT, kPrefetch, kResidual))
+    forward_registers(const ForwardParams p) {
   using V = Vec<T>;
   constexpr int kN = V::kN;
   // Two scratch buffers, alternating by iteration: a row's next reduction may start while a slow warp of the
@@ -60,7 +62,7 @@ __global__ void __maxnreg__(register_cap(false, VPT, kPrefetch)) forward_registe
 #pragma unroll
   for (int k = 0; k < VPT; ++k) next_x[k] = next_r[k] = make_uint4(0, 0, 0, 0);
   int64_t row = static_cast<int64_t>(blockIdx.x) * slots + threadIdx.y;
-  if (kPrefetch && row < p.n_rows) load_row<T, VPT>(p, row, t, tpr, nvec, next_x, next_r);
+  if (kPrefetch && row < p.n_rows) load_row<T, VPT, kResidual>(p, row, t, tpr, nvec, next_x, next_r);
 
   int parity = 0;
 #pragma unroll 1
@@ -71,14 +73,14 @@ __global__ void __maxnreg__(register_cap(false, VPT, kPrefetch)) forward_registe
     if (kPrefetch) {
 #pragma unroll
       for (int k = 0; k < VPT; ++k) s[k] = next_x[k], rv[k] = next_r[k];
-      if (row + step < p.n_rows) load_row<T, VPT>(p, row + step, t, tpr, nvec, next_x, next_r);
+      if (row + step < p.n_rows) load_row<T, VPT, kResidual>(p, row + step, t, tpr, nvec, next_x, next_r);
     } else if (active) {
-      load_row<T, VPT>(p, row, t, tpr, nvec, s, rv);
+      load_row<T, VPT, kResidual>(p, row, t, tpr, nvec, s, rv);
     }
     const RowCoords rc = row_coords(p.x_rows, row);
     float sum_sq = 0.f;
     if (active) {
-      if (p.residual) {
+      if constexpr (kResidual) {
         T* out = static_cast<T*>(p.residual_out) + row_offset(p.residual_out_rows, rc);
 #pragma unroll
         for (int k = 0; k < VPT; ++k) {
@@ -198,31 +200,36 @@ __global__ void __launch_bounds__(kGenericCtaThreads) forward_generic(const Forw
 
 using ForwardKernel = void (*)(ForwardParams);
 
-template <typename T>
-ForwardKernel pick(const Plan& plan) {
-  if (plan.algo == RMSNormAlgo::kGeneric) return forward_generic<T>;
+template <typename T, bool kResidual>
+ForwardKernel pick_registers(const Plan& plan) {
   // kForwardVariants
   if (!plan.prefetch) {
     switch (plan.vpt) {
-      case 4: return forward_registers<T, 4, false>;
-      case 8: return forward_registers<T, 8, false>;
-      case 16: return forward_registers<T, 16, false>;
+      case 4: return forward_registers<T, 4, false, kResidual>;
+      case 8: return forward_registers<T, 8, false, kResidual>;
+      case 16: return forward_registers<T, 16, false, kResidual>;
     }
   } else {
     switch (plan.vpt) {
-      case 4: return forward_registers<T, 4, true>;
-      case 8: return forward_registers<T, 8, true>;
+      case 4: return forward_registers<T, 4, true, kResidual>;
+      case 8: return forward_registers<T, 8, true, kResidual>;
     }
   }
   throw_runtime(str_cat("rms_norm forward: no register kernel for ", plan.vpt, " vectors per thread, prefetch ",
                         plan.prefetch ? 1 : 0));
 }
 
-ForwardKernel pick(DType dtype, const Plan& plan) {
+template <typename T>
+ForwardKernel pick(const Plan& plan, bool residual) {
+  if (plan.algo == RMSNormAlgo::kGeneric) return forward_generic<T>;
+  return residual ? pick_registers<T, true>(plan) : pick_registers<T, false>(plan);
+}
+
+ForwardKernel pick(DType dtype, const Plan& plan, bool residual) {
   switch (dtype) {
-    case DType::kFloat32: return pick<float>(plan);
-    case DType::kFloat16: return pick<__half>(plan);
-    case DType::kBFloat16: return pick<__nv_bfloat16>(plan);
+    case DType::kFloat32: return pick<float>(plan, residual);
+    case DType::kFloat16: return pick<__half>(plan, residual);
+    case DType::kBFloat16: return pick<__nv_bfloat16>(plan, residual);
     default: throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
   }
 }
@@ -243,6 +250,7 @@ void forward_cuda(const ForwardProblem& p, StreamHandle stream) {
                  rows_aligned16(p.y, p.y_rows, es) && rows_aligned16(p.residual_out, p.residual_out_rows, es) &&
                  aligned16(p.weight);
   in.requested = p.algo;
+  in.residual = p.residual != nullptr;
   in.vpt = p.vectors_per_thread;
   in.smem_per_block = info.max_smem_per_block_optin;
   Plan plan = plan_rms_norm(in);
@@ -250,10 +258,10 @@ void forward_cuda(const ForwardProblem& p, StreamHandle stream) {
     throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ",
                           plan.why_not));
   if (const debug::PlanHook hook = debug::plan_hook()) {
-    hook(plan, false);
+    hook(plan, in);
     if (const char* why = plan_error(plan, in)) throw_invalid(str_cat("rms_norm forward: a debug plan hook made an unusable plan: ", why));
   }
-  const ForwardKernel kernel = pick(p.dtype, plan);
+  const ForwardKernel kernel = pick(p.dtype, plan, in.residual);
   // One CTA per row group, or a persistent grid whose CTAs loop over the row groups.
   int64_t grid = (p.n_rows + plan.rows_per_cta - 1) / plan.rows_per_cta;
   if (plan.ctas_per_sm > 0) {

@@ -24,26 +24,50 @@ bool public_vpt(int vpt) {
 int row_threads(int64_t want) { return static_cast<int>(want <= 32 ? next_pow2(want) : round_up(want, 32)); }
 
 // The register plan for one kernel variant, or why it cannot run these rows.
-const char* register_plan(const PlanInputs& in, int vpt, bool prefetch, Plan* out) {
+const char* register_plan(const PlanInputs& in, int vpt, bool prefetch, int cta_threads, bool persistent,
+                          Plan* out) {
   const int64_t per_vec = 16 / in.elem_bytes;
   if (!in.vector_ok || in.hidden % per_vec != 0)
     return "rows are not all 16-byte aligned, or H is not a multiple of 16 bytes";
   const int64_t want = ceil_div(in.hidden / per_vec, vpt);
-  const int max_threads = max_cta_threads(in.backward, vpt, prefetch);
+  const int max_threads = max_cta_threads(in.backward, vpt, prefetch, in.residual);
   if (want > max_threads) return "H is too large to keep a row in registers at this vectors_per_thread";
   Plan p;
   p.algo = RMSNormAlgo::kRegisters;
   p.vpt = vpt;
   p.prefetch = prefetch;
   p.threads_per_row = row_threads(want);
-  const int target = std::min(in.backward ? kBackwardCtaThreads : kForwardCtaThreads, max_threads);
-  p.rows_per_cta = std::max(1, target / p.threads_per_row);
+  // Whole rows only: a row of more threads than the target is one row a CTA.
+  p.rows_per_cta = std::max(1, std::min(cta_threads, max_threads) / p.threads_per_row);
   if (p.threads_per_row > 32) p.rows_per_cta = std::min(p.rows_per_cta, kMaxNamedBarrierRows);
+  // The backward is persistent by construction (0: as many CTAs as fit); a prefetching forward only has a
+  // next row to fetch in a persistent grid.
+  p.ctas_per_sm = !in.backward && (persistent || prefetch) ? kPersistentCtasPerSm : 0;
   p.smem_bytes = plan_smem_bytes(p, in);
   *out = p;
   return nullptr;
 }
 }  // namespace
+
+DefaultVariant default_variant(bool backward, bool residual, int64_t row_bytes) {
+  // Measured, % of a device-to-device copy (16384 rows, bf16; the residual rows count its extra bytes):
+  //   forward:           4 KB rows 4 prefetch cta128 persistent 89%, 8 KB cta256 91%, 16 KB cta128 91%
+  //   forward + residual: 4 vectors, 256-thread CTAs, one row group a CTA, 100% at every size
+  //   backward:          4 and 8 KB rows 2 vectors prefetch cta128 86%, 16 KB 4 prefetch cta128 69%
+  //   backward + residual: 4 KB 2 prefetch cta256 96%, 8 KB 2 prefetch cta512 98%, 16 KB 4 prefetch cta512 89%
+  // (the kernels without the residual were measured built with its registers; see register_cap).
+  if (!backward) {
+    if (residual) return {4, false, 256, false};
+    return {4, true, row_bytes > 4096 && row_bytes <= 8192 ? 256 : 128, true};
+  }
+  if (residual) {
+    if (row_bytes <= 4096) return {2, true, 256, false};
+    if (row_bytes <= 8192) return {2, true, 512, false};
+    return {4, true, 512, false};
+  }
+  if (row_bytes <= 8192) return {2, true, 128, false};
+  return {4, true, 128, false};
+}
 
 bool instantiated(bool backward, int vpt, bool prefetch) {
   if (backward) {
@@ -71,16 +95,18 @@ Plan plan_rms_norm(const PlanInputs& in) {
     if (in.vpt != 0 && !public_vpt(in.vpt)) {
       why = "vectors_per_thread is not one the register kernels are built for (4 or 8)";
     } else {
-      // The default variant first, then the same width holding one row, then (auto only) wider ones, which
-      // reach the longest rows.
-      const int vpt = in.vpt ? in.vpt : in.backward ? kDefaultBackwardVpt : kDefaultForwardVpt;
-      const bool prefetch_first = in.backward ? kDefaultBackwardPrefetch : kDefaultForwardPrefetch;
-      const KernelVariant tries[] = {{vpt, prefetch_first}, {vpt, false}, {2 * vpt, false}, {4 * vpt, false}};
+      // The default variant for these rows first, then the same width holding one row, then (auto only)
+      // wider ones, which reach the longest rows. A forced width keeps the default's prefetch and CTA size
+      // where its kernel exists.
+      const DefaultVariant d = default_variant(in.backward, in.residual, in.hidden * in.elem_bytes);
+      const int vpt = in.vpt ? in.vpt : d.vpt;
+      const KernelVariant tries[] = {{vpt, d.prefetch}, {vpt, false}, {2 * vpt, false}, {4 * vpt, false},
+                                     {8 * vpt, false}};
       for (const KernelVariant& k : tries) {
         if (k.vpt != vpt && in.vpt != 0) break;
         if (!instantiated(in.backward, k.vpt, k.prefetch)) continue;
         Plan p;
-        why = register_plan(in, k.vpt, k.prefetch, &p);
+        why = register_plan(in, k.vpt, k.prefetch, d.cta_threads, d.persistent && k.prefetch == d.prefetch, &p);
         if (!why) return p;
       }
     }
@@ -128,7 +154,8 @@ const char* plan_error(const Plan& p, const PlanInputs& in) {
   const int64_t per_vec = 16 / in.elem_bytes;
   if (!in.vector_ok || in.hidden % per_vec != 0) return "rows are not all 16-byte aligned";
   if (static_cast<int64_t>(tpr) * p.vpt * per_vec < in.hidden) return "the row's threads do not cover H";
-  if (p.threads() > max_cta_threads(in.backward, p.vpt, p.prefetch)) return "more threads than the kernel's bound";
+  if (p.threads() > max_cta_threads(in.backward, p.vpt, p.prefetch, in.residual))
+    return "more threads than the kernel's bound";
   return nullptr;
 }
 

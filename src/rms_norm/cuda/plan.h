@@ -27,34 +27,42 @@ inline constexpr KernelVariant kBackwardVariants[] = {{4, false}, {8, false}, {2
 bool instantiated(bool backward, int vpt, bool prefetch);
 
 // Registers a thread of each register kernel may use (its __maxnreg__), and so its largest CTA. The data a
-// thread holds, in 32-bit registers per 16-byte vector: forward x and residual (8) per row held, and the
-// weight (4); backward x, dy and the residual-output gradient (12) per row held, 8 float32 dW sums and the
-// weight (4). Prefetching kernels hold two rows. The rest (addresses, loop state, one vector's unpacked
-// floats) fits in 48 registers in the forward and 64 in the backward: ptxas -v shows no spills at these
-// caps (tighter ones spilled), except 8 bytes in the fp16 backward at 8 vectors, which is at the 255
-// ceiling. A lower cap would mean more resident warps, but ptxas uses what it is given.
-constexpr int register_cap(bool backward, int vpt, bool prefetch) {
+// thread holds, in 32-bit registers per 16-byte vector: forward x (4) and, with a fused residual, the
+// residual (4) per row held, and the weight (4); backward x and dy (8) and, with a residual, the
+// residual-output gradient (4) per row held, 8 float32 dW sums and the weight (4). Prefetching kernels hold
+// two rows. Each kernel is built with and without the residual: one built for both would size its registers
+// (and so cap its occupancy) for the residual's data even where there is none, leaving the plain norm with
+// half the bytes in flight per SM of the fused one. The rest (addresses, loop state, one vector's unpacked
+// floats) fits in 48 registers in the fused forward, 56 in the plain one and 64 in the backward: ptxas -v
+// (CUDA 13, sm_90a) shows no spills at these caps but 4 to 8 bytes in the plain forward of fp16 at 4 vectors
+// and of float32 at 8, and in the fused 8-vector backward of 16-bit x (at the 255 ceiling).
+// A lower cap would mean more resident warps, but ptxas uses what it is given.
+constexpr int register_cap(bool backward, int vpt, bool prefetch, bool residual) {
   const int rows_held = prefetch ? 2 : 1;
-  const int data = backward ? vpt * (12 * rows_held + 8 + 4) : vpt * (8 * rows_held + 4);
-  const int cap = (data + (backward ? 64 : 48) + 7) / 8 * 8;
+  const int per_row = backward ? (residual ? 12 : 8) : (residual ? 8 : 4);
+  const int data = vpt * (per_row * rows_held + (backward ? 12 : 4));
+  const int cap = (data + (backward ? 64 : residual ? 48 : 56) + 7) / 8 * 8;
   return cap < 255 && vpt < 16 ? cap : 255;
 }
-constexpr int max_cta_threads(bool backward, int vpt, bool prefetch = false) {
-  const int threads = 65536 / register_cap(backward, vpt, prefetch) / 32 * 32;
+constexpr int max_cta_threads(bool backward, int vpt, bool prefetch, bool residual) {
+  const int threads = 65536 / register_cap(backward, vpt, prefetch, residual) / 32 * 32;
   return threads < 1024 ? threads : 1024;
 }
 
-// Target CTA sizes (capped by max_cta_threads): the forward launches one row group per CTA and relies on
-// many small, independent CTAs per SM. The backward is persistent and combines the dW sums of its rows in
-// shared memory at the end, so larger CTAs mean fewer partial rows in the workspace. The defaults (8 vectors
-// a thread forward: one warp a row at H = 2048 bf16; 4 prefetching backward) are the benchmark's best
-// guesses until bench/cpp/bench_rms_norm.cu has measured its variants on the target GPU.
-inline constexpr int kForwardCtaThreads = 128;
-inline constexpr int kBackwardCtaThreads = 512;
-inline constexpr int kDefaultForwardVpt = 8;
-inline constexpr bool kDefaultForwardPrefetch = false;
-inline constexpr int kDefaultBackwardVpt = 4;
-inline constexpr bool kDefaultBackwardPrefetch = true;
+// The default register variant for a pass, by whether a residual is fused and by the row's bytes: the
+// fastest of bench/cpp/bench_rms_norm.cu's variants on an H100 (bf16, N = 16384, H = 2048 / 4096 / 8192,
+// i.e. rows of 4 / 8 / 16 KB). cta_threads is the CTA size aimed at (rows_per_cta = cta_threads / threads
+// a row, capped by the kernel's registers); persistent: the forward's CTAs loop over the row groups (a grid
+// of as many CTAs as fit), which a prefetching forward needs to have a next row. The backward is always
+// persistent. Rows the variant cannot hold fall back to the same width without prefetch, then wider ones.
+struct DefaultVariant {
+  int vpt;
+  bool prefetch;
+  int cta_threads;
+  bool persistent;
+};
+DefaultVariant default_variant(bool backward, bool residual, int64_t row_bytes);
+inline constexpr int kPersistentCtasPerSm = 64;  // "as many as fit": the occupancy bounds it first
 inline constexpr int kGenericCtaThreads = 256;
 inline constexpr int kGenericElemsPerThread = 8;  // generic path: elements each thread owns per pass
 
@@ -82,6 +90,7 @@ struct PlanInputs {
   int elem_bytes = 2;
   bool backward = false;
   bool vector_ok = false;  // every row of every tensor starts 16-byte aligned and H is a whole number of vectors
+  bool residual = false;   // forward: a residual is added; backward: a residual-output gradient is added
   RMSNormAlgo requested = RMSNormAlgo::kAuto;
   int vpt = 0;             // requested vectors per thread; 0 = auto
   int smem_per_block = 48 * 1024;  // dynamic shared memory a CTA may opt into
@@ -116,7 +125,7 @@ inline size_t workspace_bytes(const PersistentGrid& g, int64_t hidden) {
 // checked (plan_error) and launched, and what the last launch on any thread ran. The backward applies the
 // hook to its workspace query too, so the two agree while the hook stays the same.
 namespace debug {
-using PlanHook = void (*)(Plan& plan, bool backward);
+using PlanHook = void (*)(Plan& plan, const PlanInputs& in);
 void set_plan_hook(PlanHook hook);
 PlanHook plan_hook();
 struct LaunchRecord {
