@@ -8,8 +8,21 @@ partial sums are not counted (under 1% at these shapes). Targets, as ratios to t
 same run (its GB/s count one read and one write): forward >= 94%, fwd+bwd >= 88%.
 
 Every fwd+bwd row gets x from `_Source`, an autograd node whose backward is free, so only the norm's own
-backward is timed, with a fresh non-leaf input as a model would hand it over. The "vpt 8" rows run the
-register kernel at 8 vectors a thread instead of the default 4 (the choice the default should follow).
+backward is timed, with a fresh non-leaf input as a model would hand it over.
+
+Timing on CUDA: every implementation (logitless and its peers alike) is first timed eagerly by
+common.run_impls (which also checks its output and measures its peak extra memory), then each call is
+captured as a CUDA graph per rotating buffer set (torch.cuda.graph on static inputs, after a warm-up on a side
+stream) and the replays are timed instead: at 16384 x 2048 a call is ~40 us of GPU work, and the eager numbers
+measured the host's dispatch (autograd, custom-op and Python overhead) more than the kernels. Those rows say
+"CUDA graph (eager <ms>)"; where capture fails the eager time stays and the note says so. The copy yardstick is
+timed eagerly (one cudaMemcpy per call, no host-side work to hide).
+
+The logitless defaults (src/rms_norm/cuda/plan.cpp, default_variant) depend on the row size and on whether a
+residual is fused, as measured by bench/cpp/bench_rms_norm.cu: the forward holds 4 vectors a thread, and
+without a residual prefetches its next row in a persistent grid; the backward holds 2 vectors a thread (4 for
+rows over 8 KB) and prefetches its next row. The "vpt 8" rows force 8 vectors a thread (the public
+vectors_per_thread option) for comparison.
 """
 from __future__ import annotations
 
@@ -17,7 +30,7 @@ from typing import List
 
 import torch
 
-from common import Context, Impl, Row, release, run_impls
+from common import Context, Impl, Row, release, run_impls, time_call
 
 QUICK_SHAPES = ["256x1024", "64x4096"]
 DEFAULT_SHAPES = ["16384x2048", "16384x4096", "16384x8192"]
@@ -56,6 +69,49 @@ def _liger(H, device):
     except Exception as e:  # absent, or present but unusable here
         return None, f"skipped: liger_kernel not importable ({type(e).__name__})"
     return LigerRMSNorm(H, eps=EPS).to(device=device, dtype=DTYPE), None
+
+
+def _graph_ms(ctx: Context, fn, setup, k: int) -> float:
+    """Median ms of a replay of fn(*setup(j)) captured as one CUDA graph per buffer set j < k (the replays
+    cycle through them like the eager timing does). Raises when capture fails."""
+    side = torch.cuda.Stream(ctx.device)
+    side.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(side):  # warm-up off the capture: compilation, autotuning, allocator growth
+        for j in range(k):
+            fn(*setup(j))
+    torch.cuda.current_stream(ctx.device).wait_stream(side)
+    graphs, keep = [], []
+    for j in range(k):
+        args = setup(j)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn(*args)
+        graphs.append(g)
+        keep.append((args, out))  # static inputs and outputs live as long as their graph
+    ms = time_call(ctx, lambda j: graphs[j].replay(), lambda i: (i % k,))
+    del graphs, keep
+    return ms
+
+
+def _retime_with_graphs(ctx: Context, impls, rows: List[Row], k: int) -> None:
+    """Replace each timed row's eager time by its CUDA-graph replay time (see the module docstring)."""
+    for impl, row in zip(impls, rows):
+        if row.ms is None:
+            continue
+        try:
+            ms = _graph_ms(ctx, impl.fn, impl.setup, k)
+        except Exception as e:  # a peer that cannot be captured keeps its eager time
+            reason = str(e).splitlines()[0][:80] if str(e) else ""
+            row.note = "; ".join(n for n in (row.note, f"eager (graph capture failed: {type(e).__name__} {reason})")
+                                 if n)
+            release(ctx)
+            continue
+        row.note = "; ".join(n for n in (row.note, f"CUDA graph (eager {row.ms:.3f} ms)") if n)
+        if row.gbps is not None and row.ms:
+            row.gbps *= row.ms / ms
+            row.pct_copy *= row.ms / ms
+        row.ms = ms
+        release(ctx)
 
 
 def run(ctx: Context, shapes: List[str]) -> List[Row]:
@@ -128,7 +184,7 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
             return setup
 
         def backward_only(y, dy):
-            y.backward(dy)
+            y.backward(dy, retain_graph=True)  # keeps rstd alive for a graph replaying this backward
 
         ln = logitless.rms_norm
         fwd, bwd, both = 2 * nbytes, 3 * nbytes, 5 * nbytes
@@ -165,7 +221,10 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
         shape = f"N={N} H={H} bf16"
         for r in notes:
             r.shape = shape
-        rows += run_impls(ctx, op="rms_norm", shape=shape, impls=impls, copy_bytes=nbytes) + notes
+        timed = run_impls(ctx, op="rms_norm", shape=shape, impls=impls, copy_bytes=nbytes)
+        if ctx.is_cuda:
+            _retime_with_graphs(ctx, impls, timed, k)
+        rows += timed + notes
         xs.clear(), res.clear(), dys.clear()
         release(ctx)
     return rows
