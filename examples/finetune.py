@@ -26,7 +26,7 @@ structure a model can learn, so the loss falls) rather than uniformly random ids
 first --tokenizer-vocab entries. The tokenizer and the token ids are cached (--cache).
 
 Output (--out DIR): report.md (the table and the targets), report.png (throughput, memory, largest batch and
-loss curves; needs matplotlib, else the report says so), results.json, and one <mode>.json per mode.
+loss curves; needs matplotlib, else the report says so) and results.json (every number, per mode).
 
 Without a GPU it runs a tiny Llama config on the CPU (logitless's CPU backend) with a short sequence.
 
@@ -461,6 +461,7 @@ def run_modes(args, tokens_path, out):
             results[mode] = dict(mode=mode, failed=f"worker exited with status {rc}")
         else:
             results[mode] = json.loads(path.read_text())
+            path.unlink()  # results.json gathers them all
     return results
 
 

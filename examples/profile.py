@@ -9,7 +9,7 @@ cross-entropy applied. Each mode runs --warmup unprofiled steps first, so that t
 allocator, cuBLAS and autotuning state settled. Data and model as in finetune.py (the tokenized standard
 library, random weights; nothing downloaded).
 
-Output (--out DIR): profile.md (summary and tables), trace_<mode>.json, and the tables on stdout.
+Output (--out DIR): profile.md (summary and tables), trace_<mode>.json.gz, and the tables on stdout.
 
     PYTHONPATH=build/<dir>/python python examples/profile.py                        # tiny config without a GPU
     PYTHONPATH=build/<dir>/python python examples/profile.py --batch 4 --seq 2048 --out profile-out
@@ -87,7 +87,7 @@ def profile_mode(mode, model, opt, sched, ids, args, out):
         finetune.train_step(model, opt, sched, ids)
         if gpu:
             torch.cuda.synchronize()
-    trace = out / f"trace_{mode}.json"
+    trace = out / f"trace_{mode}.json.gz"  # gzip: a step of the 1B model is tens of MB of JSON; Perfetto reads it
     prof.export_chrome_trace(str(trace))
     events = prof.key_averages()
     sort_by = "self_device_time_total" if gpu else "self_cpu_time_total"

@@ -4,6 +4,7 @@ a small slice of the standard-library corpus; the reports they write are checked
 Skips when transformers is not importable (tools/test.sh installs it).
 Run: PYTHONPATH=build/<dir>/python python -m pytest tests/python/test_examples.py -q
 """
+import gzip
 import json
 import os
 import subprocess
@@ -38,6 +39,8 @@ def test_finetune_trains_every_mode_and_writes_the_report(tmp_path):
     # float32 on the CPU: the same losses up to float32 rounding, from the same weights and batches.
     for a, b in zip(results["baseline"]["losses"], results["logitless"]["losses"]):
         assert abs(a - b) <= 1e-4 * abs(a)
+    # Few files: a device run sends back at most a handful.
+    assert {p.name for p in out.iterdir()} <= {"report.md", "report.png", "results.json"}
     report = (out / "report.md").read_text()
     assert report in stdout
     for text in ("| baseline |", "| logitless |", "| liger |", "standard library", "## Loss curve", "## Chart"):
@@ -57,5 +60,5 @@ def test_profile_writes_tables_and_traces(tmp_path):
     assert "aten::_log_softmax" in text or "aten::mm" in text  # a real ops table
     assert "logitless::" in text.split("## logitless")[1]  # the fused ops show up after patching
     for mode in ("baseline", "logitless"):
-        trace = json.loads((out / f"trace_{mode}.json").read_text())
+        trace = json.loads(gzip.decompress((out / f"trace_{mode}.json.gz").read_bytes()))
         assert trace["traceEvents"]
