@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--config", choices=tuple(finetune.CONFIGS), default=None)
-    p.add_argument("--batch", type=int, default=None, help="default 4")
+    p.add_argument("--batch", type=int, default=None, help="default as finetune.py: 8 on cuda, 4 on cpu")
     p.add_argument("--seq", type=int, default=None, help="default 2048 on cuda, 128 on cpu")
     p.add_argument("--modes", default="baseline,logitless", help="comma-separated: baseline, logitless, liger")
     p.add_argument("--warmup", type=int, default=2, dest="warmup_steps",
