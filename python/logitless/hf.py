@@ -122,9 +122,9 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
     if cross_entropy:
         parameters, signature = _forward_parameters(model)
         if not _uses_standard_loss(model):
-            raise ValueError(f"model: expected the standard causal-LM loss (ForCausalLMLoss) to fuse, got loss_function "
-                             f"{getattr(model.loss_function, '__name__', model.loss_function)!r}; pass "
-                             f"cross_entropy=False to patch only the RMSNorm modules")
+            loss = getattr(model.loss_function, "__name__", model.loss_function)
+            raise ValueError(f"model: expected the standard causal-LM loss (ForCausalLMLoss) to fuse, got "
+                             f"loss_function {loss!r}; pass cross_entropy=False to patch only the RMSNorm modules")
     if is_patched(model):
         unpatch(model)
 
