@@ -636,16 +636,21 @@ TEST(RMSNormPlan, Decisions) {
     return rms::plan_rms_norm(in);
   };
   // The defaults follow rms::default_variant (the benchmark's fastest variants by row size and residual).
-  // bf16 H = 4096 (8 KB rows), no residual: the forward holds 4 vectors a thread and prefetches its next row
-  // in a persistent grid (128 threads a row, 2 rows in a 256-thread CTA).
+  // bf16 H = 4096 (8 KB rows), no residual: the forward holds 8 vectors a thread, no prefetch, one row group a
+  // 128-thread CTA (64 threads a row, 2 rows).
   Plan f = plan(4096, 2, false, true);
   EXPECT_EQ(f.algo, RMSNormAlgo::kRegisters);
-  EXPECT_EQ(f.vpt, 4);
-  EXPECT_TRUE(f.prefetch);
-  EXPECT_EQ(f.threads_per_row, 128);
+  EXPECT_EQ(f.vpt, 8);
+  EXPECT_FALSE(f.prefetch);
+  EXPECT_EQ(f.threads_per_row, 64);
   EXPECT_EQ(f.rows_per_cta, 2);
-  EXPECT_EQ(f.ctas_per_sm, rms::kPersistentCtasPerSm);
-  EXPECT_EQ(plan(2048, 2, false, true).rows_per_cta, 2);  // 4 KB rows: 128-thread CTAs
+  EXPECT_EQ(f.ctas_per_sm, 0);
+  EXPECT_EQ(plan(2048, 2, false, true).rows_per_cta, 4);  // 4 KB rows: a warp a row
+  // Rows that are not whole warps at 8 vectors keep 4 vectors with prefetch in a persistent grid.
+  Plan f5 = plan(5120, 2, false, true);
+  EXPECT_EQ(f5.vpt, 4);
+  EXPECT_TRUE(f5.prefetch);
+  EXPECT_EQ(f5.ctas_per_sm, rms::kPersistentCtasPerSm);
   // With the residual: 4 vectors, no prefetch, one row group a CTA of 256 threads.
   Plan fr = plan(4096, 2, false, true, RMSNormAlgo::kAuto, 0, true);
   EXPECT_EQ(fr.vpt, 4);
@@ -786,7 +791,13 @@ TEST(RMSNormPlan, PlanErrorRefusesWhatTheKernelsCannotRun) {
   in.elem_bytes = 2;
   in.vector_ok = true;
   in.smem_per_block = 227 * 1024;
-  const rms::Plan good = rms::plan_rms_norm(in);
+  in.vpt = 4;
+  // The 4-vector prefetching forward (128 threads a row; its bound: 608 threads, 512 with the residual).
+  rms::Plan good = rms::plan_rms_norm(in);
+  good.prefetch = true;
+  in.vpt = 0;
+  ASSERT_EQ(good.vpt, 4);
+  ASSERT_EQ(good.threads_per_row, 128);
   ASSERT_EQ(rms::plan_error(good, in), nullptr);
   auto broken = [&](auto&& edit) {
     rms::Plan p = good;
