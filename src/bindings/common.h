@@ -18,4 +18,12 @@ TensorView to_view(nb::handle obj);
 Workspace to_workspace(nb::handle obj);  // None or (ptr, bytes)
 inline StreamHandle to_stream(uintptr_t s) { return reinterpret_cast<StreamHandle>(s); }
 
+// Conversions more than one family's bindings need, each defined next to its own family's bindings.
+// linear_cross_entropy.cpp: the options tuple (ignore_index, reduction (the C++ enum value), label_smoothing,
+// z_loss, softcap, check_targets, chunk_tokens, chunk_vocab, memory_budget).
+LinearCrossEntropyOptions lce_options(nb::handle options);
+// policy_loss.cpp: the outputs, each None (not wanted) or a tensor.
+PolicyLossOutputs policy_outputs(nb::handle loss, nb::handle per_token_loss, nb::handle kl, nb::handle is_clipped,
+                                 nb::handle logp, nb::handle entropy, nb::handle lse);
+
 }  // namespace logitless::bindings

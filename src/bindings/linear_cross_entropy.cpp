@@ -2,10 +2,8 @@
 
 namespace logitless::bindings {
 
-namespace {
-// The options travel as one tuple: (ignore_index, reduction (the C++ enum value), label_smoothing, z_loss,
-// softcap, check_targets, chunk_tokens, chunk_vocab, memory_budget).
-LinearCrossEntropyOptions make_options(nb::handle options) {
+// The options tuple: see common.h.
+LinearCrossEntropyOptions lce_options(nb::handle options) {
   const auto t = nb::cast<nb::tuple>(options);
   if (t.size() != 9) throw Error(Error::Kind::kInvalidArgument, "linear_cross_entropy options: expected a 9-tuple");
   LinearCrossEntropyOptions o;
@@ -20,16 +18,15 @@ LinearCrossEntropyOptions make_options(nb::handle options) {
   o.memory_budget = nb::cast<size_t>(t[8]);
   return o;
 }
-}  // namespace
 
-// After the input tensors, every function takes the options tuple (see make_options). Tensor arguments accept None.
+// After the input tensors, every function takes the options tuple (see lce_options). Tensor arguments accept None.
 void bind_linear_cross_entropy(nb::module_& m) {
   using namespace nb::literals;
   m.def(
       "linear_cross_entropy_forward_workspace_bytes",
       [](nb::handle hidden, nb::handle weight, nb::handle target, nb::handle options) {
         return linear_cross_entropy_forward_workspace_bytes(to_view(hidden), to_view(weight), to_view(target),
-                                                            make_options(options));
+                                                            lce_options(options));
       },
       "hidden"_a.none(), "weight"_a.none(), "target"_a.none(), "options"_a);
   m.def(
@@ -38,7 +35,7 @@ void bind_linear_cross_entropy(nb::module_& m) {
          nb::handle grad_bias, nb::handle options) {
         return linear_cross_entropy_forward_backward_workspace_bytes(
             to_view(hidden), to_view(weight), to_view(target), to_view(grad_hidden), to_view(grad_weight),
-            to_view(grad_bias), make_options(options));
+            to_view(grad_bias), lce_options(options));
       },
       "hidden"_a.none(), "weight"_a.none(), "target"_a.none(), "grad_hidden"_a.none(), "grad_weight"_a.none(),
       "grad_bias"_a.none(), "options"_a);
@@ -48,7 +45,7 @@ void bind_linear_cross_entropy(nb::module_& m) {
          nb::handle grad_bias, nb::handle options) {
         return linear_cross_entropy_backward_workspace_bytes(to_view(hidden), to_view(weight), to_view(target),
                                                              to_view(grad_hidden), to_view(grad_weight),
-                                                             to_view(grad_bias), make_options(options));
+                                                             to_view(grad_bias), lce_options(options));
       },
       "hidden"_a.none(), "weight"_a.none(), "target"_a.none(), "grad_hidden"_a.none(), "grad_weight"_a.none(),
       "grad_bias"_a.none(), "options"_a);
@@ -56,7 +53,7 @@ void bind_linear_cross_entropy(nb::module_& m) {
       "linear_cross_entropy_forward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle target, nb::handle class_weight,
          nb::handle options, nb::handle loss, nb::handle lse, nb::handle workspace, uintptr_t stream) {
-        const auto o = make_options(options);
+        const auto o = lce_options(options);
         const TensorView h = to_view(hidden), w = to_view(weight), b = to_view(bias), t = to_view(target),
                          cw = to_view(class_weight), l = to_view(loss), s = to_view(lse);
         const Workspace ws = to_workspace(workspace);
@@ -70,7 +67,7 @@ void bind_linear_cross_entropy(nb::module_& m) {
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle target, nb::handle class_weight,
          nb::handle options, nb::handle loss, nb::handle lse, nb::handle grad_hidden, nb::handle grad_weight,
          nb::handle grad_bias, nb::handle grad_scale, nb::handle workspace, uintptr_t stream) {
-        const auto o = make_options(options);
+        const auto o = lce_options(options);
         const TensorView h = to_view(hidden), w = to_view(weight), b = to_view(bias), t = to_view(target),
                          cw = to_view(class_weight), l = to_view(loss), s = to_view(lse), gh = to_view(grad_hidden),
                          gw = to_view(grad_weight), gb = to_view(grad_bias), gs = to_view(grad_scale);
@@ -86,7 +83,7 @@ void bind_linear_cross_entropy(nb::module_& m) {
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle target, nb::handle class_weight,
          nb::handle lse, nb::handle grad_loss, nb::handle options, nb::handle grad_hidden, nb::handle grad_weight,
          nb::handle grad_bias, nb::handle workspace, uintptr_t stream) {
-        const auto o = make_options(options);
+        const auto o = lce_options(options);
         const TensorView h = to_view(hidden), w = to_view(weight), b = to_view(bias), t = to_view(target),
                          cw = to_view(class_weight), s = to_view(lse), gl = to_view(grad_loss),
                          gh = to_view(grad_hidden), gw = to_view(grad_weight), gb = to_view(grad_bias);

@@ -59,18 +59,6 @@ LinearPolicyLossGrads make_grads(nb::handle grad_hidden, nb::handle grad_weight,
   return g;
 }
 
-PolicyLossOutputs make_outputs(nb::handle loss, nb::handle per_token_loss, nb::handle kl, nb::handle is_clipped,
-                               nb::handle logp, nb::handle entropy, nb::handle lse) {
-  PolicyLossOutputs out;
-  out.loss = to_view(loss);
-  out.per_token_loss = to_view(per_token_loss);
-  out.kl = to_view(kl);
-  out.is_clipped = to_view(is_clipped);
-  out.logp = to_view(logp);
-  out.entropy = to_view(entropy);
-  out.lse = to_view(lse);
-  return out;
-}
 }  // namespace
 
 // Tensor arguments accept None (absent). The workspace queries take the entry point as `pass`: 0 forward, 1
@@ -100,7 +88,7 @@ void bind_linear_policy_loss(nb::module_& m) {
          uintptr_t stream) {
         const LinearPolicyLossInputs in = make_inputs(hidden, weight, bias, ids, adv, mask, old, ref);
         const LinearPolicyLossOptions o = make_options(options);
-        const PolicyLossOutputs out = make_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
+        const PolicyLossOutputs out = policy_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
         const Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
         linear_policy_loss_forward(in, o, out, ws, to_stream(stream));
@@ -117,7 +105,7 @@ void bind_linear_policy_loss(nb::module_& m) {
          nb::handle grad_weight, nb::handle grad_bias, nb::handle grad_scale, nb::handle workspace, uintptr_t stream) {
         const LinearPolicyLossInputs in = make_inputs(hidden, weight, bias, ids, adv, mask, old, ref);
         const LinearPolicyLossOptions o = make_options(options);
-        const PolicyLossOutputs out = make_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
+        const PolicyLossOutputs out = policy_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
         const LinearPolicyLossGrads g = make_grads(grad_hidden, grad_weight, grad_bias);
         const TensorView gs = to_view(grad_scale);
         const Workspace ws = to_workspace(workspace);

@@ -34,8 +34,10 @@ PolicyLossInputs make_inputs(nb::handle logits, nb::handle ids, nb::handle adv, 
   return in;
 }
 
-PolicyLossOutputs make_outputs(nb::handle loss, nb::handle per_token_loss, nb::handle kl, nb::handle is_clipped,
-                               nb::handle logp, nb::handle entropy, nb::handle lse) {
+}  // namespace
+
+PolicyLossOutputs policy_outputs(nb::handle loss, nb::handle per_token_loss, nb::handle kl, nb::handle is_clipped,
+                                 nb::handle logp, nb::handle entropy, nb::handle lse) {
   PolicyLossOutputs out;
   out.loss = to_view(loss);
   out.per_token_loss = to_view(per_token_loss);
@@ -46,7 +48,6 @@ PolicyLossOutputs make_outputs(nb::handle loss, nb::handle per_token_loss, nb::h
   out.lse = to_view(lse);
   return out;
 }
-}  // namespace
 
 // Every tensor argument is declared .none(): None is how Python says "absent" (an optional tensor, or a required
 // one missing, which C++ then reports by name). The options follow the tensors in PolicyLossOptions' order.
@@ -75,7 +76,7 @@ void bind_policy_loss(nb::module_& m) {
         const PolicyLossInputs in = make_inputs(logits, ids, adv, mask, old, ref);
         const PolicyLossOptions o = make_options(loss_type, level, beta, eps_low, eps_high, temperature, max_len,
                                                  num_items, check_ids, algo, cluster_size, threads);
-        const PolicyLossOutputs out = make_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
+        const PolicyLossOutputs out = policy_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
         const Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
         policy_loss_forward(in, o, out, ws, to_stream(stream));
@@ -95,7 +96,7 @@ void bind_policy_loss(nb::module_& m) {
         const PolicyLossInputs in = make_inputs(logits, ids, adv, mask, old, ref);
         const PolicyLossOptions o = make_options(loss_type, level, beta, eps_low, eps_high, temperature, max_len,
                                                  num_items, check_ids, algo, cluster_size, threads);
-        const PolicyLossOutputs out = make_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
+        const PolicyLossOutputs out = policy_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
         const TensorView g = to_view(grad_logits), gs = to_view(grad_scale);
         const Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;

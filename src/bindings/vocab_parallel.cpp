@@ -21,23 +21,6 @@ CrossEntropyOptions ce_options(nb::handle options) {
   return o;
 }
 
-// The linear cross-entropy options: (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets,
-// chunk_tokens, chunk_vocab, memory_budget), as in linear_cross_entropy.cpp.
-LinearCrossEntropyOptions lce_options(nb::handle options) {
-  const auto t = nb::cast<nb::tuple>(options);
-  if (t.size() != 9) throw Error(Error::Kind::kInvalidArgument, "linear_cross_entropy options: expected a 9-tuple");
-  LinearCrossEntropyOptions o;
-  o.ignore_index = nb::cast<int64_t>(t[0]);
-  o.reduction = static_cast<Reduction>(nb::cast<int>(t[1]));
-  o.label_smoothing = nb::cast<double>(t[2]);
-  o.z_loss = nb::cast<double>(t[3]);
-  o.softcap = nb::cast<double>(t[4]);
-  o.check_targets = nb::cast<bool>(t[5]);
-  o.chunk_tokens = nb::cast<int64_t>(t[6]);
-  o.chunk_vocab = nb::cast<int64_t>(t[7]);
-  o.memory_budget = nb::cast<size_t>(t[8]);
-  return o;
-}
 }  // namespace
 
 // include/logitless/vocab_parallel.h. A shard travels as (offset, vocab); tensors as descriptors or None.
