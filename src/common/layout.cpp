@@ -59,4 +59,27 @@ bool rows_disjoint(const RowLayout& layout, int64_t row_extent) {
   return true;
 }
 
+int64_t uniform_row_stride(const TensorView& t, int nd, const char* what, int64_t extent) {
+  int64_t rows = 1;
+  for (int d = 0; d < nd; ++d) rows *= t.sizes[d];
+  if (rows <= 1) return extent;
+  const RowLayout L = collapse_rows(t.sizes, nd, {t.strides}, what)[0];
+  return L.nd == 1 ? L.strides[0] : -1;
+}
+
+std::pair<const char*, const char*> byte_span(const TensorView& t) {
+  if (!t.defined() || t.numel() == 0) return {nullptr, nullptr};
+  int64_t hi = 0;
+  for (int d = 0; d < t.ndim; ++d) hi += (t.sizes[d] - 1) * t.strides[d];
+  const char* b = static_cast<const char*>(t.data);
+  return {b, b + (hi + 1) * static_cast<int64_t>(dtype_size(t.dtype))};
+}
+
+void check_disjoint(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name) {
+  const auto a = byte_span(out), b = byte_span(other);
+  if (!a.first || !b.first) return;
+  LOGITLESS_CHECK_ARG(a.second <= b.first || b.second <= a.first, out_name,
+                      str_cat("memory that does not overlap ", other_name), "an overlapping buffer");
+}
+
 }  // namespace logitless

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "common/macros.h"
@@ -40,5 +41,15 @@ std::vector<RowLayout> collapse_rows(const int64_t* sizes, int nd, const std::ve
 
 // True when no two rows of `layout` (each `row_extent` elements long, stride 1) share an element.
 bool rows_disjoint(const RowLayout& layout, int64_t row_extent);
+
+// The one stride of the rows of `t`'s `nd` leading dimensions when they collapse to a single strided dimension,
+// or -1. A tensor of one row (or none) may give its rows any stride: `extent` stands in.
+int64_t uniform_row_stride(const TensorView& t, int nd, const char* what, int64_t extent);
+
+// [first, last) bytes a view can touch (both null for no elements).
+std::pair<const char*, const char*> byte_span(const TensorView& t);
+
+// Throws an invalid-argument Error naming `out_name` when `out` shares memory with `other`.
+void check_disjoint(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name);
 
 }  // namespace logitless

@@ -39,32 +39,6 @@ void check_gemm_extent(int64_t value, const char* name, const char* what) {
                       str_cat(what, " below 2^31 (cuBLAS's 32-bit sizes)"), value);
 }
 
-// The one row stride of a tensor's rows when its leading dimensions collapse to a single strided dimension,
-// or -1. Rows of a single-row tensor may be given any stride (`extent` then stands in).
-int64_t uniform_row_stride(const TensorView& t, const char* name, int64_t extent) {
-  const RowLayout L = collapse_rows(t.sizes, t.ndim - 1, {t.strides}, name)[0];
-  int64_t rows = 1;
-  for (int d = 0; d + 1 < t.ndim; ++d) rows *= t.sizes[d];
-  if (rows <= 1) return extent;
-  return L.nd == 1 ? L.strides[0] : -1;
-}
-
-// [first, last) bytes a view can touch (empty for no elements).
-std::pair<const char*, const char*> byte_span(const TensorView& t) {
-  if (!t.defined() || t.numel() == 0) return {nullptr, nullptr};
-  int64_t hi = 0;
-  for (int d = 0; d < t.ndim; ++d) hi += (t.sizes[d] - 1) * t.strides[d];
-  const char* b = static_cast<const char*>(t.data);
-  return {b, b + (hi + 1) * dtype_size(t.dtype)};
-}
-
-void check_disjoint(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name) {
-  const auto a = byte_span(out), b = byte_span(other);
-  if (!a.first || !b.first) return;
-  LOGITLESS_CHECK_ARG(a.second <= b.first || b.second <= a.first, out_name,
-                      str_cat("memory that does not overlap ", other_name), "an overlapping buffer");
-}
-
 // hidden, weight and target, and the options: what every entry point (and every workspace query) takes.
 // `shard`: the weight is a vocabulary shard's rows (which may be none); targets and class weights are of the
 // whole vocabulary.
@@ -125,7 +99,7 @@ Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weig
   p.options = o;
   p.hidden_data = hidden.data;
   p.hidden_rows = collapse_rows(hidden.sizes, hidden.ndim - 1, {hidden.strides}, "hidden")[0];
-  const int64_t ld = uniform_row_stride(hidden, "hidden", H);
+  const int64_t ld = uniform_row_stride(hidden, hidden.ndim - 1, "hidden", H);
   p.hidden_uniform = ld >= H;  // stride 0 (a broadcast) or overlapping rows: a GEMM cannot read them in place
   p.hidden_ld = p.hidden_uniform ? ld : H;
   p.weight = Matrix{weight.data, weight.dtype, V <= 1 ? H : weight.strides[0]};
@@ -155,7 +129,7 @@ void add_grads(Problem& p, const TensorView& hidden, const TensorView& weight, c
     LOGITLESS_CHECK_ARG(grad_hidden.stride(-1) == 1 || H == 1, "grad_hidden", "a last dimension with stride 1",
                         str_cat("stride ", grad_hidden.stride(-1)));
     check_nonnull(grad_hidden, "grad_hidden");
-    const int64_t ld = uniform_row_stride(grad_hidden, "grad_hidden", H);
+    const int64_t ld = uniform_row_stride(grad_hidden, grad_hidden.ndim - 1, "grad_hidden", H);
     LOGITLESS_CHECK_ARG(ld >= H, "grad_hidden",
                         str_cat("rows with one common stride >= ", H, " (e.g. a contiguous tensor)"),
                         "rows a GEMM cannot write in place");

@@ -25,31 +25,6 @@ void check_gemm_extent(int64_t value, const char* name, const char* what) {
                       str_cat(what, " below 2^31 (cuBLAS's 32-bit sizes)"), value);
 }
 
-// The one stride of `nd` leading dimensions' rows when they collapse to a single strided dimension, or -1. One
-// row (or none) may have any stride (`extent` stands in).
-int64_t uniform_row_stride(const TensorView& t, int nd, const char* name, int64_t extent) {
-  int64_t rows = 1;
-  for (int d = 0; d < nd; ++d) rows *= t.sizes[d];
-  if (rows <= 1) return extent;
-  const RowLayout L = collapse_rows(t.sizes, nd, {t.strides}, name)[0];
-  return L.nd == 1 ? L.strides[0] : -1;
-}
-
-std::pair<const char*, const char*> byte_span(const TensorView& t) {
-  if (!t.defined() || t.numel() == 0) return {nullptr, nullptr};
-  int64_t hi = 0;
-  for (int d = 0; d < t.ndim; ++d) hi += (t.sizes[d] - 1) * t.strides[d];
-  const char* b = static_cast<const char*>(t.data);
-  return {b, b + (hi + 1) * dtype_size(t.dtype)};
-}
-
-void check_disjoint(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name) {
-  const auto a = byte_span(out), b = byte_span(other);
-  if (!a.first || !b.first) return;
-  LOGITLESS_CHECK_ARG(a.second <= b.first || b.second <= a.first, out_name,
-                      str_cat("memory that does not overlap ", other_name), "an overlapping buffer");
-}
-
 // hidden [*, H] (`lead` leading dimensions) and weight [V, H]: dtypes, devices, layouts. Fills the GEMM side of p.
 void add_hidden_weight(Problem& p, const TensorView& hidden, const TensorView& weight) {
   check_defined(hidden, "hidden");
