@@ -45,41 +45,16 @@ void check_gemm_extent(int64_t value, const char* name, const char* what) {
 Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weight, const TensorView& target,
                      const LinearCrossEntropyOptions& o, const VocabShard* shard = nullptr) {
   check_options(o);
-  check_defined(hidden, "hidden");
-  check_float_dtype(hidden, "hidden");
-  LOGITLESS_CHECK_ARG(hidden.ndim >= 1, "hidden", "at least 1 dimension ([*, H])", "a 0-d tensor");
-  LOGITLESS_CHECK_ARG(hidden.device.type == DeviceType::kCPU || hidden.device.type == DeviceType::kCUDA, "hidden",
-                      "a CPU or CUDA tensor", static_cast<int>(hidden.device.type));
-  const int64_t H = hidden.size(-1);
-  LOGITLESS_CHECK_ARG(H >= 1, "hidden", "a last dimension (hidden size) of size >= 1",
-                      str_cat("shape ", shape_str(hidden)));
-  LOGITLESS_CHECK_ARG(hidden.stride(-1) == 1 || H == 1, "hidden", "a last dimension with stride 1",
-                      str_cat("stride ", hidden.stride(-1)));
-  check_nonnull(hidden, "hidden");
-  const Device dev = hidden.device;
-
-  check_defined(weight, "weight");
-  LOGITLESS_CHECK_ARG(weight.dtype == hidden.dtype, "weight", str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's)"),
-                      dtype_name(weight.dtype));
-  check_device(weight, "weight", dev);
-  LOGITLESS_CHECK_ARG(weight.ndim == 2 && weight.sizes[1] == H, "weight", str_cat("shape [V, ", H, "] ([V, H], H from hidden)"),
-                      str_cat("shape ", shape_str(weight)));
-  const int64_t V = weight.sizes[0];
+  const lce::HiddenWeight hw = lce::check_hidden_weight(hidden, weight, /*empty_vocab_ok=*/shard != nullptr);
+  const int64_t H = hw.hidden, V = hw.vocab;
+  const Device dev = hw.device;
   if (shard) {
     LOGITLESS_CHECK_ARG(shard->offset >= 0, "shard.offset", "a class index >= 0", shard->offset);
     LOGITLESS_CHECK_ARG(shard->vocab >= 1 && shard->vocab - shard->offset >= V, "shard.vocab",
                         str_cat("the whole vocabulary, >= 1 and >= offset + the shard's ", V, " classes (",
                                 shard->offset + V, ")"),
                         shard->vocab);
-  } else {
-    LOGITLESS_CHECK_ARG(V >= 1, "weight", "a vocabulary (first dimension) of size >= 1",
-                        str_cat("shape ", shape_str(weight)));
   }
-  LOGITLESS_CHECK_ARG(weight.strides[1] == 1 || H == 1, "weight", "a last dimension with stride 1",
-                      str_cat("stride ", weight.strides[1]));
-  LOGITLESS_CHECK_ARG(weight.strides[0] >= H || V <= 1, "weight", str_cat("a row stride >= ", H, " (rows that do not overlap)"),
-                      str_cat("stride ", weight.strides[0]));
-  check_nonnull(weight, "weight");
 
   check_defined(target, "target");
   check_index_dtype(target, "target");
@@ -94,15 +69,14 @@ Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weig
   p.vocab = V;
   p.vocab_offset = shard ? shard->offset : 0;
   p.vocab_total = shard ? shard->vocab : V;
-  p.dtype = hidden.dtype;
+  p.dtype = hw.dtype;
   p.device = dev;
   p.options = o;
-  p.hidden_data = hidden.data;
-  p.hidden_rows = collapse_rows(hidden.sizes, hidden.ndim - 1, {hidden.strides}, "hidden")[0];
-  const int64_t ld = uniform_row_stride(hidden, hidden.ndim - 1, "hidden", H);
-  p.hidden_uniform = ld >= H;  // stride 0 (a broadcast) or overlapping rows: a GEMM cannot read them in place
-  p.hidden_ld = p.hidden_uniform ? ld : H;
-  p.weight = Matrix{weight.data, weight.dtype, V <= 1 ? H : weight.strides[0]};
+  p.hidden_data = hw.hidden_data;
+  p.hidden_rows = hw.hidden_rows;
+  p.hidden_uniform = hw.hidden_uniform;
+  p.hidden_ld = hw.hidden_ld;
+  p.weight = hw.weight;
   p.target = target.data;
   p.target_dtype = target.dtype;
   p.target_rows = collapse_rows(target.sizes, target.ndim, {target.strides}, "target")[0];
@@ -482,4 +456,51 @@ void linear_cross_entropy_shard_forward_backward_step(
   dispatch(p, workspace, stream);
 }
 
+namespace lce {
+
+HiddenWeight check_hidden_weight(const TensorView& hidden, const TensorView& weight, bool empty_vocab_ok) {
+  check_defined(hidden, "hidden");
+  check_float_dtype(hidden, "hidden");
+  LOGITLESS_CHECK_ARG(hidden.ndim >= 1, "hidden", "at least 1 dimension ([*, H])", "a 0-d tensor");
+  LOGITLESS_CHECK_ARG(hidden.device.type == DeviceType::kCPU || hidden.device.type == DeviceType::kCUDA, "hidden",
+                      "a CPU or CUDA tensor", static_cast<int>(hidden.device.type));
+  const int64_t H = hidden.size(-1);
+  LOGITLESS_CHECK_ARG(H >= 1, "hidden", "a last dimension (hidden size) of size >= 1",
+                      str_cat("shape ", shape_str(hidden)));
+  LOGITLESS_CHECK_ARG(hidden.stride(-1) == 1 || H == 1, "hidden", "a last dimension with stride 1",
+                      str_cat("stride ", hidden.stride(-1)));
+  check_nonnull(hidden, "hidden");
+  const Device dev = hidden.device;
+
+  check_defined(weight, "weight");
+  LOGITLESS_CHECK_ARG(weight.dtype == hidden.dtype, "weight", str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's)"),
+                      dtype_name(weight.dtype));
+  check_device(weight, "weight", dev);
+  LOGITLESS_CHECK_ARG(weight.ndim == 2 && weight.sizes[1] == H, "weight", str_cat("shape [V, ", H, "] ([V, H], H from hidden)"),
+                      str_cat("shape ", shape_str(weight)));
+  const int64_t V = weight.sizes[0];
+  if (!empty_vocab_ok)
+    LOGITLESS_CHECK_ARG(V >= 1, "weight", "a vocabulary (first dimension) of size >= 1",
+                        str_cat("shape ", shape_str(weight)));
+  LOGITLESS_CHECK_ARG(weight.strides[1] == 1 || H == 1, "weight", "a last dimension with stride 1",
+                      str_cat("stride ", weight.strides[1]));
+  LOGITLESS_CHECK_ARG(weight.strides[0] >= H || V <= 1, "weight",
+                      str_cat("a row stride >= ", H, " (rows that do not overlap)"), str_cat("stride ", weight.strides[0]));
+  check_nonnull(weight, "weight");
+
+  HiddenWeight hw;
+  hw.hidden = H;
+  hw.vocab = V;
+  hw.dtype = hidden.dtype;
+  hw.device = dev;
+  hw.hidden_data = hidden.data;
+  hw.hidden_rows = collapse_rows(hidden.sizes, hidden.ndim - 1, {hidden.strides}, "hidden")[0];
+  const int64_t ld = uniform_row_stride(hidden, hidden.ndim - 1, "hidden", H);
+  hw.hidden_uniform = ld >= H;  // stride 0 (a broadcast) or overlapping rows: a GEMM cannot read them in place
+  hw.hidden_ld = hw.hidden_uniform ? ld : H;
+  hw.weight = Matrix{weight.data, weight.dtype, V <= 1 ? H : weight.strides[0]};
+  return hw;
+}
+
+}  // namespace lce
 }  // namespace logitless

@@ -77,4 +77,19 @@ size_t cuda_workspace_bytes(const Problem& p);
 void run_cuda(const Problem& p, Workspace ws, StreamHandle stream);
 #endif
 
+// hidden [*, H] and weight [V, H] checked (dtypes, devices, shapes, layouts; errors name the argument) and
+// described for the GEMMs: what every fused linear head (cross-entropy, policy loss) takes. V = 0 passes only
+// with `empty_vocab_ok` (a vocabulary shard without rows).
+struct HiddenWeight {
+  int64_t hidden = 0, vocab = 0;
+  DType dtype = DType::kFloat32;
+  Device device;
+  const void* hidden_data = nullptr;
+  RowLayout hidden_rows;
+  bool hidden_uniform = true;  // one row stride >= H (hidden_ld): a GEMM reads the rows in place
+  int64_t hidden_ld = 0;
+  Matrix weight;
+};
+HiddenWeight check_hidden_weight(const TensorView& hidden, const TensorView& weight, bool empty_vocab_ok);
+
 }  // namespace logitless::lce

@@ -27,45 +27,16 @@ void check_gemm_extent(int64_t value, const char* name, const char* what) {
 
 // hidden [*, H] (`lead` leading dimensions) and weight [V, H]: dtypes, devices, layouts. Fills the GEMM side of p.
 void add_hidden_weight(Problem& p, const TensorView& hidden, const TensorView& weight) {
-  check_defined(hidden, "hidden");
-  check_float_dtype(hidden, "hidden");
-  LOGITLESS_CHECK_ARG(hidden.device.type == DeviceType::kCPU || hidden.device.type == DeviceType::kCUDA, "hidden",
-                      "a CPU or CUDA tensor", static_cast<int>(hidden.device.type));
-  LOGITLESS_CHECK_ARG(hidden.ndim >= 1, "hidden", "at least 1 dimension ([*, H])", "a 0-d tensor");
-  const int64_t H = hidden.size(-1);
-  LOGITLESS_CHECK_ARG(H >= 1, "hidden", "a last dimension (hidden size) of size >= 1",
-                      str_cat("shape ", shape_str(hidden)));
-  LOGITLESS_CHECK_ARG(hidden.stride(-1) == 1 || H == 1, "hidden", "a last dimension with stride 1",
-                      str_cat("stride ", hidden.stride(-1)));
-  check_nonnull(hidden, "hidden");
-  const Device dev = hidden.device;
-
-  check_defined(weight, "weight");
-  LOGITLESS_CHECK_ARG(weight.dtype == hidden.dtype, "weight", str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's)"),
-                      dtype_name(weight.dtype));
-  check_device(weight, "weight", dev);
-  LOGITLESS_CHECK_ARG(weight.ndim == 2 && weight.sizes[1] == H, "weight",
-                      str_cat("shape [V, ", H, "] ([V, H], H from hidden)"), str_cat("shape ", shape_str(weight)));
-  const int64_t V = weight.sizes[0];
-  LOGITLESS_CHECK_ARG(V >= 1, "weight", "a vocabulary (first dimension) of size >= 1",
-                      str_cat("shape ", shape_str(weight)));
-  LOGITLESS_CHECK_ARG(weight.strides[1] == 1 || H == 1, "weight", "a last dimension with stride 1",
-                      str_cat("stride ", weight.strides[1]));
-  LOGITLESS_CHECK_ARG(weight.strides[0] >= H || V == 1, "weight",
-                      str_cat("a row stride >= ", H, " (rows that do not overlap)"),
-                      str_cat("stride ", weight.strides[0]));
-  check_nonnull(weight, "weight");
-
-  p.hidden = H;
-  p.vocab = V;
-  p.dtype = hidden.dtype;
-  p.device = dev;
-  p.hidden_data = hidden.data;
-  p.hidden_rows = collapse_rows(hidden.sizes, hidden.ndim - 1, {hidden.strides}, "hidden")[0];
-  const int64_t ld = uniform_row_stride(hidden, hidden.ndim - 1, "hidden", H);
-  p.hidden_uniform = ld >= H;  // a broadcast or overlapping rows: a GEMM cannot read them in place
-  p.hidden_ld = p.hidden_uniform ? ld : H;
-  p.weight = lce::Matrix{weight.data, weight.dtype, V == 1 ? H : weight.strides[0]};
+  const lce::HiddenWeight hw = lce::check_hidden_weight(hidden, weight, /*empty_vocab_ok=*/false);
+  p.hidden = hw.hidden;
+  p.vocab = hw.vocab;
+  p.dtype = hw.dtype;
+  p.device = hw.device;
+  p.hidden_data = hw.hidden_data;
+  p.hidden_rows = hw.hidden_rows;
+  p.hidden_uniform = hw.hidden_uniform;
+  p.hidden_ld = hw.hidden_ld;
+  p.weight = hw.weight;
 }
 
 void add_bias(Problem& p, const TensorView& bias) {
