@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build cpp sanitize cppbench py bench)
 BUILD=${BUILD:-build/gpu}
+case $BUILD in /*) ;; *) BUILD=$PWD/$BUILD ;; esac  # absolute: a build kept outside the tree survives between calls
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 export PYTHONUNBUFFERED=1
@@ -99,7 +100,7 @@ step_profile() {
   grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|One or More Eligible" "$OUT/ncu_rr_details.txt" | head -20
 }
 
-export PYTHONPATH=$PWD/$BUILD/python${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$BUILD/python${PYTHONPATH:+:$PYTHONPATH}
 step_py() {
   [ -d tests/python ] || return 0
   t0=$(date +%s)
