@@ -11,8 +11,8 @@
 //
 // Output (compact, so that the end of a long log holds all of it): one line per shape and pass with every
 // variant's % of the copy, then the fastest variant per shape and pass, last. Variant names: v<vectors a
-// thread>[p = prefetch] c<target CTA threads>[P = persistent grid, as many CTAs as fit | /n = at most n CTAs
-// an SM]; "def" is the library's default plan (what it launched follows in brackets).
+// thread>[p = prefetch][s = dW in shared memory] c<target CTA threads>[P = persistent grid, as many CTAs as
+// fit | /n = at most n CTAs an SM]; "def" is the library's default plan (what it launched follows in brackets).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -67,6 +67,7 @@ struct Variant {
   bool prefetch;
   int cta_threads;    // target CTA size: rows_per_cta = max(1, cta_threads / threads_per_row)
   int ctas_per_sm;    // 0: forward one CTA per row group / backward as many as fit; else a persistent cap
+  bool smem_dw = false;  // backward: dW sums in shared memory, the weight from L1
 };
 
 static Variant g_variant{};
@@ -79,12 +80,14 @@ static void hook(rms::Plan& p, const rms::PlanInputs& in) {
   const Variant& v = g_variant;
   p.vpt = v.vpt;
   p.prefetch = v.prefetch;
+  p.dw_in_smem = backward && v.smem_dw;
   const int64_t want = (g_nvec + v.vpt - 1) / v.vpt;
   int tpr = 1;
   while (tpr < want && tpr < 32) tpr <<= 1;
   if (want > 32) tpr = static_cast<int>((want + 31) / 32 * 32);
   p.threads_per_row = tpr;
-  const int cap = std::min(v.cta_threads, rms::max_cta_threads(backward, v.vpt, v.prefetch, in.residual));
+  const int cap =
+      std::min(v.cta_threads, rms::max_cta_threads(backward, v.vpt, v.prefetch, in.residual, backward && v.smem_dw));
   p.rows_per_cta = std::max(1, cap / tpr);
   if (tpr > 32) p.rows_per_cta = std::min(p.rows_per_cta, rms::kMaxNamedBarrierRows);
   p.ctas_per_sm = v.ctas_per_sm;
@@ -99,7 +102,8 @@ static std::string describe(bool backward) {
     std::snprintf(buf, sizeof buf, "generic %dx%d %lld", r.plan.threads_per_row, r.plan.rows_per_cta,
                   (long long)r.ctas);
   else
-    std::snprintf(buf, sizeof buf, "v%d%s %dx%d %lld", r.plan.vpt, r.plan.prefetch ? "p" : "", r.plan.threads_per_row,
+    std::snprintf(buf, sizeof buf, "v%d%s%s %dx%d %lld", r.plan.vpt, r.plan.prefetch ? "p" : "",
+                  r.plan.dw_in_smem && r.plan.algo == RMSNormAlgo::kRegisters ? "s" : "", r.plan.threads_per_row,
                   r.plan.rows_per_cta, (long long)r.ctas);
   return buf;
 }
@@ -107,7 +111,8 @@ static std::string describe(bool backward) {
 // A variant's short name: v4pc128P, v8c256, v4c512/1; "def" for the default plan.
 static std::string short_name(const Variant& v) {
   if (v.vpt == 0) return "def";
-  std::string n = "v" + std::to_string(v.vpt) + (v.prefetch ? "p" : "") + "c" + std::to_string(v.cta_threads);
+  std::string n = "v" + std::to_string(v.vpt) + (v.prefetch ? "p" : "") + (v.smem_dw ? "s" : "") + "c" +
+                  std::to_string(v.cta_threads);
   if (v.ctas_per_sm >= rms::kPersistentCtasPerSm) n += "P";
   else if (v.ctas_per_sm > 0) n += "/" + std::to_string(v.ctas_per_sm);
   return n;
@@ -178,6 +183,11 @@ int main(int argc, char** argv) {
       {"vpt4 prefetch cta256", 4, true, 256, 0},
       {"vpt4 prefetch cta512", 4, true, 512, 0},
       {"vpt4 prefetch cta128 1/SM", 4, true, 128, 1},
+      {"vpt4 prefetch smem-dW cta128", 4, true, 128, 0, true},
+      {"vpt4 prefetch smem-dW cta256", 4, true, 256, 0, true},
+      {"vpt4 prefetch smem-dW cta512", 4, true, 512, 0, true},
+      {"vpt8 smem-dW cta128", 8, false, 128, 0, true},
+      {"vpt8 smem-dW cta256", 8, false, 256, 0, true},
   };
 
   struct Best {

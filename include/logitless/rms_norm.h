@@ -57,7 +57,7 @@ enum class RMSNormCasting : int32_t { kLlama = 0, kGemma = 1, kNone = 2 };
 enum class RMSNormAlgo : int32_t {
   kAuto = 0,
   kRegisters = 1,  // the row lives in registers, 16-byte accesses: H % (16 / elem bytes) == 0, 16-byte
-                   // aligned rows, H up to 32768 (16-bit) / 16384 (fp32) forward and 16384 / 8192 backward
+                   // aligned rows, H up to 32768 (16-bit) / 16384 (fp32) in both directions
   kGeneric = 2,    // any H, any alignment: element accesses, two passes over the row (the second from cache)
 };
 

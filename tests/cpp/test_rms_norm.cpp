@@ -444,13 +444,14 @@ void variant_hook(rms::Plan& p, const rms::PlanInputs& in) {
   const rms::KernelVariant k = backward ? g_hook.bwd : g_hook.fwd;
   p.vpt = k.vpt;
   p.prefetch = k.prefetch;
+  p.dw_in_smem = backward && k.smem_dw;
   const int64_t want = (g_hook.nvec + k.vpt - 1) / k.vpt;
   int tpr = 1;
   while (tpr < want && tpr < 32) tpr <<= 1;
   if (want > 32) tpr = static_cast<int>((want + 31) / 32 * 32);
   p.threads_per_row = tpr;
   p.rows_per_cta =
-      std::max(1, std::min(256, rms::max_cta_threads(backward, k.vpt, k.prefetch, in.residual)) / tpr);
+      std::max(1, std::min(256, rms::max_cta_threads(backward, k.vpt, k.prefetch, in.residual, k.smem_dw)) / tpr);
   if (tpr > 32) p.rows_per_cta = std::min(p.rows_per_cta, rms::kMaxNamedBarrierRows);
   p.ctas_per_sm = g_hook.ctas_per_sm;
 }
@@ -480,7 +481,8 @@ TEST(RMSNormCudaVariants, EveryRegisterKernelMatchesCpuBackend) {
         g_hook.ctas_per_sm = ctas;
         SCOPED_TRACE(testing::Message() << case_name(c) << " forward vpt " << g_hook.fwd.vpt << " prefetch "
                                         << g_hook.fwd.prefetch << ", backward vpt " << g_hook.bwd.vpt << " prefetch "
-                                        << g_hook.bwd.prefetch << ", ctas_per_sm " << ctas);
+                                        << g_hook.bwd.prefetch << " dW in shared memory " << g_hook.bwd.smem_dw
+                                        << ", ctas_per_sm " << ctas);
         rms::debug::set_plan_hook(variant_hook);
         Forward f = run_forward(in, true, false, in.opt);
         const Backward b = run_backward(in, xs, cpu.rstd, true, true, in.opt);
@@ -488,6 +490,7 @@ TEST(RMSNormCudaVariants, EveryRegisterKernelMatchesCpuBackend) {
         rms::debug::set_plan_hook(nullptr);
         EXPECT_EQ(lf.plan.vpt, g_hook.fwd.vpt);
         EXPECT_EQ(lb.plan.prefetch, g_hook.bwd.prefetch);
+        EXPECT_EQ(lb.plan.dw_in_smem, g_hook.bwd.smem_dw);
         expect_close(values(f.y), values(cpu.y), tolerance(dt, Quantity::kNormOut), "cuda y");
         if (c.residual) expect_close(values(f.s), values(cpu.s), tolerance(dt, Quantity::kNormOut), "cuda s");
         expect_close(values(f.rstd), values(cpu.rstd), rstd_tol(in), "cuda rstd");
@@ -669,18 +672,37 @@ TEST(RMSNormPlan, Decisions) {
   EXPECT_EQ(br.vpt, 2);
   EXPECT_EQ(br.rows_per_cta, 2);
   EXPECT_EQ(br.smem_bytes, 2048u * 4);
-  // 16 KB rows: 4 vectors, prefetching.
-  EXPECT_EQ(plan(8192, 2, true, true).vpt, 4);
-  EXPECT_TRUE(plan(8192, 2, true, true, RMSNormAlgo::kAuto, 0, true).prefetch);
-  // A row the prefetching backward cannot hold: the same width without prefetch, then 8 vectors.
+  // 16 KB rows: dW sums in shared memory; 8 vectors, 2 rows of 128 threads a CTA (one shared row of sums each),
+  // and with the residual 4 vectors, prefetching.
+  Plan b16 = plan(8192, 2, true, true);
+  EXPECT_EQ(b16.vpt, 8);
+  EXPECT_FALSE(b16.prefetch);
+  EXPECT_TRUE(b16.dw_in_smem);
+  EXPECT_EQ(b16.threads_per_row, 128);
+  EXPECT_EQ(b16.rows_per_cta, 2);
+  EXPECT_EQ(b16.smem_bytes, 2u * 8192 * 4);
+  Plan b16r = plan(8192, 2, true, true, RMSNormAlgo::kAuto, 0, true);
+  EXPECT_EQ(b16r.vpt, 4);
+  EXPECT_TRUE(b16r.prefetch);
+  EXPECT_TRUE(b16r.dw_in_smem);
+  EXPECT_FALSE(plan(4096, 2, true, true).dw_in_smem);  // 8 KB rows keep their sums in registers
   Plan b2 = plan(12288, 2, true, true);
-  EXPECT_EQ(b2.vpt, 4);
-  EXPECT_FALSE(b2.prefetch);
+  EXPECT_EQ(b2.vpt, 8);
+  EXPECT_EQ(b2.rows_per_cta, 1);
   EXPECT_EQ(plan(16384, 2, true, true).vpt, 8);
+  // The longest rows: one row a CTA (the sums of two would not fit), up to 32768 bf16 / 16384 float32.
+  Plan b64 = plan(32768, 2, true, true);
+  EXPECT_EQ(b64.algo, RMSNormAlgo::kRegisters);
+  EXPECT_EQ(b64.rows_per_cta, 1);
+  EXPECT_EQ(b64.smem_bytes, 32768u * 4);
   // Forced widths: the backward at 4 still prefetches; a width never moves to another one.
   EXPECT_TRUE(plan(4096, 2, true, true, RMSNormAlgo::kAuto, 4).prefetch);
-  EXPECT_EQ(plan(16384, 2, true, true, RMSNormAlgo::kRegisters, 4).algo, RMSNormAlgo::kAuto);
-  EXPECT_EQ(plan(16384, 2, true, true, RMSNormAlgo::kAuto, 4).algo, RMSNormAlgo::kGeneric);
+  Plan f4 = plan(16384, 2, true, true, RMSNormAlgo::kRegisters, 4);
+  EXPECT_EQ(f4.vpt, 4);
+  EXPECT_TRUE(f4.prefetch);
+  EXPECT_TRUE(f4.dw_in_smem);
+  EXPECT_EQ(plan(32768, 2, true, true, RMSNormAlgo::kRegisters, 4).algo, RMSNormAlgo::kAuto);
+  EXPECT_EQ(plan(32768, 2, true, true, RMSNormAlgo::kAuto, 4).algo, RMSNormAlgo::kGeneric);
   // H = 5120 (160 threads at 4 vectors): whole warps, not a power of two.
   EXPECT_EQ(plan(5120, 2, false, true).threads_per_row, 160);
   // Short rows share a warp in power-of-two groups.
@@ -695,9 +717,9 @@ TEST(RMSNormPlan, Decisions) {
   EXPECT_EQ(plan(32768, 2, false, true, RMSNormAlgo::kAuto, 0, true).vpt, 16);
   EXPECT_EQ(plan(65536, 2, false, true).algo, RMSNormAlgo::kGeneric);
   EXPECT_EQ(plan(16384, 2, true, true).algo, RMSNormAlgo::kRegisters);
-  EXPECT_EQ(plan(32768, 2, true, true).algo, RMSNormAlgo::kGeneric);
-  EXPECT_EQ(plan(8192, 4, true, true).algo, RMSNormAlgo::kRegisters);
-  EXPECT_EQ(plan(16384, 4, true, true).algo, RMSNormAlgo::kGeneric);
+  EXPECT_EQ(plan(65536, 2, true, true).algo, RMSNormAlgo::kGeneric);
+  EXPECT_EQ(plan(16384, 4, true, true).algo, RMSNormAlgo::kRegisters);
+  EXPECT_EQ(plan(32768, 4, true, true).algo, RMSNormAlgo::kGeneric);
   // Asking for registers where they cannot run says why.
   Plan no = plan(65536, 2, false, true, RMSNormAlgo::kRegisters);
   EXPECT_EQ(no.algo, RMSNormAlgo::kAuto);
@@ -747,13 +769,14 @@ TEST(RMSNormPlan, InvariantsForEveryHiddenSize) {
             }
             ASSERT_EQ(rms::plan_error(p, in), nullptr);
             if (p.algo == RMSNormAlgo::kRegisters) {
-              ASSERT_TRUE(rms::instantiated(bwd, p.vpt, p.prefetch));
-              ASSERT_LE(p.threads(), rms::max_cta_threads(bwd, p.vpt, p.prefetch, res));
+              ASSERT_TRUE(rms::instantiated(bwd, p.vpt, p.prefetch, p.dw_in_smem));
+              ASSERT_LE(p.threads(), rms::max_cta_threads(bwd, p.vpt, p.prefetch, res, p.dw_in_smem));
               // A prefetching forward needs a next row: a persistent grid.
               if (!bwd && p.prefetch) ASSERT_GT(p.ctas_per_sm, 0);
               ASSERT_GE(static_cast<int64_t>(tpr) * p.vpt * (16 / es), H);
               ASSERT_EQ(H % (16 / es), 0);
-              ASSERT_LE(p.smem_bytes, 48u * 1024);
+              ASSERT_LE(p.smem_bytes, p.dw_in_smem ? 227u * 1024 : 48u * 1024);
+              if (p.dw_in_smem) ASSERT_TRUE(bwd);
             } else {
               ASSERT_EQ(p.algo, RMSNormAlgo::kGeneric);
               ASSERT_LE(p.threads(), rms::kGenericCtaThreads);
@@ -842,6 +865,7 @@ TEST(RMSNormPlan, PlanErrorRefusesWhatTheKernelsCannotRun) {
       rms::Plan p = rms::plan_rms_norm(in);
       p.vpt = k.vpt;
       p.prefetch = k.prefetch;
+      p.dw_in_smem = k.smem_dw;
       p.threads_per_row = static_cast<int>(512 / k.vpt);
       p.rows_per_cta = 1;
       p.smem_bytes = rms::plan_smem_bytes(p, in);

@@ -54,12 +54,18 @@ __device__ __forceinline__ void load_grad_row(const BackwardParams& p, int64_t r
 // kPrefetch: the loads of a slot's next row are issued before its current row is reduced (two rows in
 // registers), so they are in flight while the slot waits for its row's other warps and computes dx.
 // kResidual: p.grad_residual_out is set (without it the kernel holds less, so more rows fit on an SM).
-template <typename T, int VPT, bool kPrefetch, bool kResidual>
-__global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual))
+// kSmemDw: each row slot sums its dW in shared memory (H floats a slot; piece q of vector v, i.e. columns
+// v kN + 4q .. + 3, at float4 index q nvec + v, so a warp's accesses are contiguous) and the weight is read
+// from L1 where used: the thread holds only its rows, and more of them fit on an SM.
+template <typename T, int VPT, bool kPrefetch, bool kResidual, bool kSmemDw>
+__global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual, kSmemDw))
     backward_registers(const BackwardParams p) {
   using V = Vec<T>;
   constexpr int kN = V::kN;
-  extern __shared__ __align__(16) float dw_row[];  // H floats when the CTA has several row slots
+  constexpr int kQ = kN / 4;  // float4 pieces of a vector's dW sums
+  // Several row slots without kSmemDw: one row of H floats where the slots add their register sums. kSmemDw:
+  // each slot's sums, [slots][H].
+  extern __shared__ __align__(16) float dw_row[];
   // Two scratch buffers, alternating by iteration: a row's next reduction may start while a slow warp of the
   // row still reads this one's partials, and the barrier of that next reduction is what separates the two.
   __shared__ float scratch[2][32];
@@ -67,14 +73,32 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual))
   const int64_t H = p.hidden, nvec = H / kN;
   const int64_t step = static_cast<int64_t>(gridDim.x) * slots;
   const bool want_dw = p.partials != nullptr;
-  RowWeight<T, VPT> w;  // held across the CTA's rows
-  w.load(p.weight, p.weight_f32, t, tpr, nvec);
+  RowWeight<T, VPT> w;  // held across the CTA's rows (not with kSmemDw)
+  if constexpr (!kSmemDw) w.load(p.weight, p.weight_f32, t, tpr, nvec);
+  auto weight_of = [&](int k, int64_t v, float* g) {
+    if constexpr (kSmemDw)
+      load_weight_vec<T>(p.weight, p.weight_f32, v, p.offset, p.casting, g);
+    else
+      w.get(k, v, p.weight, p.weight_f32, p.offset, p.casting, g);
+  };
 
   float dw[VPT][kN];
+  float4* acc = reinterpret_cast<float4*>(dw_row + static_cast<int64_t>(slot) * H);  // kSmemDw
+  if constexpr (kSmemDw) {
+    if (want_dw)
 #pragma unroll
-  for (int k = 0; k < VPT; ++k)
+      for (int k = 0; k < VPT; ++k) {
+        const int64_t v = t + static_cast<int64_t>(k) * tpr;
+        if (v < nvec)
 #pragma unroll
-    for (int e = 0; e < kN; ++e) dw[k][e] = 0.f;
+          for (int q = 0; q < kQ; ++q) acc[q * nvec + v] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k)
+#pragma unroll
+      for (int e = 0; e < kN; ++e) dw[k][e] = 0.f;
+  }
 
   uint4 next_x[VPT], next_dy[VPT], next_dr[VPT];  // kPrefetch: the slot's next row
   float next_r = 0.f;
@@ -107,7 +131,7 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual))
           float a[kN], d[kN], g[kN];
           V::unpack(xs[k], a);
           V::unpack(dys[k], d);
-          w.get(k, v, p.weight, p.weight_f32, p.offset, p.casting, g);
+          weight_of(k, v, g);
 #pragma unroll
           for (int e = 0; e < kN; ++e) dot += (d[e] * g[e]) * a[e];
         }
@@ -125,11 +149,24 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual))
           float a[kN], d[kN], g[kN], o[kN];
           V::unpack(xs[k], a);
           V::unpack(dys[k], d);
-          w.get(k, v, p.weight, p.weight_f32, p.offset, p.casting, g);
+          weight_of(k, v, g);
 #pragma unroll
           for (int e = 0; e < kN; ++e) {
             o[e] = r * (d[e] * g[e]) - a[e] * c;
-            if (want_dw) dw[k][e] += d[e] * normalized<T>(a[e], r, p.casting);
+            if constexpr (!kSmemDw)
+              if (want_dw) dw[k][e] += d[e] * normalized<T>(a[e], r, p.casting);
+          }
+          if constexpr (kSmemDw) {
+            if (want_dw)
+#pragma unroll
+              for (int q = 0; q < kQ; ++q) {
+                float4 u = acc[q * nvec + v];
+                u.x += d[4 * q] * normalized<T>(a[4 * q], r, p.casting);
+                u.y += d[4 * q + 1] * normalized<T>(a[4 * q + 1], r, p.casting);
+                u.z += d[4 * q + 2] * normalized<T>(a[4 * q + 2], r, p.casting);
+                u.w += d[4 * q + 3] * normalized<T>(a[4 * q + 3], r, p.casting);
+                acc[q * nvec + v] = u;
+              }
           }
           if constexpr (kResidual) {
             float b[kN];
@@ -145,6 +182,27 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual))
   if (!want_dw) return;
 
   float* out = p.partials + static_cast<int64_t>(blockIdx.x) * p.partial_stride;
+  if constexpr (kSmemDw) {
+    // Slot 0's threads add the slots' sums of their own columns in slot order.
+    if (slots > 1) __syncthreads();
+    if (slot != 0) return;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t v = t + static_cast<int64_t>(k) * tpr;
+      if (v < nvec)
+#pragma unroll
+        for (int q = 0; q < kQ; ++q) {
+          float4 u = acc[q * nvec + v];
+          for (int z = 1; z < slots; ++z) {
+            const float4 o = reinterpret_cast<const float4*>(dw_row + static_cast<int64_t>(z) * H)[q * nvec + v];
+            u.x += o.x, u.y += o.y, u.z += o.z, u.w += o.w;
+          }
+          store16(out + v * kN + 4 * q, make_uint4(__float_as_uint(u.x), __float_as_uint(u.y), __float_as_uint(u.z),
+                                                   __float_as_uint(u.w)));
+        }
+    }
+    return;
+  }
   if (slots == 1) {  // this thread's sums are the CTA's: straight to the workspace
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -289,19 +347,22 @@ using BackwardKernel = void (*)(BackwardParams);
 template <typename T, bool kResidual>
 BackwardKernel pick_registers(const Plan& plan) {
   // kBackwardVariants
-  if (!plan.prefetch) {
+  if (plan.dw_in_smem) {
+    if (plan.prefetch && plan.vpt == 4) return backward_registers<T, 4, true, kResidual, true>;
+    if (!plan.prefetch && plan.vpt == 8) return backward_registers<T, 8, false, kResidual, true>;
+  } else if (!plan.prefetch) {
     switch (plan.vpt) {
-      case 4: return backward_registers<T, 4, false, kResidual>;
-      case 8: return backward_registers<T, 8, false, kResidual>;
+      case 4: return backward_registers<T, 4, false, kResidual, false>;
+      case 8: return backward_registers<T, 8, false, kResidual, false>;
     }
   } else {
     switch (plan.vpt) {
-      case 2: return backward_registers<T, 2, true, kResidual>;
-      case 4: return backward_registers<T, 4, true, kResidual>;
+      case 2: return backward_registers<T, 2, true, kResidual, false>;
+      case 4: return backward_registers<T, 4, true, kResidual, false>;
     }
   }
   throw_runtime(str_cat("rms_norm backward: no register kernel for ", plan.vpt, " vectors per thread, prefetch ",
-                        plan.prefetch ? 1 : 0));
+                        plan.prefetch ? 1 : 0, ", dW in shared memory ", plan.dw_in_smem ? 1 : 0));
 }
 
 template <typename T>

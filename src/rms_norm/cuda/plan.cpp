@@ -24,26 +24,33 @@ bool public_vpt(int vpt) {
 int row_threads(int64_t want) { return static_cast<int>(want <= 32 ? next_pow2(want) : round_up(want, 32)); }
 
 // The register plan for one kernel variant, or why it cannot run these rows.
-const char* register_plan(const PlanInputs& in, int vpt, bool prefetch, int cta_threads, bool persistent,
+const char* register_plan(const PlanInputs& in, const KernelVariant& k, int cta_threads, bool persistent,
                           Plan* out) {
+  const int vpt = k.vpt;
   const int64_t per_vec = 16 / in.elem_bytes;
   if (!in.vector_ok || in.hidden % per_vec != 0)
     return "rows are not all 16-byte aligned, or H is not a multiple of 16 bytes";
   const int64_t want = ceil_div(in.hidden / per_vec, vpt);
-  const int max_threads = max_cta_threads(in.backward, vpt, prefetch, in.residual);
+  const int max_threads = max_cta_threads(in.backward, vpt, k.prefetch, in.residual, k.smem_dw);
   if (want > max_threads) return "H is too large to keep a row in registers at this vectors_per_thread";
   Plan p;
   p.algo = RMSNormAlgo::kRegisters;
   p.vpt = vpt;
-  p.prefetch = prefetch;
+  p.prefetch = k.prefetch;
+  p.dw_in_smem = k.smem_dw;
   p.threads_per_row = row_threads(want);
   // Whole rows only: a row of more threads than the target is one row a CTA.
   p.rows_per_cta = std::max(1, std::min(cta_threads, max_threads) / p.threads_per_row);
   if (p.threads_per_row > 32) p.rows_per_cta = std::min(p.rows_per_cta, kMaxNamedBarrierRows);
   // The backward is persistent by construction (0: as many CTAs as fit); a prefetching forward only has a
   // next row to fetch in a persistent grid.
-  p.ctas_per_sm = !in.backward && (persistent || prefetch) ? kPersistentCtasPerSm : 0;
+  p.ctas_per_sm = !in.backward && (persistent || k.prefetch) ? kPersistentCtasPerSm : 0;
   p.smem_bytes = plan_smem_bytes(p, in);
+  if (p.smem_bytes > static_cast<size_t>(in.smem_per_block) && p.dw_in_smem) {
+    p.rows_per_cta = 1;  // one row's dW sums may still fit
+    p.smem_bytes = plan_smem_bytes(p, in);
+  }
+  if (p.smem_bytes > static_cast<size_t>(in.smem_per_block)) return "the row's dW sums do not fit in shared memory";
   *out = p;
   return nullptr;
 }
@@ -56,6 +63,10 @@ DefaultVariant default_variant(bool backward, bool residual, int64_t row_bytes) 
   //   backward:          4 and 8 KB rows 2 vectors prefetch cta128 86%, 16 KB 4 prefetch cta128 69%
   //   backward + residual: 4 KB 2 prefetch cta256 96%, 8 KB 2 prefetch cta512 98%, 16 KB 4 prefetch cta512 89%
   // (the kernels without the residual were measured built with its registers; see register_cap).
+  // 16 KB rows, remeasured with the kernels that sum dW in shared memory and read the weight from L1 (a thread
+  // then holds only its rows, and two CTAs fit on an SM where one did): backward 8 vectors cta256 86.5% (69.7%
+  // with dW in registers), fwd+bwd 90.8% (79.0%); with the residual 4 vectors prefetch cta128/256 94.8/94.5%
+  // (89.4%). At 4 KB rows the same kernels lose (77-78% against 88.6%); 8 KB rows were not measured.
   if (!backward) {
     if (residual) return {4, false, 256, false};
     // Remeasured with the kernels built without the residual's registers (H100, 16384 rows, bf16): 8 vectors,
@@ -68,19 +79,19 @@ DefaultVariant default_variant(bool backward, bool residual, int64_t row_bytes) 
   if (residual) {
     if (row_bytes <= 4096) return {2, true, 256, false};
     if (row_bytes <= 8192) return {2, true, 512, false};
-    return {4, true, 512, false};
+    return {4, true, 256, false, true};
   }
   if (row_bytes <= 8192) return {2, true, 128, false};
-  return {4, true, 128, false};
+  return {8, false, 256, false, true};
 }
 
-bool instantiated(bool backward, int vpt, bool prefetch) {
+bool instantiated(bool backward, int vpt, bool prefetch, bool smem_dw) {
   if (backward) {
     for (const KernelVariant& k : kBackwardVariants)
-      if (k.vpt == vpt && k.prefetch == prefetch) return true;
+      if (k.vpt == vpt && k.prefetch == prefetch && k.smem_dw == smem_dw) return true;
   } else {
     for (const KernelVariant& k : kForwardVariants)
-      if (k.vpt == vpt && k.prefetch == prefetch) return true;
+      if (k.vpt == vpt && k.prefetch == prefetch && k.smem_dw == smem_dw) return true;
   }
   return false;
 }
@@ -88,7 +99,8 @@ bool instantiated(bool backward, int vpt, bool prefetch) {
 size_t plan_smem_bytes(const Plan& p, const PlanInputs& in) {
   const size_t row = static_cast<size_t>(in.hidden) * sizeof(float);
   if (!in.backward) return 0;
-  if (p.algo == RMSNormAlgo::kRegisters) return p.rows_per_cta > 1 ? row : 0;
+  if (p.algo == RMSNormAlgo::kRegisters)
+    return p.dw_in_smem ? static_cast<size_t>(p.rows_per_cta) * row : p.rows_per_cta > 1 ? row : 0;
   return p.dw_in_smem ? static_cast<size_t>(p.rows_per_cta) * row : 0;
 }
 
@@ -100,19 +112,22 @@ Plan plan_rms_norm(const PlanInputs& in) {
     if (in.vpt != 0 && !public_vpt(in.vpt)) {
       why = "vectors_per_thread is not one the register kernels are built for (4 or 8)";
     } else {
-      // The default variant for these rows first, then the same width holding one row, then (auto only)
-      // wider ones, which reach the longest rows. A forced width keeps the default's prefetch and CTA size
-      // where its kernel exists.
+      // The default variant for these rows first, then the same width prefetching and holding one row, then
+      // (auto only) wider ones, which reach the longest rows; all with the default's dW placement first, then
+      // with dW in registers. A forced width keeps the default's prefetch and CTA size where its kernel exists.
       const DefaultVariant d = default_variant(in.backward, in.residual, in.hidden * in.elem_bytes);
       const int vpt = in.vpt ? in.vpt : d.vpt;
-      const KernelVariant tries[] = {{vpt, d.prefetch}, {vpt, false}, {2 * vpt, false}, {4 * vpt, false},
-                                     {8 * vpt, false}};
-      for (const KernelVariant& k : tries) {
-        if (k.vpt != vpt && in.vpt != 0) break;
-        if (!instantiated(in.backward, k.vpt, k.prefetch)) continue;
-        Plan p;
-        why = register_plan(in, k.vpt, k.prefetch, d.cta_threads, d.persistent && k.prefetch == d.prefetch, &p);
-        if (!why) return p;
+      for (const bool sm : {d.smem_dw, false}) {
+        const KernelVariant tries[] = {{vpt, d.prefetch, sm}, {vpt, true, sm},      {vpt, false, sm},
+                                       {2 * vpt, false, sm},  {4 * vpt, false, sm}, {8 * vpt, false, sm}};
+        for (const KernelVariant& k : tries) {
+          if (k.vpt != vpt && in.vpt != 0) break;
+          if (!instantiated(in.backward, k.vpt, k.prefetch, k.smem_dw)) continue;
+          Plan p;
+          why = register_plan(in, k, d.cta_threads, d.persistent && k.prefetch == d.prefetch, &p);
+          if (!why) return p;
+        }
+        if (!d.smem_dw) break;
       }
     }
     if (must) {
@@ -155,11 +170,13 @@ const char* plan_error(const Plan& p, const PlanInputs& in) {
     return nullptr;
   }
   if (p.algo != RMSNormAlgo::kRegisters) return "no kernel for this algo";
-  if (!instantiated(in.backward, p.vpt, p.prefetch)) return "no register kernel of this width and prefetch";
+  if (p.dw_in_smem && !in.backward) return "dW sums in shared memory are a backward plan";
+  if (!instantiated(in.backward, p.vpt, p.prefetch, p.dw_in_smem))
+    return "no register kernel of this width, prefetch and dW placement";
   const int64_t per_vec = 16 / in.elem_bytes;
   if (!in.vector_ok || in.hidden % per_vec != 0) return "rows are not all 16-byte aligned";
   if (static_cast<int64_t>(tpr) * p.vpt * per_vec < in.hidden) return "the row's threads do not cover H";
-  if (p.threads() > max_cta_threads(in.backward, p.vpt, p.prefetch, in.residual))
+  if (p.threads() > max_cta_threads(in.backward, p.vpt, p.prefetch, in.residual, p.dw_in_smem))
     return "more threads than the kernel's bound";
   return nullptr;
 }

@@ -18,13 +18,17 @@ inline constexpr int kVectorsPerThread[] = {4, 8};
 // loads of its next row before it reduces the current one (then it holds two rows: more bytes in flight
 // per SM, twice the registers). The lists are the one place they are named; the launchers' switches cover
 // exactly these.
+// smem_dw (backward only): the dW sums live in shared memory and the weight is read from L1 where used, so a
+// thread holds only x and dy (and the residual-output gradient) and more rows fit on an SM.
 struct KernelVariant {
   int vpt;
   bool prefetch;
+  bool smem_dw = false;
 };
 inline constexpr KernelVariant kForwardVariants[] = {{4, false}, {8, false}, {16, false}, {4, true}, {8, true}};
-inline constexpr KernelVariant kBackwardVariants[] = {{4, false}, {8, false}, {2, true}, {4, true}};
-bool instantiated(bool backward, int vpt, bool prefetch);
+inline constexpr KernelVariant kBackwardVariants[] = {{4, false},      {8, false},      {2, true},
+                                                      {4, true},       {4, true, true}, {8, false, true}};
+bool instantiated(bool backward, int vpt, bool prefetch, bool smem_dw = false);
 
 // Registers a thread of each register kernel may use (its __maxnreg__), and so its largest CTA. The data a
 // thread holds, in 32-bit registers per 16-byte vector: forward x (4) and, with a fused residual, the
@@ -37,15 +41,16 @@ bool instantiated(bool backward, int vpt, bool prefetch);
 // (CUDA 13, sm_90a) shows no spills at these caps but 4 to 8 bytes in the plain forward of fp16 at 4 vectors
 // and of float32 at 8, and in the fused 8-vector backward of 16-bit x (at the 255 ceiling).
 // A lower cap would mean more resident warps, but ptxas uses what it is given.
-constexpr int register_cap(bool backward, int vpt, bool prefetch, bool residual) {
+// With smem_dw the backward holds neither dW sums nor the weight.
+constexpr int register_cap(bool backward, int vpt, bool prefetch, bool residual, bool smem_dw = false) {
   const int rows_held = prefetch ? 2 : 1;
   const int per_row = backward ? (residual ? 12 : 8) : (residual ? 8 : 4);
-  const int data = vpt * (per_row * rows_held + (backward ? 12 : 4));
+  const int data = vpt * (per_row * rows_held + (backward ? (smem_dw ? 0 : 12) : 4));
   const int cap = (data + (backward ? 64 : residual ? 48 : 56) + 7) / 8 * 8;
   return cap < 255 && vpt < 16 ? cap : 255;
 }
-constexpr int max_cta_threads(bool backward, int vpt, bool prefetch, bool residual) {
-  const int threads = 65536 / register_cap(backward, vpt, prefetch, residual) / 32 * 32;
+constexpr int max_cta_threads(bool backward, int vpt, bool prefetch, bool residual, bool smem_dw = false) {
+  const int threads = 65536 / register_cap(backward, vpt, prefetch, residual, smem_dw) / 32 * 32;
   return threads < 1024 ? threads : 1024;
 }
 
@@ -54,12 +59,14 @@ constexpr int max_cta_threads(bool backward, int vpt, bool prefetch, bool residu
 // i.e. rows of 4 / 8 / 16 KB). cta_threads is the CTA size aimed at (rows_per_cta = cta_threads / threads
 // a row, capped by the kernel's registers); persistent: the forward's CTAs loop over the row groups (a grid
 // of as many CTAs as fit), which a prefetching forward needs to have a next row. The backward is always
-// persistent. Rows the variant cannot hold fall back to the same width without prefetch, then wider ones.
+// persistent. Rows the variant cannot hold fall back to the same width without prefetch, then wider ones (with
+// the default's dW placement, then with dW in registers).
 struct DefaultVariant {
   int vpt;
   bool prefetch;
   int cta_threads;
   bool persistent;
+  bool smem_dw = false;  // backward: the kernel that sums dW in shared memory
 };
 DefaultVariant default_variant(bool backward, bool residual, int64_t row_bytes);
 inline constexpr int kPersistentCtasPerSm = 64;  // "as many as fit": the occupancy bounds it first
@@ -68,6 +75,7 @@ inline constexpr int kGenericElemsPerThread = 8;  // generic path: elements each
 
 // Rows of more than a warp synchronize on named barrier 1 + row (0 is __syncthreads; the hardware has 16).
 inline constexpr int kMaxNamedBarrierRows = 15;
+
 
 struct Plan {
   RMSNormAlgo algo = RMSNormAlgo::kGeneric;  // kAuto: the request cannot be met (see why_not)
@@ -79,7 +87,9 @@ struct Plan {
   // group; backward: as many as fit. Otherwise at most this many (and at most what fits).
   int ctas_per_sm = 0;
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
-  bool dw_in_smem = false;  // generic backward: each row slot's dW sums in shared memory (else the workspace)
+  // Backward: each row slot's dW sums in shared memory (generic: else in its workspace row; registers: the
+  // smem_dw kernel, else the sums are in registers).
+  bool dw_in_smem = false;
   const char* why_not = nullptr;
 
   int threads() const { return threads_per_row * rows_per_cta; }
