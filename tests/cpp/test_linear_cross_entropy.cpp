@@ -779,17 +779,27 @@ void expect_layout_sound(const lce::Plan& p) {
 }
 
 TEST(LinearCrossEntropyPlan, GradientInForwardAtLlamaShapes) {
-  // bf16, N=8192, H=4096, V=128256, 512 MiB: 256-token float32 logits chunks; holding every token's bf16
-  // gradient (2.1 GB) costs no more than budget + the float32 grad_weight accumulator (2.1 GB) would, so one
-  // group and no accumulator.
+  // bf16, N=8192, H=4096, V=128256, 512 MiB: holding every token's bf16 gradient (2.1 GB) costs no more than
+  // budget + the float32 grad_weight accumulator (2.1 GB) would, so one group and no accumulator; the float32
+  // logits chunk then takes the rest of that allowance (512 MiB: 1046 rows, 1024 at most).
   lce::Plan p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256));
-  EXPECT_EQ(p.chunk_rows, 256);
+  EXPECT_EQ(p.chunk_rows, 1024);
   EXPECT_EQ(p.group_rows, 8192);
   EXPECT_FALSE(p.dw_accumulator);
   EXPECT_FALSE(p.dlogits_in_place);
   EXPECT_EQ(p.ld_logits, 128256);
-  EXPECT_LE(p.bytes, size_t{2400} << 20);
+  EXPECT_LE(static_cast<size_t>(p.chunk_rows * p.ld_logits * 4 + p.group_rows * p.ld_dlogits * 2),
+            (size_t{512} << 20) + size_t{4} * 128256 * 4096);
+  EXPECT_LE(p.bytes, size_t{2700} << 20);
   expect_layout_sound(p);
+  // 4096 tokens: the same trade, a chunk of 1024 tokens.
+  p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 4096, 4096, 128256));
+  EXPECT_EQ(p.group_rows, 4096);
+  EXPECT_EQ(p.chunk_rows, 1024);
+  // Few tokens: never more rows than there are.
+  p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 300, 4096, 128256));
+  EXPECT_LE(p.chunk_rows, 300);
+  EXPECT_EQ(p.group_rows, 300);
   // Gemma-2-like: V=256000, H=2304: every token's gradient (4.2 GB) would exceed budget + accumulator (2.9 GB).
   p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000));
   EXPECT_EQ(p.chunk_rows, 128);

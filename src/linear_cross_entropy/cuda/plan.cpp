@@ -10,6 +10,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // A chunk length from a byte count: whole multiples of 128 (a GEMM tile edge) once there is room for 128,
 // otherwise whatever fits, and at least 1 (a budget smaller than one row still makes progress).
+// Tokens of a float32 logits chunk when the gradient of every token is held (no grad_weight accumulator): the
+// logits GEMM of 1024 tokens does 1024 FLOP per byte of the weight it reads, past the H100's balance point.
+constexpr int64_t kGrownChunkRows = 1024;
+
 int64_t fit(size_t bytes, int64_t per_item) {
   const int64_t n = static_cast<int64_t>(bytes / static_cast<size_t>(std::max<int64_t>(per_item, 1)));
   return n >= 128 ? n / 128 * 128 : std::max<int64_t>(n, 1);
@@ -97,8 +101,13 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
         // grad_weight GEMM over all tokens, no accumulation traffic, and no more memory.
         const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
         if (p.group_rows < N && acc > 0 &&
-            static_cast<size_t>(p.chunk_rows * logits_row + N * grad_row) <= budget + acc)
+            static_cast<size_t>(p.chunk_rows * logits_row + N * grad_row) <= budget + acc) {
           p.group_rows = N;
+          // The float32 chunk may then grow into the rest of that allowance, up to kGrownChunkRows tokens: each
+          // chunk's logits GEMM re-reads the whole weight, which at 256 tokens is as much time as its math.
+          const size_t room = budget + acc - static_cast<size_t>(N * grad_row);
+          p.chunk_rows = std::min(max_rows, std::max(p.chunk_rows, std::min(kGrownChunkRows, fit(room, logits_row))));
+        }
       }
     }
     p.ld_dlogits = p.ld_logits;  // in place (float32) or a 16-bit buffer of the same row length
