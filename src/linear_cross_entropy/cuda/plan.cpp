@@ -18,6 +18,12 @@ int64_t fit(size_t bytes, int64_t per_item) {
   const int64_t n = static_cast<int64_t>(bytes / static_cast<size_t>(std::max<int64_t>(per_item, 1)));
   return n >= 128 ? n / 128 * 128 : std::max<int64_t>(n, 1);
 }
+// The same in 64-token steps: the float32 chunk of a 16-bit gradient-in-forward plan, where 128-token steps
+// would give away up to a third of its share at V=256000.
+int64_t fit_chunk(size_t bytes, int64_t per_item) {
+  const int64_t n = static_cast<int64_t>(bytes / static_cast<size_t>(std::max<int64_t>(per_item, 1)));
+  return n >= 64 ? n / 64 * 64 : std::max<int64_t>(n, 1);
+}
 
 class Layout {
  public:
@@ -83,12 +89,14 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     } else {
       // 16-bit inputs: the GEMM writes float32 logits (the loss needs them exact) and the gradient kernel
       // narrows them into a separate 16-bit buffer that the grad_hidden / grad_weight GEMMs read. Only the
-      // 16-bit gradient has to be held for a whole group, so the float32 chunk gets a quarter of the budget
-      // and the group the rest: 4x fewer float32 grad_weight accumulations than one shared chunk size
-      // (256-token logits chunks and 1536-token groups at V=128256 with 512 MiB).
+      // 16-bit gradient has to be held for a whole group. The split of the budget weighs two costs: each chunk's
+      // logits GEMM re-reads the weight (2 V H bytes a chunk), each group past the first reads and writes the
+      // float32 grad_weight accumulator (8 V H bytes a group). Their sum over the tokens is least with 41% of
+      // the budget (1 / (1 + sqrt 2)) for the float32 chunk; 2/5 of it, in 64-token steps (384-token chunks
+      // and 1280-token groups at V=128256 with 512 MiB, 192 and 640 at V=256000).
       const int64_t grad_row = es * p.ld_logits;
       const int64_t max_rows = std::max<int64_t>(N, 1);
-      const int64_t chunk_fit = fit(budget / 4, logits_row);
+      const int64_t chunk_fit = fit_chunk(budget / 5 * 2, logits_row);
       if (in.chunk_tokens > 0) {
         p.group_rows = std::min(in.chunk_tokens, max_rows);
         p.chunk_rows = std::min(p.group_rows, chunk_fit);
