@@ -50,7 +50,8 @@
 // options.memory_budget; plus, where grad_weight is 16-bit and the tokens do not fit one chunk, a float32
 // grad_weight accumulator (4·V·H bytes); the gradient-in-forward schedule holds the logits' gradient of
 // every token at once instead whenever that takes no more than the budget plus that accumulator (one
-// weight-gradient GEMM, no accumulation). The recompute backward's float32 grad_hidden accumulator (4·N·H
+// weight-gradient GEMM, no accumulation), and its float32 chunk then grows into the rest of that allowance (up
+// to 1024 tokens: each chunk's logits GEMM re-reads the weight). The recompute backward's float32 grad_hidden accumulator (4·N·H
 // bytes, when grad_hidden is 16-bit and the vocabulary takes more than one chunk) comes on top of the budget
 // likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB before), so the GEMMs allocate
 // nothing and the calls can be captured in a CUDA graph. cuBLAS runs through one handle per device and host
