@@ -10,22 +10,17 @@ import torch
 import torch.nn.functional as F
 
 import logitless
+from _helpers import (CPU_GRAD_TOL, DTYPES, REDUCTIONS, assert_compiled_matches_eager,
+                      assert_grads_match_central_differences, assert_graph_replays_match_eager, capture_cuda_graph,
+                      check_dynamic_shapes_against_torch, extra_peak_memory, needs_cuda,
+                      on_a_side_stream_behind_a_sleep, run_or_skip_unavailable, upstream_grad)
 from logitless import cross_entropy
-
-HAS_CUDA = torch.cuda.is_available() and logitless._C.built_with_cuda()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of logitless")
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-REDUCTIONS = ["mean", "sum", "none"]
 
 # Error budget against the float64 reference evaluated on the same (already rounded) inputs: the loss is
 # float32 whatever the dtype; the gradient is stored in the logits' dtype, so it carries that rounding.
 # The CPU backend computes in double; the CUDA kernels accumulate in float32 over up to 256000 terms.
 LOSS_RTOL = {"cpu": 2e-5, "cuda": 1e-4}
-GRAD_TOL = {
-    "cpu": {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2},
-    "cuda": {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2},
-}
+GRAD_TOL = {"cpu": CPU_GRAD_TOL, "cuda": {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}}
 
 # Option sets covering every argument alone and together (weights, smoothing and ignore_index interact in
 # the mean's denominator; z-loss and softcap change lse and the gradient's chain rule).
@@ -77,11 +72,6 @@ def make_inputs(shape, V, dtype, device="cpu", ignore_frac=0.2, ignore_index=-10
     if ignore_frac:
         target[torch.rand(shape, generator=g) < ignore_frac] = ignore_index
     return logits.to(device), target.to(device)
-
-
-def upstream_grad(loss, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.rand(loss.shape, generator=g) + 0.5).to(loss.device)
 
 
 def assert_grad_close(got, want, dtype):
@@ -284,19 +274,7 @@ def test_finite_differences_fused(reduction, inplace_backward):
     xi = x * 1
     (2.0 * cross_entropy(xi if inplace_backward else x, t, weight=w, reduction=reduction,
                          inplace_backward=inplace_backward, **GRADCHECK_OPTS)).backward()
-    eps = 1e-3
-    numeric = torch.zeros_like(x)
-    with torch.no_grad():
-        flat = x.detach().clone().reshape(-1)
-        for k in range(flat.numel()):
-            old = flat[k].item()
-            flat[k] = old + eps
-            hi = f(flat.view_as(x)).item()
-            flat[k] = old - eps
-            lo = f(flat.view_as(x)).item()
-            flat[k] = old
-            numeric.reshape(-1)[k] = 2.0 * (hi - lo) / (2 * eps)
-    torch.testing.assert_close(x.grad, numeric, atol=2e-3, rtol=2e-2)
+    assert_grads_match_central_differences(f, (x,), scale=2.0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -469,14 +447,7 @@ def test_compile_fullgraph_matches_eager(reduction, inplace_backward):
     h = torch.randn(12, 16, generator=g, requires_grad=True)
     W = torch.randn(33, 16, generator=g, requires_grad=True)
     t = torch.randint(0, 33, (12,), generator=g)
-    results = []
-    for fn in (_model, torch.compile(_model, fullgraph=True)):
-        h.grad = W.grad = None
-        loss = fn(h, W, t, reduction, inplace_backward)
-        (2 * loss).backward()
-        results.append((loss.detach(), h.grad.clone(), W.grad.clone()))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_compiled_matches_eager(_model, (h, W), t, reduction, inplace_backward, upstream=2, rtol=1e-5, atol=1e-6)
 
 
 # Inductor pads the rows of intermediates on CUDA (comprehensive padding), and on the CPU when asked: the logits are
@@ -497,35 +468,14 @@ def test_compile_fullgraph_with_padded_rows_matches_eager(shape, inplace_backwar
     h = torch.randn(*shape, 16, generator=g, requires_grad=True)
     W = torch.randn(V, 16, generator=g, requires_grad=True)
     t = torch.randint(0, V, shape, generator=g)
-    results = []
     with cfg.patch(disable_padding_cpu=False, comprehensive_padding=True, fx_graph_cache=False):
         metrics.reset()
-        for fn in (_model, torch.compile(_model, fullgraph=True)):
-            h.grad = W.grad = None
-            loss = fn(h, W, t, "mean", inplace_backward)
-            (2 * loss).backward()
-            results.append((loss.detach(), h.grad.clone(), W.grad.clone()))
+        assert_compiled_matches_eager(_model, (h, W), t, "mean", inplace_backward, upstream=2, rtol=1e-5, atol=1e-6)
         assert metrics.num_comprehensive_padding > 0, "the test needs inductor to pad the matmul's rows"
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_compile_dynamic_shapes():
-    torch._dynamo.reset()
-    W = torch.randn(13, 8, requires_grad=True)
-    fn = torch.compile(lambda h, W, t, red: cross_entropy(h @ W.t(), t, reduction=red).sum(), fullgraph=True,
-                       dynamic=True)
-    for n in (5, 9):
-        for reduction in ("mean", "none"):
-            h = torch.randn(n, 8, requires_grad=True)
-            t = torch.randint(0, 13, (n,))
-            loss = fn(h, W, t, reduction)
-            loss.backward()
-            hr = h.detach().clone().requires_grad_(True)
-            want = F.cross_entropy(hr @ W.detach().t(), t, reduction=reduction).sum()
-            want.backward()
-            torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(h.grad, hr.grad, rtol=1e-5, atol=1e-6)
+    check_dynamic_shapes_against_torch(lambda h, W, t, red: cross_entropy(h @ W.t(), t, reduction=red))
 
 
 def test_compile_inplace_on_a_graph_input():
@@ -629,15 +579,6 @@ def _cuda_algos():
     return ["auto", "streaming", "row_resident"]
 
 
-def _run_or_skip_algo(fn):
-    try:
-        return fn()
-    except (ValueError, RuntimeError) as e:
-        if "algo" in str(e) or "row_resident" in str(e):
-            pytest.skip(f"algorithm not available on this device: {e}")
-        raise
-
-
 @needs_cuda
 @pytest.mark.parametrize("algo", _cuda_algos())
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -648,8 +589,9 @@ def test_cuda_matches_reference(V, dtype, reduction, algo):
     opts = resolve(OPTIONS["all"], V, device="cuda")
     logits, target = make_inputs((N,), V, dtype, device="cuda")
     for inplace in ([False, True] if reduction != "none" else [False]):
-        _run_or_skip_algo(lambda: check_against_reference(logits, target, reduction=reduction,
-                                                          inplace_backward=inplace, algo=algo, **opts))
+        run_or_skip_unavailable(lambda: check_against_reference(logits, target, reduction=reduction,
+                                                                inplace_backward=inplace, algo=algo, **opts),
+                                "algo", "row_resident")
 
 
 @needs_cuda
@@ -679,14 +621,13 @@ def test_cuda_runs_on_the_current_stream(inplace_backward):
     logits, target = make_inputs((64,), 32000, torch.bfloat16, device="cuda")
     want = cross_entropy(logits, target)
     leaf = torch.zeros_like(logits, requires_grad=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)
-        x = leaf + logits
-        got = cross_entropy(x, target, inplace_backward=inplace_backward)
+
+    def run():
+        got = cross_entropy(leaf + logits, target, inplace_backward=inplace_backward)
         got.backward()
-    side.synchronize()
+        return got
+
+    got = on_a_side_stream_behind_a_sleep(run)
     ref = logits.detach().clone().requires_grad_(True)
     reference(ref, target)[0].backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -719,31 +660,14 @@ def test_cuda_graph_capture(reduction, inplace_backward):
         (loss.sum() if reduction == "none" else loss).backward()
         return loss.detach()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (allocations, lazy init) outside the capture
-        for _ in range(2):
-            h.grad = W.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    h.grad = W.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step()
+    def refill(gen):
+        h.copy_(torch.randn(N, H, generator=gen).cuda())
+        t.copy_(torch.randint(0, V, (N,), generator=gen).cuda())
 
-    for seed in (1, 2):
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            h.copy_(torch.randn(N, H, generator=gen).cuda())
-            t.copy_(torch.randint(0, V, (N,), generator=gen).cuda())
-        graph.replay()
-        torch.cuda.synchronize()
-        hr, Wr = h.detach().clone().requires_grad_(True), W.detach().clone().requires_grad_(True)
-        want = cross_entropy(hr @ Wr.t(), t, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
-        (want.sum() if reduction == "none" else want).backward()
-        torch.testing.assert_close(static_loss, want.detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(h.grad, hr.grad, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(W.grad, Wr.grad, rtol=1e-4, atol=1e-5)
+    graph, static_loss = capture_cuda_graph(step, (h, W))
+    assert_graph_replays_match_eager(
+        graph, static_loss, (h, W), refill,
+        lambda hr, Wr: cross_entropy(hr @ Wr.t(), t, reduction=reduction, label_smoothing=0.1, z_loss=1e-3))
 
 
 @needs_cuda
@@ -769,14 +693,7 @@ def test_cuda_compile_fullgraph():
     W = torch.randn(4099, 64, generator=g).cuda().requires_grad_(True)
     t = torch.randint(0, 4099, (256,), generator=g).cuda()
     for reduction, inplace in [("mean", False), ("mean", True), ("none", False)]:
-        results = []
-        for fn in (_model, torch.compile(_model, fullgraph=True)):
-            h.grad = W.grad = None
-            loss = fn(h, W, t, reduction, inplace)
-            loss.backward()
-            results.append((loss.detach(), h.grad.clone(), W.grad.clone()))
-        for a, b in zip(*results):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert_compiled_matches_eager(_model, (h, W), t, reduction, inplace, rtol=1e-4, atol=1e-5)
 
 
 @needs_cuda
@@ -793,14 +710,9 @@ def test_cuda_inplace_needs_no_extra_logits_sized_memory():
     for inplace, bound in ((True, nbytes // 8), (False, nbytes + nbytes // 8)):
         x = logits.clone().requires_grad_(True)
         y = x * 1
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        loss = cross_entropy(y, target, inplace_backward=inplace)
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
+        extra = extra_peak_memory(cross_entropy, y, target, inplace_backward=inplace)
         assert extra < bound, f"inplace={inplace}: {extra} extra bytes for {nbytes} bytes of logits"
-        del loss, x, y
+        del x, y
 
 
 @needs_cuda

@@ -17,10 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import logitless  # noqa: E402
+from _helpers import extra_peak_memory, needs_cuda  # noqa: E402
 from logitless.nn import RMSNorm  # noqa: E402
-
-HAS_CUDA = torch.cuda.is_available() and logitless._C.built_with_cuda()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of logitless")
 
 VOCAB = 1000
 B, T = 2, 12
@@ -473,15 +471,15 @@ def test_cuda_peak_memory_leaves_out_the_logits():
     base = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
     ids = torch.randint(0, 32000, (4, 1024), device="cuda")
     peaks = []
+
+    def train_step(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+
     for model in (copy.deepcopy(base), logitless.patch(copy.deepcopy(base), memory_budget=64 << 20)):
         for _ in range(2):  # the second step's peak, with the caching allocator warm
             model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
-            model(input_ids=ids, labels=ids).loss.backward()
-            torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - start)
+            peak = extra_peak_memory(train_step, model)
+        peaks.append(peak)
         del model
     logits_f32 = ids.numel() * 32000 * 4
     assert peaks[1] < peaks[0] - logits_f32, [p / 2**20 for p in peaks]

@@ -9,24 +9,18 @@ import torch
 import torch.nn.functional as F
 
 import logitless
+from _helpers import (CPU_GRAD_TOL, DTYPES, REDUCTIONS, SCHEDULES, assert_compiled_matches_eager,
+                      assert_grads_match_central_differences, assert_graph_replays_match_eager, capture_cuda_graph,
+                      check_dynamic_shapes_against_torch, check_second_backward, extra_peak_memory, needs_cuda,
+                      on_a_side_stream_behind_a_sleep, upstream_grad)
 from logitless import linear_cross_entropy
-
-HAS_CUDA = torch.cuda.is_available() and logitless._C.built_with_cuda()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of logitless")
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-REDUCTIONS = ["mean", "sum", "none"]
-SCHEDULES = ["gradient_in_forward", "recompute"]
 
 # Error budget against the float64 reference evaluated on the same (already rounded) inputs. The loss is
 # float32 whatever the dtype, from float32 logits (CUDA) or double sums (CPU). Gradients come in the inputs'
 # dtype; on CUDA they also carry the rounding of the logits' gradient to that dtype before the two GEMMs that
 # consume it (as torch's own bf16 backward does): tolerances are relative to each gradient's largest element.
 LOSS_RTOL = {"cpu": 2e-5, "cuda": 1e-4}
-GRAD_TOL = {
-    "cpu": {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2},
-    "cuda": {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2.5e-2},
-}
+GRAD_TOL = {"cpu": CPU_GRAD_TOL, "cuda": {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2.5e-2}}
 
 OPTIONS = {
     "plain": {},
@@ -85,11 +79,6 @@ def resolve(opts, V, device="cpu"):
     if opts.pop("class_weight", False):
         opts["class_weight"] = (torch.rand(V, generator=torch.Generator().manual_seed(7)) + 0.25).to(device)
     return opts
-
-
-def upstream_grad(loss, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.rand(loss.shape, generator=g) + 0.5).to(loss.device)
 
 
 def assert_grad_close(got, want, dtype, device):
@@ -287,36 +276,12 @@ def test_finite_differences_gradient_in_forward(reduction):
     f = lambda h_, w_, b_: linear_cross_entropy(h_, w_, t, b_, class_weight=cw, reduction=reduction,  # noqa: E731
                                                 schedule="gradient_in_forward", **GRADCHECK_OPTS)
     (2.0 * f(h, w, b)).backward()
-    eps = 1e-3
-    with torch.no_grad():
-        for i, x in enumerate((h, w, b)):
-            numeric = torch.zeros_like(x)
-            flat = x.detach().clone().reshape(-1)
-            for k in range(flat.numel()):
-                args = [h.detach(), w.detach(), b.detach()]
-                old = flat[k].item()
-                flat[k] = old + eps
-                args[i] = flat.view_as(x)
-                hi = f(*args).item()
-                flat[k] = old - eps
-                lo = f(*args).item()
-                flat[k] = old
-                numeric.reshape(-1)[k] = 2.0 * (hi - lo) / (2 * eps)
-            torch.testing.assert_close(x.grad, numeric, atol=2e-3, rtol=2e-2)
+    assert_grads_match_central_differences(f, (h, w, b), scale=2.0)
 
 
 def test_second_backward_over_retained_graph():
     h, w, b, t, cw = _gradcheck_inputs()
-    loss = linear_cross_entropy(h, w, t, b, schedule="gradient_in_forward")
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
-    h.grad = w.grad = b.grad = None
-    loss = linear_cross_entropy(h, w, t, b, schedule="recompute")
-    loss.backward(retain_graph=True)
-    first = h.grad.clone()
-    loss.backward()
-    torch.testing.assert_close(h.grad, 2 * first)
+    check_second_backward(lambda schedule: linear_cross_entropy(h, w, t, b, schedule=schedule), h, (h, w, b))
 
 
 def test_double_backward_raises():
@@ -429,32 +394,11 @@ def test_compile_fullgraph_matches_eager(reduction, schedule):
     W = torch.randn(33, 16, generator=g, requires_grad=True)
     b = torch.randn(33, generator=g, requires_grad=True)
     t = torch.randint(0, 33, (12,), generator=g)
-    results = []
-    for fn in (_model, torch.compile(_model, fullgraph=True)):
-        h.grad = W.grad = b.grad = None
-        loss = fn(h, W, b, t, reduction, schedule)
-        (2 * loss).backward()
-        results.append((loss.detach(), h.grad.clone(), W.grad.clone(), b.grad.clone()))
-    for a, c in zip(*results):
-        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    assert_compiled_matches_eager(_model, (h, W, b), t, reduction, schedule, upstream=2, rtol=1e-5, atol=1e-6)
 
 
 def test_compile_dynamic_shapes():
-    torch._dynamo.reset()
-    W = torch.randn(13, 8, requires_grad=True)
-    fn = torch.compile(lambda h, W, t, red: linear_cross_entropy(h, W, t, reduction=red).sum(), fullgraph=True,
-                       dynamic=True)
-    for n in (5, 9):
-        for reduction in ("mean", "none"):
-            h = torch.randn(n, 8, requires_grad=True)
-            t = torch.randint(0, 13, (n,))
-            loss = fn(h, W, t, reduction)
-            loss.backward()
-            hr = h.detach().clone().requires_grad_(True)
-            want = F.cross_entropy(hr @ W.detach().t(), t, reduction=reduction).sum()
-            want.backward()
-            torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(h.grad, hr.grad, rtol=1e-5, atol=1e-6)
+    check_dynamic_shapes_against_torch(lambda h, W, t, red: linear_cross_entropy(h, W, t, reduction=red))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -569,13 +513,13 @@ def test_cuda_runs_on_the_current_stream(schedule):
     hidden, weight, _, target = make_inputs((512,), 256, 8000, torch.bfloat16, device="cuda")
     want = linear_cross_entropy(hidden, weight, target)
     leaf = torch.zeros_like(hidden, requires_grad=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)
+
+    def run():
         got = linear_cross_entropy(leaf + hidden, weight, target, schedule=schedule)
         got.backward()
-    side.synchronize()
+        return got
+
+    got = on_a_side_stream_behind_a_sleep(run)
     ref = hidden.detach().clone().requires_grad_(True)
     reference(ref, weight, target)[0].backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -609,31 +553,13 @@ def test_cuda_graph_capture(reduction, schedule):
         (loss.sum() if reduction == "none" else loss).backward()
         return loss.detach()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (cuBLAS handles, allocations) outside the capture
-        for _ in range(2):
-            h.grad = W.grad = b.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    h.grad = W.grad = b.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step()
+    def refill(gen):
+        h.copy_(torch.randn(N, H, generator=gen).cuda())
+        t.copy_(torch.randint(0, V, (N,), generator=gen).cuda())
 
-    for seed in (1, 2):
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            h.copy_(torch.randn(N, H, generator=gen).cuda())
-            t.copy_(torch.randint(0, V, (N,), generator=gen).cuda())
-        graph.replay()
-        torch.cuda.synchronize()
-        leaves = [x.detach().clone().requires_grad_(True) for x in (h, W, b)]
-        want = linear_cross_entropy(*leaves[:2], t, leaves[2], **opts)
-        (want.sum() if reduction == "none" else want).backward()
-        torch.testing.assert_close(static_loss, want.detach(), rtol=1e-5, atol=1e-5)
-        for x, y in zip((h, W, b), leaves):
-            torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-5)
+    graph, static_loss = capture_cuda_graph(step, (h, W, b))
+    assert_graph_replays_match_eager(graph, static_loss, (h, W, b), refill,
+                                     lambda hr, Wr, br: linear_cross_entropy(hr, Wr, t, br, **opts))
 
 
 @needs_cuda
@@ -645,14 +571,7 @@ def test_cuda_compile_fullgraph():
     b = torch.randn(4099, generator=g).cuda().requires_grad_(True)
     t = torch.randint(0, 4099, (256,), generator=g).cuda()
     for reduction, schedule in [("mean", "gradient_in_forward"), ("mean", "recompute"), ("none", "recompute")]:
-        results = []
-        for fn in (_model, torch.compile(_model, fullgraph=True)):
-            h.grad = W.grad = b.grad = None
-            loss = fn(h, W, b, t, reduction, schedule)
-            loss.backward()
-            results.append((loss.detach(), h.grad.clone(), W.grad.clone(), b.grad.clone()))
-        for x, y in zip(*results):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+        assert_compiled_matches_eager(_model, (h, W, b), t, reduction, schedule, rtol=1e-4, atol=1e-5)
 
 
 @needs_cuda
@@ -669,10 +588,6 @@ def test_cuda_logits_never_in_memory(schedule):
     hidden, weight, _, target = make_inputs((N,), H, V, torch.bfloat16, device="cuda")
     logits_bytes = N * V * 2
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    linear_cross_entropy(h, w, target, schedule=schedule, memory_budget=64 << 20).backward()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    extra = extra_peak_memory(lambda: linear_cross_entropy(h, w, target, schedule=schedule,
+                                                           memory_budget=64 << 20).backward())
     assert extra < logits_bytes, f"{extra / 2**20:.0f} MiB extra for {logits_bytes / 2**20:.0f} MiB of bf16 logits"

@@ -9,23 +9,19 @@ import pytest
 import torch
 
 import logitless
+from _helpers import (CPU_GRAD_TOL, DTYPES, SCHEDULES, assert_compiled_matches_eager,
+                      assert_grads_match_central_differences, assert_graph_replays_match_eager, capture_cuda_graph,
+                      check_second_backward, extra_peak_memory, needs_cuda, on_a_side_stream_behind_a_sleep)
 from logitless import grpo_loss, linear_grpo_loss, linear_selective_log_softmax
-from test_policy_loss import LEVELS, LOSS_TYPES, OPTIONS, grad_unit, reference
-
-HAS_CUDA = torch.cuda.is_available() and logitless._C.built_with_cuda()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of logitless")
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-SCHEDULES = ["gradient_in_forward", "recompute"]
+from test_policy_loss import (BAD_POLICY_ARGUMENTS, LEVELS, LOSS_TYPES, OPTIONS, assert_close,
+                              assert_loss_and_per_token_close, assert_per_token_outputs_close, policy_arguments,
+                              reference, reference_grad_unit, reference_kwargs)
 
 # Error budget against the float64 reference on the same (already rounded) inputs. The loss and per-token values
 # are float32 (CUDA: from float32 logits of a GEMM); the gradients are stored in the inputs' dtype (CUDA: the
 # logits' gradient is rounded to it before the two GEMMs, as torch's own backward does).
 LOSS_TOL = {"cpu": 2e-5, "cuda": 2e-4}
-GRAD_TOL = {
-    "cpu": {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2},
-    "cuda": {torch.float32: 2e-4, torch.float16: 6e-3, torch.bfloat16: 2.5e-2},
-}
+GRAD_TOL = {"cpu": CPU_GRAD_TOL, "cuda": {torch.float32: 2e-4, torch.float16: 6e-3, torch.bfloat16: 2.5e-2}}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -35,29 +31,11 @@ GRAD_TOL = {
 def make_inputs(B, L, H, V, dtype, option="full", device="cpu", aligned=False, bias=True, seed=0):
     """hidden [B, L+1, H] (or [B, L, H] aligned), weight [V, H], bias [V] and the policy inputs of `option`."""
     g = torch.Generator().manual_seed(seed)
-    o = OPTIONS[option]
     hidden = torch.randn(B, L if aligned else L + 1, H, generator=g).to(dtype)
     weight = (torch.randn(V, H, generator=g) * (2.0 / max(H, 1) ** 0.5)).to(dtype)
     b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
-    ids = torch.randint(0, V, (B, L), generator=g)
-    adv = torch.randn(B, generator=g)
-    kw = dict(beta=o.get("beta", 0.04), eps_low=o.get("eps_low", 0.2), eps_high=o.get("eps_high", 0.2),
-              temperature=o.get("temperature", 1.0))
-    mask = None
-    if o.get("mask"):
-        m = torch.ones(B, L)
-        m[::2, (L + 1) // 2:] = 0  # every other sequence has its second half masked
-        if o["mask"] == "float":
-            m = m * torch.tensor([0.5, 1.0, 2.0, 1.0]).repeat(L)[:L]
-        mask = {"int": m.int(), "bool": m.bool(), "float": m}[o["mask"]]
-        ids = torch.where(mask != 0, ids, torch.full_like(ids, -100))  # padding ids are never read
-    true = reference(logits_of(hidden, weight, b), ids, adv, mask=mask, beta=0.0,
-                     temperature=kw["temperature"])[1]["logp"].float()
-    old = true + 0.3 * torch.randn(B, L, generator=g) if o.get("old") else None
-    ref = true + 0.5 * torch.randn(B, L, generator=g) if o.get("ref") else None
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return dict(hidden=hidden.to(device), weight=weight.to(device), bias=to(b), completion_ids=ids.to(device),
-                advantages=adv.to(device), completion_mask=to(mask), old_logp=to(old), ref_logp=to(ref), **kw)
+    return dict(hidden=hidden.to(device), weight=weight.to(device), bias=None if b is None else b.to(device),
+                **policy_arguments(g, B, L, V, option, logits_of(hidden, weight, b), device))
 
 
 def logits_of(hidden, weight, bias):
@@ -71,20 +49,9 @@ def split(inputs):
     return args, kw
 
 
-def reference_kwargs(kw):
-    names = dict(completion_mask="mask", old_logp="old", ref_logp="ref")
-    return {names.get(k, k): v for k, v in kw.items() if k != "bias"}
-
-
 def leaves(*tensors):
     """float64 leaves for the reference (None stays None)."""
     return [None if t is None else t.detach().double().requires_grad_(True) for t in tensors]
-
-
-def assert_close(got, want, tol, scale=None):
-    want = want.to(torch.float64)
-    s = want.abs().max().item() if scale is None and want.numel() else (scale or 0.0)
-    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * max(s, 1.0))
 
 
 def assert_grad_close(got, want, tol, unit=0.0):
@@ -112,14 +79,7 @@ def check_against_reference(inputs, loss_type="grpo", level="token", schedule="a
     loss, tok = linear_grpo_loss(h, w, ids, adv, loss_type=loss_type, importance_sampling_level=level,
                                  return_per_token=True, schedule=schedule, **kw, **extra)
     dev = hidden.device.type
-    assert loss.dtype == torch.float32 and loss.shape == ()
-    assert_close(loss, want.detach(), LOSS_TOL[dev], scale=1.0)
-    logp_scale = want_tok["logp"].abs().max().item() if ids.numel() else 1.0
-    for name in ("per_token_loss", "kl", "logp", "entropy"):
-        got = getattr(tok, name)
-        assert got.shape == ids.shape and got.dtype == torch.float32 and not got.requires_grad, name
-        assert_close(got, want_tok[name], LOSS_TOL[dev], scale=max(1.0, logp_scale))
-    assert tok.is_clipped.dtype == torch.bool
+    assert_loss_and_per_token_close(loss, tok, want, want_tok, ids, LOSS_TOL[dev])
     mismatch = (tok.is_clipped.cpu() != want_tok["is_clipped"].cpu()).sum().item()
     assert mismatch <= (1 if dev == "cuda" else 0)  # CUDA: a ratio within rounding of the clip edge
     (upstream * loss).backward()
@@ -127,9 +87,8 @@ def check_against_reference(inputs, loss_type="grpo", level="token", schedule="a
     assert h.grad.dtype == hidden.dtype and w.grad.dtype == weight.dtype
     # The logits' gradient is c ([j == id] - p_j) / T per token: its unit is the largest |c| / T, and the products
     # carry it times the other operand's size.
-    opts = dict(reference_kwargs(kw), loss_type=loss_type, importance_sampling_level=level, **extra)
-    temperature = opts.pop("temperature")
-    unit = grad_unit(want_tok["logp"], adv, upstream, temperature, **opts)
+    unit = reference_grad_unit(want_tok["logp"], adv, upstream, kw, loss_type=loss_type,
+                               importance_sampling_level=level, **extra)
     amax = lambda t: t.abs().max().item() if t.numel() else 0.0  # noqa: E731
     assert_grad_close(h.grad, rh.grad, tol, unit * amax(weight))
     assert_grad_close(w.grad, rw.grad, tol, unit * amax(hidden))
@@ -315,37 +274,14 @@ def test_finite_differences_gradient_in_forward(level):
     f = lambda h_, w_, b_: linear_grpo_loss(h_, w_, ids, adv, bias=b_, schedule="gradient_in_forward",  # noqa: E731
                                             **kw)
     (2.0 * f(h, w, b)).backward()
-    eps = 1e-3
-    with torch.no_grad():
-        for i, x in enumerate((h, w, b)):
-            numeric = torch.zeros_like(x)
-            flat = x.detach().clone().reshape(-1)
-            for k in range(flat.numel()):
-                args = [h.detach(), w.detach(), b.detach()]
-                old = flat[k].item()
-                flat[k] = old + eps
-                args[i] = flat.view_as(x)
-                hi = f(*args).item()
-                flat[k] = old - eps
-                lo = f(*args).item()
-                flat[k] = old
-                numeric.reshape(-1)[k] = 2.0 * (hi - lo) / (2 * eps)
-            torch.testing.assert_close(x.grad, numeric, atol=2e-3, rtol=2e-2)
+    assert_grads_match_central_differences(f, (h, w, b), scale=2.0)
 
 
 def test_second_backward_over_retained_graph():
     hidden, weight, bias, ids, adv, kw = _fd_inputs("token")
     h = hidden.clone().requires_grad_(True)
-    loss = linear_grpo_loss(h, weight, ids, adv, bias=bias, schedule="gradient_in_forward", **kw)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
-    h.grad = None
-    loss = linear_grpo_loss(h, weight, ids, adv, bias=bias, schedule="recompute", **kw)
-    loss.backward(retain_graph=True)
-    first = h.grad.clone()
-    loss.backward()
-    torch.testing.assert_close(h.grad, 2 * first)
+    check_second_backward(lambda schedule: linear_grpo_loss(h, weight, ids, adv, bias=bias, schedule=schedule, **kw),
+                          h, (h,))
 
 
 def test_double_backward_raises():
@@ -384,17 +320,7 @@ KEYWORDS = ("loss_type", "importance_sampling_level", "schedule", "chunk_tokens"
         (dict(weight=torch.randn(9, 5, dtype=torch.float16)), "weight"),
         (dict(bias=torch.randn(8)), "bias"),
         (dict(completion_ids=torch.zeros(2, 5, dtype=torch.long)), "hidden"),
-        (dict(completion_ids=torch.zeros(6, dtype=torch.long)), "completion_ids"),
-        (dict(advantages=torch.zeros(3)), "advantages"),
-        (dict(completion_mask=torch.ones(2, 4)), "completion_mask"),
-        (dict(old_logp=torch.zeros(3, 3)), "old_logp"),
-        (dict(ref_logp=torch.zeros(2, 2)), "ref_logp"),
-        (dict(ref_logp=None, beta=0.1), "ref_logp"),
-        (dict(loss_type="ppo"), "loss_type"),
-        (dict(loss_type="dr_grpo"), "max_completion_length"),
-        (dict(importance_sampling_level="seq"), "importance_sampling_level"),
-        (dict(temperature=0.0), "temperature"),
-        (dict(eps_low=-0.1), "eps_low"),
+        *BAD_POLICY_ARGUMENTS,
         (dict(schedule="fastest"), "schedule"),
         (dict(chunk_tokens=0), "chunk_tokens"),
         (dict(memory_budget=0), "memory_budget"),
@@ -550,14 +476,7 @@ def test_compile_fullgraph_matches_eager(level, schedule):
     (hidden, weight, ids, adv), kw = split(inputs)
     h, W, b = (t.clone().requires_grad_(True) for t in (hidden, weight, kw["bias"]))
     args = (ids, adv, kw["completion_mask"], kw["old_logp"], kw["ref_logp"], level, schedule)
-    results = []
-    for fn in (_model, torch.compile(_model, fullgraph=True)):
-        h.grad = W.grad = b.grad = None
-        loss = fn(h, W, b, *args)
-        (2 * loss).backward()
-        results.append((loss.detach(), h.grad.clone(), W.grad.clone(), b.grad.clone()))
-    for x, y in zip(*results):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    assert_compiled_matches_eager(_model, (h, W, b), *args, upstream=2, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -598,11 +517,7 @@ def test_cuda_matches_cpu_backend(option, loss_type, chunk_tokens):
     half = len(outs) // 2
     for (lc, tc, hc, wc), (lg, tg, hg, wg) in zip(outs[:half], outs[half:]):
         torch.testing.assert_close(lg, lc, rtol=1e-4, atol=1e-5)
-        for a, b in zip(tg, tc):
-            if a.dtype == torch.bool:
-                assert (a != b).sum() <= 1  # a ratio within float32 rounding of the clip edge may land either side
-            else:
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert_per_token_outputs_close(tg, tc)
         assert_grad_close(hg, hc, GRAD_TOL["cuda"][torch.bfloat16])
         assert_grad_close(wg, wc, GRAD_TOL["cuda"][torch.bfloat16])
 
@@ -635,13 +550,13 @@ def test_cuda_runs_on_the_current_stream(schedule):
     (hidden, weight, ids, adv), kw = split(inputs)
     want = linear_grpo_loss(hidden, weight, ids, adv, **kw)
     h = torch.zeros_like(hidden, requires_grad=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)
+
+    def run():
         got = linear_grpo_loss(h + hidden, weight, ids, adv, schedule=schedule, **kw)
         got.backward()
-    side.synchronize()
+        return got
+
+    got = on_a_side_stream_behind_a_sleep(run)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     hr = hidden.detach().clone().requires_grad_(True)
     linear_grpo_loss(hr, weight, ids, adv, schedule=schedule, **kw).backward()
@@ -672,30 +587,13 @@ def test_cuda_graph_capture(level, schedule):
         loss.backward()
         return loss.detach()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (cuBLAS handles, allocations) outside the capture
-        for _ in range(2):
-            h.grad = W.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    h.grad = W.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step()
-    for seed in (1, 2):
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            h.copy_(torch.randn(h.shape, generator=gen).cuda())
-            adv.copy_(torch.randn(adv.shape, generator=gen).cuda())
-        graph.replay()
-        torch.cuda.synchronize()
-        hr, Wr = h.detach().clone().requires_grad_(True), W.detach().clone().requires_grad_(True)
-        want = linear_grpo_loss(hr, Wr, ids, adv, **opts)
-        want.backward()
-        torch.testing.assert_close(static_loss, want.detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(h.grad, hr.grad, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(W.grad, Wr.grad, rtol=1e-4, atol=1e-5)
+    def refill(gen):
+        h.copy_(torch.randn(h.shape, generator=gen).cuda())
+        adv.copy_(torch.randn(adv.shape, generator=gen).cuda())
+
+    graph, static_loss = capture_cuda_graph(step, (h, W))
+    assert_graph_replays_match_eager(graph, static_loss, (h, W), refill,
+                                     lambda hr, Wr: linear_grpo_loss(hr, Wr, ids, adv, **opts))
 
 
 @needs_cuda
@@ -708,14 +606,7 @@ def test_cuda_compile_and_opcheck():
     h, W, b = (t.clone().requires_grad_(True) for t in (hidden, weight, kw["bias"]))
     for level, schedule in COMPILE_CASES:
         args = (ids, adv, kw["completion_mask"], kw["old_logp"], kw["ref_logp"], level, schedule)
-        results = []
-        for fn in (_model, torch.compile(_model, fullgraph=True)):
-            h.grad = W.grad = b.grad = None
-            loss = fn(h, W, b, *args)
-            loss.backward()
-            results.append((loss.detach(), h.grad.clone(), W.grad.clone(), b.grad.clone()))
-        for x, y in zip(*results):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+        assert_compiled_matches_eager(_model, (h, W, b), *args, rtol=1e-4, atol=1e-5)
 
 
 @needs_cuda
@@ -729,11 +620,7 @@ def test_cuda_logits_never_in_memory(level, schedule):
     logits_bytes = B * (L + 1) * V * 2
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     grads_bytes = h.numel() * 2 + w.numel() * 2
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    linear_grpo_loss(h, w, ids, adv, importance_sampling_level=level, schedule=schedule, memory_budget=64 << 20,
-                     **kw).backward()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base - grads_bytes
+    extra = extra_peak_memory(lambda: linear_grpo_loss(h, w, ids, adv, importance_sampling_level=level,
+                                                       schedule=schedule, memory_budget=64 << 20, **kw).backward())
+    extra -= grads_bytes
     assert extra < logits_bytes, f"{extra / 2**20:.0f} MiB extra for {logits_bytes / 2**20:.0f} MiB of bf16 logits"

@@ -7,22 +7,18 @@ import pytest
 import torch
 
 import logitless
+from _helpers import (CPU_GRAD_TOL, DTYPES, assert_compiled_matches_eager, assert_graph_replays_match_eager,
+                      capture_cuda_graph, extra_peak_memory, needs_cuda, on_a_side_stream_behind_a_sleep,
+                      run_or_skip_unavailable)
 from logitless import grpo_loss, selective_log_softmax
 
-HAS_CUDA = torch.cuda.is_available() and logitless._C.built_with_cuda()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of logitless")
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 LEVELS = ["token", "sequence"]
 
 # Error budget against the float64 reference on the same (already rounded) inputs: the loss and per-token values
 # are float32; the gradient is stored in the logits' dtype. CPU computes in double, CUDA accumulates in float32.
 LOSS_TOL = {"cpu": 2e-5, "cuda": 2e-4}
-GRAD_TOL = {
-    "cpu": {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2},
-    "cuda": {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2},
-}
+GRAD_TOL = {"cpu": CPU_GRAD_TOL, "cuda": {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}}
 
 # Option sets: every argument alone and together (mask kinds, old policy, reference KL, temperature, clip range).
 OPTIONS = {
@@ -107,10 +103,11 @@ def grad_unit(logp, adv, upstream=1.0, temperature=1.0, **options):
     return abs(upstream) * d.abs().max().item() / temperature
 
 
-def make_inputs(B, L, V, dtype, option="full", device="cpu", aligned=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
+def policy_arguments(g, B, L, V, option, logits, device="cpu"):
+    """grpo_loss's arguments besides the logits for the option set `option`, drawn from `g` after the logits' own
+    inputs, on `device`: ids, advantages, the mask (masked ids set to -100) and the scalar options, with old and
+    reference log-probs near the true ones at `logits`."""
     o = OPTIONS[option]
-    logits = (torch.randn(B, L if aligned else L + 1, V, generator=g) * 2).to(dtype)
     ids = torch.randint(0, V, (B, L), generator=g)
     adv = torch.randn(B, generator=g)
     kw = dict(beta=o.get("beta", 0.04), eps_low=o.get("eps_low", 0.2), eps_high=o.get("eps_high", 0.2),
@@ -128,8 +125,14 @@ def make_inputs(B, L, V, dtype, option="full", device="cpu", aligned=False, seed
     old = true + 0.3 * torch.randn(B, L, generator=g) if o.get("old") else None
     ref = true + 0.5 * torch.randn(B, L, generator=g) if o.get("ref") else None
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return dict(logits=logits.to(device), completion_ids=ids.to(device), advantages=adv.to(device),
-                completion_mask=to(mask), old_logp=to(old), ref_logp=to(ref), **kw)
+    return dict(completion_ids=ids.to(device), advantages=adv.to(device), completion_mask=to(mask),
+                old_logp=to(old), ref_logp=to(ref), **kw)
+
+
+def make_inputs(B, L, V, dtype, option="full", device="cpu", aligned=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, L if aligned else L + 1, V, generator=g) * 2).to(dtype)
+    return dict(logits=logits.to(device), **policy_arguments(g, B, L, V, option, logits, device))
 
 
 def split(inputs):
@@ -155,9 +158,37 @@ def assert_grad_close(got, want, tol, unit):
 
 
 def reference_kwargs(kw):
-    """grpo_loss's keyword arguments under the names `reference` takes."""
+    """grpo_loss's keyword arguments under the names `reference` takes (a linear loss's bias left out)."""
     names = dict(completion_mask="mask", old_logp="old", ref_logp="ref")
-    return {names.get(k, k): v for k, v in kw.items()}
+    return {names.get(k, k): v for k, v in kw.items() if k != "bias"}
+
+
+def reference_grad_unit(logp, adv, upstream, kw, **options):
+    """grad_unit at grpo_loss's keyword arguments `kw` and `options` (loss_type, importance_sampling_level, ...)."""
+    return grad_unit(logp, adv, upstream, **reference_kwargs(dict(kw, **options)))
+
+
+def assert_loss_and_per_token_close(loss, tok, want, want_tok, ids, tol):
+    """The loss (a float32 scalar, `tol` relative to 1) and the float32 per-token outputs (`tol` relative to the
+    log-probabilities' size) against the reference's; is_clipped, a bool tensor, is compared by the caller."""
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert_close(loss, want.detach(), tol, scale=1.0)
+    logp_scale = want_tok["logp"].abs().max().item() if ids.numel() else 1.0
+    for name in ("per_token_loss", "kl", "logp", "entropy"):
+        got = getattr(tok, name)
+        assert got.shape == ids.shape and got.dtype == torch.float32 and not got.requires_grad, name
+        assert_close(got, want_tok[name], tol, scale=max(1.0, logp_scale))
+    assert tok.is_clipped.dtype == torch.bool
+
+
+def assert_per_token_outputs_close(got, want):
+    """Per-token outputs of the CUDA backend against the CPU backend's: values to 1e-4; is_clipped may differ at one
+    token (a ratio within float32 rounding of the clip edge may land either side)."""
+    for a, b in zip(got, want):
+        if a.dtype == torch.bool:
+            assert (a != b).sum() <= 1
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def check_against_reference(inputs, loss_type="grpo", level="token", inplace=False, upstream=1.3, algo="auto",
@@ -178,19 +209,11 @@ def check_against_reference(inputs, loss_type="grpo", level="token", inplace=Fal
     loss, tok = grpo_loss(x, ids, adv, loss_type=loss_type, importance_sampling_level=level, inplace_backward=inplace,
                           return_per_token=True, algo=algo, **kw, **extra)
     dev = logits.device.type
-    assert loss.dtype == torch.float32 and loss.shape == ()
-    assert_close(loss, want.detach(), LOSS_TOL[dev], scale=1.0)
-    for name in ("per_token_loss", "kl", "logp", "entropy"):
-        got = getattr(tok, name)
-        assert got.shape == ids.shape and got.dtype == torch.float32 and not got.requires_grad, name
-        logp_scale = want_tok["logp"].abs().max().item() if ids.numel() else 1.0
-        assert_close(got, want_tok[name], LOSS_TOL[dev], scale=max(1.0, logp_scale))
-    assert tok.is_clipped.dtype == torch.bool
+    assert_loss_and_per_token_close(loss, tok, want, want_tok, ids, LOSS_TOL[dev])
     assert torch.equal(tok.is_clipped.cpu(), want_tok["is_clipped"].cpu())
     (upstream * loss).backward()
-    opts = dict(rkw, loss_type=loss_type, importance_sampling_level=level, **extra)
-    temperature = opts.pop("temperature")
-    unit = grad_unit(want_tok["logp"], adv, upstream, temperature, **opts)
+    unit = reference_grad_unit(want_tok["logp"], adv, upstream, kw, loss_type=loss_type,
+                               importance_sampling_level=level, **extra)
     assert_grad_close(leaf.grad, ref_in.grad, GRAD_TOL[dev][logits.dtype], unit)
     return loss, tok
 
@@ -425,6 +448,22 @@ def _bad(**changes):
     return inputs
 
 
+# Bad arguments of every policy loss (B = 2, L = 3) and the argument each error names; a loss adds its own.
+BAD_POLICY_ARGUMENTS = [
+    (dict(completion_ids=torch.zeros(6, dtype=torch.long)), "completion_ids"),
+    (dict(advantages=torch.zeros(3)), "advantages"),
+    (dict(completion_mask=torch.ones(2, 4)), "completion_mask"),
+    (dict(old_logp=torch.zeros(3, 3)), "old_logp"),
+    (dict(ref_logp=torch.zeros(2, 2)), "ref_logp"),
+    (dict(ref_logp=None, beta=0.1), "ref_logp"),
+    (dict(loss_type="ppo"), "loss_type"),
+    (dict(loss_type="dr_grpo"), "max_completion_length"),
+    (dict(importance_sampling_level="seq"), "importance_sampling_level"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(eps_low=-0.1), "eps_low"),
+]
+
+
 @pytest.mark.parametrize(
     "changes,name",
     [
@@ -433,17 +472,7 @@ def _bad(**changes):
         (dict(logits=torch.randn(2, 4, 9, dtype=torch.float64)), "logits"),
         (dict(logits=torch.randn(2, 9, 4).transpose(1, 2)), "logits"),
         (dict(completion_ids=torch.zeros(2, 5, dtype=torch.long)), "logits"),
-        (dict(completion_ids=torch.zeros(6, dtype=torch.long)), "completion_ids"),
-        (dict(advantages=torch.zeros(3)), "advantages"),
-        (dict(completion_mask=torch.ones(2, 4)), "completion_mask"),
-        (dict(old_logp=torch.zeros(3, 3)), "old_logp"),
-        (dict(ref_logp=torch.zeros(2, 2)), "ref_logp"),
-        (dict(ref_logp=None, beta=0.1), "ref_logp"),
-        (dict(loss_type="ppo"), "loss_type"),
-        (dict(loss_type="dr_grpo"), "max_completion_length"),
-        (dict(importance_sampling_level="seq"), "importance_sampling_level"),
-        (dict(temperature=0.0), "temperature"),
-        (dict(eps_low=-0.1), "eps_low"),
+        *BAD_POLICY_ARGUMENTS,
         (dict(beta=-1.0), "beta"),
         (dict(algo="fastest"), "algo"),
     ],
@@ -524,14 +553,7 @@ def _compile_matches_eager(B, L, H, V, level, inplace):
     inputs = make_inputs(B, L, V, torch.float32, "full")
     (_, ids, adv), kw = split(inputs)
     args = (ids, adv, kw["completion_mask"], kw["old_logp"], kw["ref_logp"], level, inplace)
-    results = []
-    for fn in (_model, torch.compile(_model, fullgraph=True)):
-        h.grad = W.grad = None
-        loss = fn(h, W, *args)
-        (2 * loss).backward()
-        results.append((loss.detach(), h.grad.clone(), W.grad.clone()))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_compiled_matches_eager(_model, (h, W), *args, upstream=2, rtol=1e-5, atol=1e-6)
 
 
 COMPILE_CASES = [("token", False), ("token", True), ("sequence", False), ("sequence", True)]
@@ -635,15 +657,6 @@ def test_selective_bad_id_names_row():
 # CUDA (skipped without a GPU)
 
 
-def _run_or_skip_algo(fn):
-    try:
-        return fn()
-    except (ValueError, RuntimeError) as e:
-        if "algo" in str(e):
-            pytest.skip(f"algorithm not available on this device: {e}")
-        raise
-
-
 @needs_cuda
 @pytest.mark.parametrize("algo", ["auto", "streaming", "cluster", "row_resident"])
 @pytest.mark.parametrize("level", LEVELS)
@@ -653,7 +666,8 @@ def test_cuda_matches_reference(V, dtype, level, algo):
     B, L = (2, 3) if V >= 32003 else (4, 9)
     inputs = make_inputs(B, L, V, dtype, "full", device="cuda", seed=V)
     for inplace in (False, True):
-        _run_or_skip_algo(lambda: check_against_reference(dict(inputs), "grpo", level, inplace=inplace, algo=algo))
+        run_or_skip_unavailable(lambda: check_against_reference(dict(inputs), "grpo", level, inplace=inplace,
+                                                                algo=algo), "algo")
 
 
 @needs_cuda
@@ -672,16 +686,11 @@ def test_cuda_matches_cpu_backend(option, loss_type):
             loss.backward()
             outs.append((loss.cpu(), [t.cpu() for t in tok], x.grad.cpu()))
             if device == "cpu":  # the gradient's unit at the CPU backend's logp
-                opts = reference_kwargs(dict(kw, loss_type=loss_type, importance_sampling_level=level, **extra))
-                temperature = opts.pop("temperature")
-                units.append(grad_unit(tok.logp, adv, 1.0, temperature, **opts))
+                units.append(reference_grad_unit(tok.logp, adv, 1.0, kw, loss_type=loss_type,
+                                                 importance_sampling_level=level, **extra))
     for (lc, tc, gc), (lg, tg, gg), unit in zip(outs[:2], outs[2:], units):
         torch.testing.assert_close(lg, lc, rtol=1e-4, atol=1e-5)
-        for a, b in zip(tg, tc):
-            if a.dtype == torch.bool:
-                assert (a != b).sum() <= 1  # a ratio within float32 rounding of the clip edge may land either side
-            else:
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert_per_token_outputs_close(tg, tc)
         assert_grad_close(gg, gc, GRAD_TOL["cuda"][torch.bfloat16], unit)
 
 
@@ -711,13 +720,13 @@ def test_cuda_runs_on_the_current_stream(inplace):
     (logits, ids, adv), kw = split(inputs)
     want = grpo_loss(logits, ids, adv, **kw)
     leaf = torch.zeros_like(logits, requires_grad=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)
+
+    def run():
         got = grpo_loss(leaf + logits, ids, adv, inplace_backward=inplace, **kw)
         got.backward()
-    side.synchronize()
+        return got
+
+    got = on_a_side_stream_behind_a_sleep(run)
     ref = logits.detach().clone().requires_grad_(True)
     rkw = dict(mask=kw["completion_mask"], old=kw["old_logp"], ref=kw["ref_logp"], beta=kw["beta"],
                eps_high=kw["eps_high"], temperature=kw["temperature"])
@@ -755,30 +764,14 @@ def test_cuda_graph_capture(inplace, level):
         loss.backward()
         return loss.detach()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture
-        for _ in range(2):
-            h.grad = W.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    h.grad = W.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step()
-    for seed in (1, 2):
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            h.copy_(torch.randn(B, L + 1, H, generator=gen).cuda())
-            adv.copy_(torch.randn(B, generator=gen).cuda())
-        graph.replay()
-        torch.cuda.synchronize()
-        hr, Wr = h.detach().clone().requires_grad_(True), W.detach().clone().requires_grad_(True)
-        want = grpo_loss(hr @ Wr.t(), ids, adv, importance_sampling_level=level, **kw)
-        want.backward()
-        torch.testing.assert_close(static_loss, want.detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(h.grad, hr.grad, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(W.grad, Wr.grad, rtol=1e-4, atol=1e-5)
+    def refill(gen):
+        h.copy_(torch.randn(B, L + 1, H, generator=gen).cuda())
+        adv.copy_(torch.randn(B, generator=gen).cuda())
+
+    graph, static_loss = capture_cuda_graph(step, (h, W))
+    assert_graph_replays_match_eager(graph, static_loss, (h, W), refill,
+                                     lambda hr, Wr: grpo_loss(hr @ Wr.t(), ids, adv, importance_sampling_level=level,
+                                                              **kw))
 
 
 @needs_cuda
@@ -794,14 +787,7 @@ def test_cuda_compile_and_opcheck():
     (_, ids, adv), kw = split(inputs)
     for level, inplace in [("token", True), ("sequence", False)]:
         args = (ids, adv, kw["completion_mask"], kw["old_logp"], kw["ref_logp"], level, inplace)
-        results = []
-        for fn in (_model, torch.compile(_model, fullgraph=True)):
-            h.grad = W.grad = None
-            loss = fn(h, W, *args)
-            loss.backward()
-            results.append((loss.detach(), h.grad.clone(), W.grad.clone()))
-        for a, b in zip(*results):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert_compiled_matches_eager(_model, (h, W), *args, rtol=1e-4, atol=1e-5)
 
 
 @needs_cuda
@@ -812,11 +798,6 @@ def test_cuda_inplace_needs_no_extra_logits_sized_memory():
     for inplace, bound in ((True, nbytes // 8), (False, nbytes + nbytes // 8)):
         x = logits.clone().requires_grad_(True)
         y = x * 1
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        loss = grpo_loss(y, ids, adv, inplace_backward=inplace, **kw)
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
+        extra = extra_peak_memory(grpo_loss, y, ids, adv, inplace_backward=inplace, **kw)
         assert extra < bound, f"inplace={inplace}: {extra} extra bytes for {nbytes} bytes of logits"
-        del loss, x, y
+        del x, y

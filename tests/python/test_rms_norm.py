@@ -7,14 +7,10 @@ Run: PYTHONPATH=build/<dir>/python python -m pytest tests/python/test_rms_norm.p
 import pytest
 import torch
 
-import logitless
+from _helpers import DTYPES, capture_cuda_graph, needs_cuda, on_a_side_stream_behind_a_sleep
 from logitless import rms_norm
 from logitless.nn import RMSNorm
 
-HAS_CUDA = torch.cuda.is_available() and logitless._C.built_with_cuda()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a CUDA build of logitless")
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CASTINGS = ["llama", "gemma", "none"]
 
 # Tolerances against the float64 reference evaluated on the same inputs. Outputs in a 16-bit dtype pass
@@ -592,9 +588,10 @@ def test_compile_fullgraph_matches_eager(inplace_backward, dtype):
         assert_close_scaled(a.float(), b.float(), tol, what)
 
 
-def test_compile_fullgraph_alone_is_bit_exact():
+def _assert_compiled_alone_is_bit_exact(x, w, res):
+    """rms_norm with a residual, in place, compiled alone with fullgraph=True: the same outputs and gradients, bit
+    for bit."""
     torch._dynamo.reset()
-    x, w, res = make_inputs((3, 4, 64), torch.bfloat16, residual=True)
 
     def f(a, b, c):
         return rms_norm(a, b, residual=c, inplace_backward=True)
@@ -607,6 +604,10 @@ def test_compile_fullgraph_alone_is_bit_exact():
         outs.append([y.detach(), s.detach()] + [a.grad for a in args])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_compile_fullgraph_alone_is_bit_exact():
+    _assert_compiled_alone_is_bit_exact(*make_inputs((3, 4, 64), torch.bfloat16, residual=True))
 
 
 def test_compile_dynamic_shapes_and_strided_input():
@@ -694,15 +695,15 @@ def test_cuda_runs_on_the_current_stream():
     # before that write.
     x, w, _ = make_inputs((256, 4096), torch.bfloat16, device="cuda")
     want = rms_norm(x, w)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)
+
+    def run():
         xa = (x + 0).requires_grad_(True)
         wa = w.clone().requires_grad_(True)
         got = rms_norm(xa, wa, inplace_backward=True)
         got.backward(torch.ones_like(got))
-    side.synchronize()
+        return got, xa, wa
+
+    got, xa, wa = on_a_side_stream_behind_a_sleep(run)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     xb, wb = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     rms_norm(xb, wb).backward(torch.ones_like(want))
@@ -721,17 +722,7 @@ def test_cuda_graph_capture(inplace_backward):
         (y.float().pow(2).sum() + s.float().sum()).backward()
         return y.detach()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside the capture
-        for _ in range(2):
-            xa.grad = wa.grad = ra.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    xa.grad = wa.grad = ra.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_graph = step()
+    graph, y_graph = capture_cuda_graph(step, (xa, wa, ra))
     graph.replay()
     torch.cuda.synchronize()
     got = (y_graph.clone(), xa.grad.clone(), wa.grad.clone())
@@ -744,19 +735,6 @@ def test_cuda_graph_capture(inplace_backward):
 
 @needs_cuda
 def test_cuda_compile_and_opcheck():
-    torch._dynamo.reset()
-    x, w, res = make_inputs((4, 7, 256), torch.bfloat16, residual=True, device="cuda")
-
-    def f(a, b, c):
-        return rms_norm(a, b, residual=c, inplace_backward=True)
-
-    outs = []
-    for fn in (f, torch.compile(f, fullgraph=True)):
-        args = [t.clone().requires_grad_(True) for t in (x, w, res)]
-        y, s = fn(*args)
-        torch.autograd.backward([y, s], [torch.ones_like(y), torch.full_like(s, 0.5)])
-        outs.append([y.detach(), s.detach()] + [a.grad for a in args])
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _assert_compiled_alone_is_bit_exact(*make_inputs((4, 7, 256), torch.bfloat16, residual=True, device="cuda"))
     for op, args in _op_samples("cuda"):
         torch.library.opcheck(op, args)
