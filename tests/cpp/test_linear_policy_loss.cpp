@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "linear_policy_loss/cuda/plan.h"
+#include "policy_test_util.h"
 #include "test_util.h"
 
 namespace logitless::test {
@@ -27,7 +28,6 @@ namespace {
 // padded rows, a padded weight and a padded grad_hidden. kView: hidden[:, -(L+1):, :] of a longer [B, L+4, H]
 // (positions of two strides: copied), ids a view too.
 enum class Layout { kShifted, kAligned, kView };
-enum class Preset { kPlain, kFull, kFloatMask, kSeedLike, kAllMasked, kBadIdNoCheck, kDapoGlobal };
 
 const char* layout_name(Layout l) {
   switch (l) {
@@ -37,29 +37,6 @@ const char* layout_name(Layout l) {
   }
   return "?";
 }
-const char* preset_name(Preset p) {
-  switch (p) {
-    case Preset::kPlain: return "plain";
-    case Preset::kFull: return "full";
-    case Preset::kFloatMask: return "floatmask";
-    case Preset::kSeedLike: return "seedlike";
-    case Preset::kAllMasked: return "allmasked";
-    case Preset::kBadIdNoCheck: return "badnocheck";
-    case Preset::kDapoGlobal: return "dapoglobal";
-  }
-  return "?";
-}
-const char* type_name(PolicyLossType t) {
-  switch (t) {
-    case PolicyLossType::kGrpo: return "grpo";
-    case PolicyLossType::kBnpo: return "bnpo";
-    case PolicyLossType::kDrGrpo: return "drgrpo";
-    case PolicyLossType::kDapo: return "dapo";
-  }
-  return "?";
-}
-const char* level_name(ImportanceSamplingLevel l) { return l == ImportanceSamplingLevel::kToken ? "token" : "seq"; }
-
 struct LplCase {
   int64_t B, L, H, V;
   DType dtype;
@@ -80,13 +57,11 @@ std::string case_name(const LplCase& c) {
 void PrintTo(const LplCase& c, std::ostream* os) { *os << case_name(c); }
 
 // ---- inputs -------------------------------------------------------------------------------------------------
-struct LplInputs {
+struct LplInputs : PolicyTokenInputs {
   LplCase c;
   LinearPolicyLossOptions opt;
   int64_t Lg = 0;  // positions per sequence: L + 1 or L
-  TestTensor hidden, weight, bias, ids, adv, mask, old, ref;
-  bool has_mask = false, has_old = false, has_ref = false;
-  std::vector<double> w;  // [B*L] token weights
+  TestTensor hidden, weight, bias;
   std::vector<double> h64, w64, b64;  // hidden, weight and bias in double, flat order
 
   LplInputs(const LplCase& cs, uint64_t seed) : c(cs) {
@@ -134,93 +109,18 @@ struct LplInputs {
     for (int64_t i = 0; i < weight.numel(); ++i) w64.push_back(weight.get(i));
     for (int64_t j = 0; c.bias && j < V; ++j) b64.push_back(bias.get(j));
     adv = TestTensor(DType::kFloat32, {B});
-    std::normal_distribution<double> nd(0.0, 1.0);
-    for (int64_t b = 0; b < B; ++b) adv.set(b, static_cast<float>(nd(rng)));
-    std::uniform_int_distribution<int64_t> idd(0, V - 1);
-    for (int64_t r = 0; r < B * L; ++r) ids.set_index(r, idd(rng));
+    fill_random(rng, B, L, V);
 
-    w.assign(static_cast<size_t>(B * L), 1.0);
-    switch (c.preset) {
-      case Preset::kPlain: break;
-      case Preset::kFull:
-      case Preset::kDapoGlobal:
-      case Preset::kBadIdNoCheck:
-        has_mask = has_old = has_ref = true;
-        po.beta = 0.04;
-        po.temperature = 0.7;
-        po.eps_high = 0.28;
-        mask = TestTensor(DType::kInt32, {B, L});
-        for (int64_t r = 0; r < B * L; ++r) {  // every other sequence has its second half masked
-          const int64_t b = r / L, l = r % L;
-          w[r] = (b % 2 == 0 && l >= (L + 1) / 2) ? 0.0 : 1.0;
-        }
-        break;
-      case Preset::kFloatMask:
-        has_mask = has_old = has_ref = true;
-        po.beta = 0.1;
-        po.eps_low = 0.1;
-        po.temperature = 1.3;
-        mask = TestTensor(DType::kFloat32, {B, L});
-        for (int64_t r = 0; r < B * L; ++r) w[r] = std::array<double, 4>{0.0, 0.5, 1.0, 2.0}[r % 4];
-        break;
-      case Preset::kSeedLike:  // no old policy (ratio 1 with gradient), reference KL, bool mask
-        has_mask = has_ref = true;
-        po.beta = 0.04;
-        mask = TestTensor(DType::kBool, {B, L});
-        for (int64_t r = 0; r < B * L; ++r) w[r] = (r % 5 == 3) ? 0.0 : 1.0;
-        break;
-      case Preset::kAllMasked:
-        has_mask = has_old = true;
-        mask = TestTensor(DType::kUInt8, {B, L});
-        for (int64_t r = 0; r < B * L; ++r) w[r] = 0.0;
-        break;
-    }
-    if (has_mask) {
-      for (int64_t r = 0; r < B * L; ++r) {
-        if (mask.dtype() == DType::kFloat32) {
-          mask.set(r, static_cast<float>(w[r]));
-        } else if (mask.dtype() == DType::kInt32) {
-          mask.set_index(r, static_cast<int64_t>(w[r]));
-        } else {  // bool / uint8: one byte
-          reinterpret_cast<uint8_t*>(const_cast<void*>(mask.host_view().data))[mask.storage_index(r)] =
-              static_cast<uint8_t>(w[r] != 0);
-        }
-      }
-    }
-    if (c.preset == Preset::kBadIdNoCheck) {
-      po.check_ids = false;
-      for (int64_t r = 0; r < B * L; ++r)
-        if (r % 7 == 2) ids.set_index(r, r % 2 ? V + 3 : -5);  // some masked (ignored), some not (NaN rows)
-    } else {
-      for (int64_t r = 0; r < B * L; ++r)  // masked tokens may hold anything, e.g. -100 padding
-        if (w[r] == 0 && r % 3 == 0) ids.set_index(r, -100);
-    }
-    if (c.preset == Preset::kDapoGlobal) {
-      double total = 0;
-      for (double x : w) total += x;
-      po.num_items_in_batch = 1.7 * total + 1.0;
-    }
-    // Old and reference log-probs near the true ones, so ratios spread over [0.5, 2] and some clip.
-    if (has_old || has_ref) {
-      const std::vector<double> lp = true_logp();
-      std::normal_distribution<double> n_old(0.0, 0.3), n_ref(0.0, 0.5);
-      if (has_old) {
-        old = TestTensor(DType::kFloat32, {B, L});
-        for (int64_t r = 0; r < B * L; ++r)
-          old.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_old(rng)));
-      }
-      if (has_ref) {
-        ref = TestTensor(DType::kFloat32, {B, L});
-        for (int64_t r = 0; r < B * L; ++r)
-          ref.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_ref(rng)));
-      }
-    }
+    auto token_tensor = [&](DType dt) { return TestTensor(dt, {B, L}); };
+    apply_preset(c.preset, B, L, po, token_tensor);
+    if (c.preset == Preset::kFloatMask) po.temperature = 1.3;  // this suite runs it at its own temperature
+    if (has_mask) write_mask();
+    apply_preset_ids(c.preset, V);
+    if (has_old || has_ref) make_old_ref(true_logp(*this, B * L), rng, token_tensor);
   }
 
   int64_t N() const { return c.B * c.L; }
-  int64_t id(int64_t t) const { return ids.get_index(t); }
   bool bad(int64_t t) const { return id(t) < 0 || id(t) >= c.V; }
-  double a(int64_t b) const { return adv.get(b); }
   int64_t pos(int64_t t) const { return (t / c.L) * Lg + t % c.L; }  // the hidden position of token t
 
   // Perturbations for the finite-difference test: one element of hidden, weight or bias, by `step`.
@@ -252,19 +152,10 @@ struct LplInputs {
     return out;
   }
 
-  std::vector<double> true_logp() const {
-    std::vector<double> lp(static_cast<size_t>(N()), NAN);
-    const double T = opt.policy.temperature;
-    for (int64_t t = 0; t < N(); ++t) {
-      if (bad(t)) continue;
-      const std::vector<double> zt = z(t);
-      double m = -INFINITY;
-      for (double v : zt) m = std::max(m, v / T);
-      double s = 0;
-      for (double v : zt) s += std::exp(v / T - m);
-      lp[t] = zt[id(t)] / T - (m + std::log(s));
-    }
-    return lp;
+  std::vector<double> row(int64_t t) const {  // z(t) / temperature
+    std::vector<double> x = z(t);
+    for (double& v : x) v /= opt.policy.temperature;
+    return x;
   }
 
   LinearPolicyLossInputs view(bool dev) const {
@@ -272,134 +163,39 @@ struct LplInputs {
     in.hidden = hidden.view(dev);
     in.weight = weight.view(dev);
     if (c.bias) in.bias = bias.view(dev);
-    in.completion_ids = ids.view(dev);
-    in.advantages = adv.view(dev);
-    if (has_mask) in.completion_mask = mask.view(dev);
-    if (has_old) in.old_logp = old.view(dev);
-    if (has_ref) in.ref_logp = ref.view(dev);
+    token_views(in, dev);
     return in;
   }
   void to_device() {
-    for (TestTensor* t : {&hidden, &weight, &ids, &adv}) t->to_device();
+    for (TestTensor* t : {&hidden, &weight}) t->to_device();
     if (c.bias) bias.to_device();
-    if (has_mask) mask.to_device();
-    if (has_old) old.to_device();
-    if (has_ref) ref.to_device();
+    tokens_to_device();
   }
 };
 
 // ---- float64 reference ----------------------------------------------------------------------------------------
-struct Ref {
-  double loss = 0;
-  std::vector<double> logp, lse, entropy, per_token_loss, kl, ratio, dlogp;  // [N], 0 at masked tokens
-  std::vector<uint8_t> clipped;
+struct Ref : PolicyReference {
   std::vector<double> dx, dw, db;  // [B*Lg*H], [V*H], [V]: upstream factor applied
-  double loss_scale = 1;
 };
 
-// The loss as a function of the per-token log-probabilities `lp`; `base` is what a detached logp holds.
-double reference_loss(const LplInputs& in, const std::vector<double>& lp, const std::vector<double>& base, Ref* out,
-                      bool skip_nan = false) {
-  const int64_t B = in.c.B, L = in.c.L;
-  const auto& o = in.opt.policy;
-  const double lo = 1 - o.eps_low, hi = 1 + o.eps_high;
-  double total_w = 0;
-  for (double v : in.w) total_w += v;
-  double loss = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    double wb = 0, s = 0;
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t r = b * L + l;
-      if (in.w[r] == 0) continue;
-      wb += in.w[r];
-      s += in.w[r] * (lp[r] - (in.has_old ? in.old.get(r) : base[r]));
-    }
-    double factor = 0;
-    switch (o.loss_type) {
-      case PolicyLossType::kGrpo: factor = 1.0 / std::max(wb, 1.0) / static_cast<double>(B); break;
-      case PolicyLossType::kBnpo: factor = 1.0 / std::max(total_w, 1.0); break;
-      case PolicyLossType::kDrGrpo: factor = 1.0 / (static_cast<double>(B) * o.max_completion_length); break;
-      case PolicyLossType::kDapo:
-        factor = 1.0 / (o.num_items_in_batch > 0 ? o.num_items_in_batch : std::max(total_w, 1.0));
-        break;
-    }
-    const double seq_ratio = std::exp(s / std::max(wb, 1.0));
-    const double A = in.a(b);
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t r = b * L + l;
-      if (in.w[r] == 0 || (skip_nan && std::isnan(lp[r]))) continue;
-      const double old = in.has_old ? in.old.get(r) : base[r];
-      const double ratio =
-          o.importance_sampling_level == ImportanceSamplingLevel::kToken ? std::exp(lp[r] - old) : seq_ratio;
-      const double clipped_ratio = std::min(std::max(ratio, lo), hi);
-      double kl = 0;
-      if (in.has_ref) {
-        const double d = in.ref.get(r) - lp[r];
-        kl = std::exp(d) - d - 1;
-      }
-      const double tok = -std::min(ratio * A, clipped_ratio * A) + o.beta * kl;
-      if (skip_nan && std::isnan(tok)) continue;  // a sequence-level ratio made NaN by a bad id elsewhere
-      loss += factor * in.w[r] * tok;
-      if (out) {
-        out->per_token_loss[r] = tok;
-        out->kl[r] = kl;
-        out->ratio[r] = ratio;
-        out->clipped[r] = (A > 0 && ratio > hi) || (A < 0 && ratio < lo);
-        if (std::isfinite(tok)) out->loss_scale += factor * in.w[r] * (std::abs(A) * ratio + o.beta * (kl + 1));
-      }
-    }
-  }
-  return loss;
+// The loss as a function of the per-token log-probabilities `lp`, a detached logp holding `base` (see
+// policy_reference_loss): the function the finite-difference test differentiates.
+double reference_loss(const LplInputs& in, const std::vector<double>& lp, const std::vector<double>& base) {
+  return policy_reference_loss(in, in.c.B, in.c.L, in.opt.policy, lp, base, nullptr);
 }
 
 Ref reference(const LplInputs& in, double upstream, bool want_grads) {
   const int64_t L = in.c.L, H = in.c.H, V = in.c.V, N = in.N();
   const double T = in.opt.policy.temperature;
   Ref r;
-  for (auto* v : {&r.logp, &r.lse, &r.entropy, &r.per_token_loss, &r.kl, &r.ratio, &r.dlogp}) v->assign(N, 0.0);
-  r.clipped.assign(N, 0);
-  std::vector<std::vector<double>> zs(static_cast<size_t>(N));
-  std::vector<double> lp(N, 0.0);
-  for (int64_t t = 0; t < N; ++t) {
-    if (in.w[t] == 0) continue;
-    if (in.bad(t)) {
-      r.logp[t] = r.lse[t] = r.entropy[t] = lp[t] = NAN;
-      continue;
-    }
-    zs[t] = in.z(t);
-    double m = -INFINITY;
-    for (double v : zs[t]) m = std::max(m, v / T);
-    double s = 0;
-    for (double v : zs[t]) s += std::exp(v / T - m);
-    r.lse[t] = m + std::log(s);
-    double h = 0;
-    for (double v : zs[t]) h -= std::exp(v / T - r.lse[t]) * (v / T - r.lse[t]);
-    r.entropy[t] = h;
-    lp[t] = r.logp[t] = zs[t][in.id(t)] / T - r.lse[t];
-  }
-  r.loss = reference_loss(in, lp, lp, &r);
-  for (int64_t t = 0; t < N; ++t)
-    if (in.w[t] != 0 && in.bad(t)) r.per_token_loss[t] = r.kl[t] = NAN;
-  // d(loss)/d(logp_t) by central differences in double (the detached base stays fixed).
-  const double h = 1e-6;
-  for (int64_t t = 0; t < N; ++t) {
-    if (in.w[t] == 0) continue;
-    if (std::isnan(lp[t])) {
-      r.dlogp[t] = NAN;
-      continue;
-    }
-    std::vector<double> p = lp;
-    p[t] = lp[t] + h;
-    const double fp = reference_loss(in, p, lp, nullptr, true);
-    p[t] = lp[t] - h;
-    const double fm = reference_loss(in, p, lp, nullptr, true);
-    r.dlogp[t] = upstream * (fp - fm) / (2 * h);
-  }
-  // Sequence level: a bad id makes its sequence's shared ratio NaN, and so every coefficient of the sequence.
+  // The finite differences leave tokens of a NaN log-probability or loss out of the loss, so that the other sequences'
+  // coefficients stay finite. Sequence level: a bad id makes its sequence's shared ratio NaN, and so every
+  // coefficient of the sequence.
+  policy_reference_forward(in, in.c.B, L, in.opt.policy, upstream, SkipNan::kLogpAndLoss, r);
   if (in.opt.policy.importance_sampling_level == ImportanceSamplingLevel::kSequence) {
     for (int64_t b = 0; b < in.c.B; ++b) {
       bool nan = false;
-      for (int64_t l = 0; l < L; ++l) nan = nan || (in.w[b * L + l] != 0 && std::isnan(lp[b * L + l]));
+      for (int64_t l = 0; l < L; ++l) nan = nan || (in.w[b * L + l] != 0 && std::isnan(r.logp[b * L + l]));
       for (int64_t l = 0; nan && l < L; ++l)
         if (in.w[b * L + l] != 0) r.dlogp[b * L + l] = NAN;
     }
@@ -419,8 +215,9 @@ Ref reference(const LplInputs& in, double upstream, bool want_grads) {
       for (int64_t k = 0; k < H; ++k) r.dx[p0 + k] = NAN;
       continue;
     }
+    const std::vector<double> x = in.row(t);
     for (int64_t j = 0; j < V; ++j) {
-      const double g = r.dlogp[t] * ((j == in.id(t) ? 1.0 : 0.0) - std::exp(zs[t][j] / T - r.lse[t])) / T;
+      const double g = r.dlogp[t] * ((j == in.id(t) ? 1.0 : 0.0) - std::exp(x[j] - r.lse[t])) / T;
       for (int64_t k = 0; k < H; ++k) {
         r.dx[p0 + k] += g * in.wv(j * H + k);
         r.dw[j * H + k] += g * in.hv(p0 + k);
@@ -465,10 +262,7 @@ LinearPolicyLossOptions chunked(const LplInputs& in, Chunking ch) {
   return o;
 }
 
-struct Out {
-  double loss = 0;
-  std::vector<double> per_token_loss, kl, logp, entropy, lse;
-  std::vector<uint8_t> clipped;
+struct Out : PolicyForwardOut {
   std::vector<double> dx, dw, db;
 };
 
@@ -477,36 +271,27 @@ Out run_backend(LplInputs& in, Entry e, bool dev, float upstream, const Out* sav
                 bool f32_grads = false) {
   const int64_t B = in.c.B, L = in.c.L, H = in.c.H, V = in.c.V;
   const DType gdt = f32_grads ? DType::kFloat32 : in.c.dtype;
-  TestTensor loss(DType::kFloat32, {});
-  TestTensor ptl(DType::kFloat32, {B, L}), kl(DType::kFloat32, {B, L}), logp(DType::kFloat32, {B, L}),
-      ent(DType::kFloat32, {B, L}), lse(DType::kFloat32, {B, L}), clipped(DType::kBool, {B, L});
+  PolicyOutputTensors outs(B, L);
   TestTensor gx = in.c.layout == Layout::kAligned ? TestTensor(gdt, {B, in.Lg, H}, {in.Lg * (H + 5), H + 5, 1}, 2)
                                                  : TestTensor(gdt, {B, in.Lg, H});
   TestTensor gw(gdt, {V, H}), gb(gdt, {V});
   TestTensor gscale(DType::kFloat32, {});
   gscale.set(0, upstream);
-  for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &gx, &gw, &gb}) t->fill_storage_nan();
-  clipped.fill_storage_bytes(0x77);
+  for (TestTensor* t : {&gx, &gw, &gb}) t->fill_storage_nan();
   if (e == Entry::kBackward) {
     for (int64_t t = 0; t < B * L; ++t) {
-      logp.set(t, static_cast<float>(saved->logp[t]));
-      lse.set(t, static_cast<float>(saved->lse[t]));
+      outs.logp.set(t, static_cast<float>(saved->logp[t]));
+      outs.lse.set(t, static_cast<float>(saved->lse[t]));
     }
   }
   if (dev) {
     in.to_device();
-    for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &gx, &gw, &gb, &gscale, &clipped}) t->to_device();
+    outs.to_device();
+    for (TestTensor* t : {&gx, &gw, &gb, &gscale}) t->to_device();
   }
   const LinearPolicyLossInputs pin = in.view(dev);
   const LinearPolicyLossOptions o = chunked(in, ch);
-  PolicyLossOutputs out;
-  out.loss = loss.view(dev);
-  out.per_token_loss = ptl.view(dev);
-  out.kl = kl.view(dev);
-  out.is_clipped = clipped.view(dev);
-  out.logp = logp.view(dev);
-  out.entropy = ent.view(dev);
-  out.lse = lse.view(dev);
+  const PolicyLossOutputs out = outs.views(dev);
   LinearPolicyLossGrads g;
   g.grad_hidden = gx.view(dev);
   g.grad_weight = gw.view(dev);
@@ -525,40 +310,23 @@ Out run_backend(LplInputs& in, Entry e, bool dev, float upstream, const Out* sav
       linear_policy_loss_forward_backward(pin, o, out, g, gscale.view(dev), ws.ws(), nullptr);
       break;
     case Entry::kBackward:
-      linear_policy_loss_backward(pin, o, logp.view(dev), lse.view(dev), gscale.view(dev), g, ws.ws(), nullptr);
+      linear_policy_loss_backward(pin, o, outs.logp.view(dev), outs.lse.view(dev), gscale.view(dev), g, ws.ws(),
+                                  nullptr);
       break;
   }
   if (dev) {
     device_synchronize();
-    for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &gx, &gw, &gb, &clipped}) t->to_host();
+    outs.to_host();
+    for (TestTensor* t : {&gx, &gw, &gb}) t->to_host();
   }
   Out r;
-  auto doubles = [](const TestTensor& x) {
-    const std::vector<float> f = x.gather_float();
-    return std::vector<double>(f.begin(), f.end());
-  };
-  if (e != Entry::kBackward) {
-    r.loss = loss.get(0);
-    r.per_token_loss = doubles(ptl);
-    r.kl = doubles(kl);
-    r.logp = doubles(logp);
-    r.entropy = doubles(ent);
-    r.lse = doubles(lse);
-    for (int64_t t = 0; t < B * L; ++t) r.clipped.push_back(reinterpret_cast<const uint8_t*>(clipped.host_view().data)[t]);
-  }
+  if (e != Entry::kBackward) outs.read(r);
   if (e != Entry::kForward) {
-    r.dx = doubles(gx);
-    r.dw = doubles(gw);
-    if (in.c.bias) r.db = doubles(gb);
+    r.dx = as_doubles(gx);
+    r.dw = as_doubles(gw);
+    if (in.c.bias) r.db = as_doubles(gb);
   }
   return r;
-}
-
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v)
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  return m;
 }
 
 // Relative L2 error over the elements finite in both (NaN patterns are checked elementwise), and every element
@@ -583,13 +351,7 @@ double max_abs(const std::vector<double>& v) {
 
 Out from_reference(const Ref& r) {
   Out o;
-  o.loss = r.loss;
-  o.per_token_loss = r.per_token_loss;
-  o.kl = r.kl;
-  o.logp = r.logp;
-  o.entropy = r.entropy;
-  o.lse = r.lse;
-  o.clipped = r.clipped;
+  static_cast<PolicyForwardOut&>(o) = r;  // the forward outputs
   o.dx = r.dx;
   o.dw = r.dw;
   o.db = r.db;
@@ -603,19 +365,7 @@ void expect_outputs(const LplInputs& in, Entry e, const Out& got, const Out& wan
   const DType dt = in.c.dtype;
   const std::string tag = who + " " + entry_name(e);
   if (e != Entry::kBackward) {
-    // A logp carries a float32 rounding error of about eps * |lse|, which the ratio and the KL pass on.
-    const double u = std::max(1.0, max_abs(ref.lse));
-    EXPECT_TRUE(all_close(std::vector<double>{got.loss}, std::vector<double>{want.loss},
-                          tolerance(dt, Quantity::kLoss), ref.loss_scale * u, tag + " loss"));
-    EXPECT_TRUE(all_close(got.logp, want.logp, tolerance(dt, Quantity::kLse), u, tag + " logp"));
-    EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), u, tag + " lse"));
-    EXPECT_TRUE(all_close(got.entropy, want.entropy, tolerance(dt, Quantity::kLse), u, tag + " entropy"));
-    double amp = 1;
-    for (int64_t t = 0; t < in.N(); ++t)
-      if (std::isfinite(ref.kl[t])) amp = std::max(amp, ref.kl[t] + 2 + std::abs(ref.per_token_loss[t]));
-    EXPECT_TRUE(all_close(got.kl, want.kl, tolerance(dt, Quantity::kLoss), amp * u, tag + " kl"));
-    EXPECT_TRUE(all_close(got.per_token_loss, want.per_token_loss, tolerance(dt, Quantity::kLoss), amp * u,
-                          tag + " per_token_loss"));
+    expect_forward_close(got, want, ref, dt, logp_unit(ref), tag);
     // A ratio within rounding of a clip boundary may fall either way when the logits are rounded differently.
     const double lo = 1 - in.opt.policy.eps_low, hi = 1 + in.opt.policy.eps_high;
     int64_t mismatch = 0, first = -1;
@@ -777,7 +527,7 @@ TEST(LinearPolicyLossReference, GradientsMatchFiniteDifferences) {
         in.perturb_by = step;
         const Ref q = reference(in, 1.0, /*want_grads=*/false);
         in.perturb_what = -1;
-        return reference_loss(in, q.logp, base, nullptr);
+        return reference_loss(in, q.logp, base);
       };
       const std::vector<double>* grads[] = {&r.dx, &r.dw, &r.db};
       const int64_t sizes[] = {in.hidden.numel(), in.weight.numel(), in.bias.numel()};
@@ -949,8 +699,8 @@ struct SelInputs {
   TensorView bv(bool dev) const { return c.bias ? bias.view(dev) : TensorView{}; }
 };
 
-struct SelOut {
-  std::vector<double> logp, entropy, lse, dx, dw, db;
+struct SelOut : SelectiveForwardOut {
+  std::vector<double> dx, dw, db;
 };
 
 SelOut run_selective(SelInputs& in, bool dev, Chunking ch = Chunking::kDefault) {
@@ -986,12 +736,8 @@ SelOut run_selective(SelInputs& in, bool dev, Chunking ch = Chunking::kDefault) 
     device_synchronize();
     for (TestTensor* t : {&logp, &ent, &lse, &gx, &gw, &gb}) t->to_host();
   }
-  auto doubles = [](const TestTensor& x) {
-    const std::vector<float> f = x.gather_float();
-    return std::vector<double>(f.begin(), f.end());
-  };
-  SelOut r{doubles(logp), doubles(ent), doubles(lse), doubles(gx), doubles(gw), {}};
-  if (in.c.bias) r.db = doubles(gb);
+  SelOut r{{as_doubles(logp), as_doubles(ent), as_doubles(lse)}, as_doubles(gx), as_doubles(gw), {}};
+  if (in.c.bias) r.db = as_doubles(gb);
   return r;
 }
 
@@ -1004,21 +750,13 @@ SelOut selective_reference(const SelInputs& in) {
   r.db.assign(V, 0.0);
   for (int64_t i = 0; i < N; ++i) {
     std::vector<double> x(V);
-    double m = -INFINITY;
     for (int64_t j = 0; j < V; ++j) {
       double acc = in.c.bias ? in.bias.get(j) : 0.0;
       for (int64_t k = 0; k < H; ++k) acc += static_cast<double>(in.hidden.get(i * H + k)) * in.weight.get(j * H + k);
-      m = std::max(m, x[j] = acc / T);
+      x[j] = acc / T;
     }
-    double s = 0;
-    for (double v : x) s += std::exp(v - m);
-    const double lse = m + std::log(s);
-    double h = 0;
-    for (double v : x) h -= std::exp(v - lse) * (v - lse);
     const int64_t t = in.ids.get_index(i);
-    r.logp.push_back(x[t] - lse);
-    r.lse.push_back(lse);
-    r.entropy.push_back(h);
+    const double lse = push_selective_row(x, t, r);
     for (int64_t j = 0; j < V; ++j) {
       const double g = in.grad_logp.get(i) * ((j == t) - std::exp(x[j] - lse)) / T;
       for (int64_t k = 0; k < H; ++k) {
@@ -1034,10 +772,7 @@ SelOut selective_reference(const SelInputs& in) {
 
 void expect_selective(const SelInputs& in, const SelOut& got, const SelOut& want, const std::string& who) {
   const DType dt = in.c.dtype;
-  const double u = std::max(1.0, max_abs(want.lse));
-  EXPECT_TRUE(all_close(got.logp, want.logp, tolerance(dt, Quantity::kLse), u, who + " logp"));
-  EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), u, who + " lse"));
-  EXPECT_TRUE(all_close(got.entropy, want.entropy, tolerance(dt, Quantity::kLse), u, who + " entropy"));
+  expect_selective_forward_close(got, want, dt, who);
   const Tol tol = tolerance(dt, Quantity::kLceGrad);
   // The natural size of a gradient element: every term is g_i ([j == id] - p_j) / T times a weight (grad_hidden)
   // or a hidden value (grad_weight), and the p_j of a row sum to 1. Errors are roundings of such terms also where
@@ -1090,16 +825,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearSelectiveLogSoftmaxCpu, ::testing::Values
 INSTANTIATE_TEST_SUITE_P(Shapes, LinearSelectiveLogSoftmaxCuda, ::testing::ValuesIn(sel_cases(true)), sel_param_name);
 
 // ---- bad input ----------------------------------------------------------------------------------------------------
-std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (kind) *kind = e.kind();
-    return e.what();
-  }
-  return "";
-}
-
 struct Small {
   TestTensor hidden{DType::kFloat32, {2, 4, 5}}, weight{DType::kFloat32, {6, 5}}, bias{DType::kFloat32, {6}},
       ids{DType::kInt64, {2, 3}}, adv{DType::kFloat32, {2}}, mask{DType::kInt32, {2, 3}}, ref{DType::kFloat32, {2, 3}},
@@ -1262,13 +987,9 @@ TEST(LinearPolicyLossCudaErrors, BadIdAndWorkspaceOnGpu) {
   p.ref_logp = s.ref.view(true);
   PolicyLossOutputs o;
   o.loss = s.loss.view(true);
-  EXPECT_NE(error_of([&] { linear_policy_loss_forward(p, s.opt, o, {}, nullptr); }).find("workspace: expected >="),
-            std::string::npos);
-  DeviceScratch ws(linear_policy_loss_forward_workspace_bytes(p, s.opt));
-  const std::string msg = error_of([&] { linear_policy_loss_forward(p, s.opt, o, ws.ws(), nullptr); });
-  EXPECT_NE(msg.find("completion_ids"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("[1, 0]"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("got 6"), std::string::npos) << msg;
+  expect_gpu_workspace_and_bad_id_errors(
+      [&](Workspace ws) { linear_policy_loss_forward(p, s.opt, o, ws, nullptr); },
+      linear_policy_loss_forward_workspace_bytes(p, s.opt));
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "policy_loss/cuda/plan.h"
+#include "policy_test_util.h"
 #include "test_util.h"
 
 #if defined(LOGITLESS_WITH_CUDA)
@@ -29,8 +30,6 @@ namespace logitless::test {
 namespace {
 
 enum class PlLayout { kShifted, kAligned, kStrided };
-enum class PlPreset { kPlain, kFull, kFloatMask, kSeedLike, kAllMasked, kBadIdNoCheck, kDapoGlobal };
-
 const char* layout_name(PlLayout l) {
   switch (l) {
     case PlLayout::kShifted: return "shifted";
@@ -39,36 +38,12 @@ const char* layout_name(PlLayout l) {
   }
   return "?";
 }
-const char* preset_name(PlPreset p) {
-  switch (p) {
-    case PlPreset::kPlain: return "plain";
-    case PlPreset::kFull: return "full";
-    case PlPreset::kFloatMask: return "floatmask";
-    case PlPreset::kSeedLike: return "seedlike";
-    case PlPreset::kAllMasked: return "allmasked";
-    case PlPreset::kBadIdNoCheck: return "badnocheck";
-    case PlPreset::kDapoGlobal: return "dapoglobal";
-  }
-  return "?";
-}
-const char* type_name(PolicyLossType t) {
-  switch (t) {
-    case PolicyLossType::kGrpo: return "grpo";
-    case PolicyLossType::kBnpo: return "bnpo";
-    case PolicyLossType::kDrGrpo: return "drgrpo";
-    case PolicyLossType::kDapo: return "dapo";
-  }
-  return "?";
-}
-const char* level_name(ImportanceSamplingLevel l) {
-  return l == ImportanceSamplingLevel::kToken ? "token" : "seq";
-}
 
 struct PlCase {
   int64_t B, L, V;
   DType dtype;
   PlLayout layout;
-  PlPreset preset;
+  Preset preset;
   PolicyLossType type;
   ImportanceSamplingLevel level;
 };
@@ -82,13 +57,11 @@ std::string case_name(const PlCase& c) {
 void PrintTo(const PlCase& c, std::ostream* os) { *os << case_name(c); }
 
 // ---- inputs -------------------------------------------------------------------------------------------------
-struct PlInputs {
+struct PlInputs : PolicyTokenInputs {
   PlCase c;
   PolicyLossOptions opt;
   int64_t Lg = 0;  // logits positions per sequence: L + 1 (the model's output) or L
-  TestTensor logits, ids, adv, mask, old, ref;
-  bool has_mask = false, has_old = false, has_ref = false;
-  std::vector<double> w;  // [B*L] token weights
+  TestTensor logits;
 
   PlInputs(const PlCase& cs, uint64_t seed) : c(cs) {
     std::mt19937_64 rng(seed);
@@ -118,95 +91,21 @@ struct PlInputs {
     ids.fill_storage_bytes(0x7F);
     logits.fill_normal(seed, 2.f);
     adv = TestTensor(DType::kFloat32, {B}, {c.layout == PlLayout::kStrided ? 2 : 1});
-    std::normal_distribution<double> nd(0.0, 1.0);
-    for (int64_t b = 0; b < B; ++b) adv.set(b, static_cast<float>(nd(rng)));
-    std::uniform_int_distribution<int64_t> idd(0, V - 1);
-    for (int64_t r = 0; r < B * L; ++r) ids.set_index(r, idd(rng));
+    fill_random(rng, B, L, V);
 
     const bool strided = c.layout == PlLayout::kStrided;
     auto token_tensor = [&](DType dt) {  // [B, L]; stored transposed in the strided layout
       return strided ? TestTensor(dt, {B, L}, {1, B}) : TestTensor(dt, {B, L});
     };
-    w.assign(static_cast<size_t>(B * L), 1.0);
-    switch (c.preset) {
-      case PlPreset::kPlain: break;
-      case PlPreset::kFull:
-      case PlPreset::kDapoGlobal:
-      case PlPreset::kBadIdNoCheck:
-        has_mask = has_old = has_ref = true;
-        opt.beta = 0.04;
-        opt.temperature = 0.7;
-        opt.eps_high = 0.28;  // DAPO's clip-higher
-        mask = token_tensor(DType::kInt32);
-        for (int64_t r = 0; r < B * L; ++r) {  // every other sequence has its second half masked
-          const int64_t b = r / L, l = r % L;
-          w[r] = (b % 2 == 0 && l >= (L + 1) / 2) ? 0.0 : 1.0;
-        }
-        break;
-      case PlPreset::kFloatMask:
-        has_mask = has_old = has_ref = true;
-        opt.beta = 0.1;
-        opt.eps_low = 0.1;
-        mask = token_tensor(DType::kFloat32);
-        for (int64_t r = 0; r < B * L; ++r) w[r] = std::array<double, 4>{0.0, 0.5, 1.0, 2.0}[r % 4];
-        break;
-      case PlPreset::kSeedLike:  // seed 003: no old policy (ratio 1 with gradient), reference KL, bool mask
-        has_mask = has_ref = true;
-        opt.beta = 0.04;
-        mask = token_tensor(DType::kBool);
-        for (int64_t r = 0; r < B * L; ++r) w[r] = (r % 5 == 3) ? 0.0 : 1.0;
-        break;
-      case PlPreset::kAllMasked:
-        has_mask = has_old = true;
-        mask = token_tensor(DType::kUInt8);
-        for (int64_t r = 0; r < B * L; ++r) w[r] = 0.0;
-        break;
-    }
+    apply_preset(c.preset, B, L, opt, token_tensor);
     if (has_mask) {
       mask.fill_storage_bytes(0x5A);
-      for (int64_t r = 0; r < B * L; ++r) {
-        if (mask.dtype() == DType::kFloat32) {
-          mask.set(r, static_cast<float>(w[r]));
-        } else if (mask.dtype() == DType::kInt32) {
-          mask.set_index(r, static_cast<int64_t>(w[r]));
-        } else {  // bool / uint8: one byte
-          reinterpret_cast<uint8_t*>(const_cast<void*>(mask.host_view().data))[mask.storage_index(r)] =
-              static_cast<uint8_t>(w[r] != 0);
-        }
-      }
+      write_mask();
     }
-    if (c.preset == PlPreset::kBadIdNoCheck) {
-      opt.check_ids = false;
-      for (int64_t r = 0; r < B * L; ++r) {
-        if (r % 7 == 2) ids.set_index(r, r % 2 ? V + 3 : -5);  // some masked (ignored), some not (NaN rows)
-      }
-    } else {
-      for (int64_t r = 0; r < B * L; ++r)  // masked tokens may hold anything, e.g. -100 padding
-        if (w[r] == 0 && r % 3 == 0) ids.set_index(r, -100);
-    }
-    if (c.preset == PlPreset::kDapoGlobal) {
-      double total = 0;
-      for (double x : w) total += x;
-      opt.num_items_in_batch = 1.7 * total + 1.0;  // other micro-batches' tokens count too
-    }
-    // Old and reference log-probs near the true ones, so ratios spread over [0.5, 2] and some clip.
-    if (has_old || has_ref) {
-      const std::vector<double> lp = true_logp();
-      std::normal_distribution<double> n_old(0.0, 0.3), n_ref(0.0, 0.5);
-      if (has_old) {
-        old = token_tensor(DType::kFloat32);
-        for (int64_t r = 0; r < B * L; ++r)
-          old.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_old(rng)));
-      }
-      if (has_ref) {
-        ref = token_tensor(DType::kFloat32);
-        for (int64_t r = 0; r < B * L; ++r)
-          ref.set(r, static_cast<float>((std::isfinite(lp[r]) ? lp[r] : -3.0) + n_ref(rng)));
-      }
-    }
+    apply_preset_ids(c.preset, V);
+    if (has_old || has_ref) make_old_ref(true_logp(*this, B * L), rng, token_tensor);
   }
 
-  int64_t id(int64_t r) const { return ids.get_index(r); }
   // A perturbation of one logit in double (the finite-difference test's step), on top of the stored value.
   int64_t perturb_at = -1;
   double perturb_by = 0;
@@ -216,109 +115,36 @@ struct PlInputs {
     return v / opt.temperature;
   }
   bool bad(int64_t r) const { return id(r) < 0 || id(r) >= c.V; }
-  double a(int64_t b) const { return adv.get(b); }
 
-  // log_softmax(x)[id] per token (NaN for a bad id; masked tokens included).
-  std::vector<double> true_logp() const {
-    std::vector<double> lp(static_cast<size_t>(c.B * c.L), 0.0);
-    for (int64_t r = 0; r < c.B * c.L; ++r) {
-      if (bad(r)) {
-        lp[r] = NAN;
-        continue;
-      }
-      const int64_t b = r / c.L, l = r % c.L;
-      double m = -INFINITY;
-      for (int64_t j = 0; j < c.V; ++j) m = std::max(m, x(b, l, j));
-      double s = 0;
-      for (int64_t j = 0; j < c.V; ++j) s += std::exp(x(b, l, j) - m);
-      lp[r] = x(b, l, id(r)) - (m + std::log(s));
-    }
-    return lp;
+  std::vector<double> row(int64_t t) const {  // token t's logits / temperature
+    std::vector<double> out(static_cast<size_t>(c.V));
+    for (int64_t j = 0; j < c.V; ++j) out[j] = x(t / c.L, t % c.L, j);
+    return out;
   }
 
   PolicyLossInputs view(bool dev) const {
     PolicyLossInputs in;
     in.logits = logits.view(dev);
-    in.completion_ids = ids.view(dev);
-    in.advantages = adv.view(dev);
-    if (has_mask) in.completion_mask = mask.view(dev);
-    if (has_old) in.old_logp = old.view(dev);
-    if (has_ref) in.ref_logp = ref.view(dev);
+    token_views(in, dev);
     return in;
   }
   void to_device() {
-    for (TestTensor* t : {&logits, &ids, &adv}) t->to_device();
-    if (has_mask) mask.to_device();
-    if (has_old) old.to_device();
-    if (has_ref) ref.to_device();
+    logits.to_device();
+    tokens_to_device();
   }
 };
 
 // ---- float64 reference ----------------------------------------------------------------------------------------
-struct PlRef {
-  double loss = 0;
-  std::vector<double> logp, lse, entropy, per_token_loss, kl, dlogp;  // [B*L], 0 at masked tokens
-  std::vector<uint8_t> clipped;
+struct PlRef : PolicyReference {
   std::vector<double> grad;  // [B*Lg*V] in the logits view's flat order, upstream factor applied
   double grad_unit = 0;      // the largest |d(loss)/d(logp)| / T (upstream included): the natural size of a
                              // gradient row, which is that coefficient times ([j == id] - p_j)
-  double loss_scale = 1;     // the size the loss's rounding errors scale with
 };
 
-// The loss as a function of the per-token log-probabilities `lp`; `base` is what a detached logp holds (the
-// ratio without old_logp is exp(lp - base)). Optionally reports the per-token values. `skip_nan` leaves tokens
-// with a NaN log-probability (bad ids) out of the sum, so that the other tokens' derivatives stay finite.
-double reference_loss(const PlInputs& in, const std::vector<double>& lp, const std::vector<double>& base,
-                      PlRef* out, bool skip_nan = false) {
-  const int64_t B = in.c.B, L = in.c.L;
-  const auto& o = in.opt;
-  const double lo = 1 - o.eps_low, hi = 1 + o.eps_high;
-  double total_w = 0;
-  for (double v : in.w) total_w += v;
-  double loss = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    double wb = 0, s = 0;
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t r = b * L + l;
-      if (in.w[r] == 0) continue;
-      wb += in.w[r];
-      const double old = in.has_old ? in.old.get(r) : base[r];
-      s += in.w[r] * (lp[r] - old);
-    }
-    double factor = 0;  // what sum_l w per_token_loss of this sequence is multiplied by
-    switch (o.loss_type) {
-      case PolicyLossType::kGrpo: factor = 1.0 / std::max(wb, 1.0) / static_cast<double>(B); break;
-      case PolicyLossType::kBnpo: factor = 1.0 / std::max(total_w, 1.0); break;
-      case PolicyLossType::kDrGrpo: factor = 1.0 / (static_cast<double>(B) * o.max_completion_length); break;
-      case PolicyLossType::kDapo:
-        factor = 1.0 / (o.num_items_in_batch > 0 ? o.num_items_in_batch : std::max(total_w, 1.0));
-        break;
-    }
-    const double seq_ratio = std::exp(s / std::max(wb, 1.0));
-    const double A = in.a(b);
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t r = b * L + l;
-      if (in.w[r] == 0 || (skip_nan && std::isnan(lp[r]))) continue;
-      const double old = in.has_old ? in.old.get(r) : base[r];
-      const double ratio = o.importance_sampling_level == ImportanceSamplingLevel::kToken ? std::exp(lp[r] - old)
-                                                                                           : seq_ratio;
-      const double clipped_ratio = std::min(std::max(ratio, lo), hi);
-      double kl = 0;
-      if (in.has_ref) {
-        const double d = in.ref.get(r) - lp[r];
-        kl = std::exp(d) - d - 1;
-      }
-      const double tok = -std::min(ratio * A, clipped_ratio * A) + o.beta * kl;
-      loss += factor * in.w[r] * tok;
-      if (out) {
-        out->per_token_loss[r] = tok;
-        out->kl[r] = kl;
-        out->clipped[r] = (A > 0 && ratio > hi) || (A < 0 && ratio < lo);
-        if (std::isfinite(tok)) out->loss_scale += factor * in.w[r] * (std::abs(A) * ratio + o.beta * (kl + 1));
-      }
-    }
-  }
-  return loss;
+// The loss as a function of the per-token log-probabilities `lp`, a detached logp holding `base` (see
+// policy_reference_loss): the function the finite-difference test differentiates.
+double reference_loss(const PlInputs& in, const std::vector<double>& lp, const std::vector<double>& base) {
+  return policy_reference_loss(in, in.c.B, in.c.L, in.opt, lp, base, nullptr);
 }
 
 // The coefficients d(loss)/d(logp) (and with them grad_unit) are always computed: every gradient comparison scales
@@ -326,50 +152,10 @@ double reference_loss(const PlInputs& in, const std::vector<double>& lp, const s
 PlRef reference(const PlInputs& in, double upstream, bool want_logits_grad) {
   const int64_t B = in.c.B, L = in.c.L, V = in.c.V, N = B * L;
   PlRef r;
-  for (auto* v : {&r.logp, &r.lse, &r.entropy, &r.per_token_loss, &r.kl, &r.dlogp}) v->assign(N, 0.0);
-  r.clipped.assign(N, 0);
-  std::vector<double> lp(N, 0.0);
-  for (int64_t t = 0; t < N; ++t) {
-    if (in.w[t] == 0) continue;
-    if (in.bad(t)) {
-      r.logp[t] = r.lse[t] = r.entropy[t] = lp[t] = NAN;
-      continue;
-    }
-    const int64_t b = t / L, l = t % L;
-    double m = -INFINITY;
-    for (int64_t j = 0; j < V; ++j) m = std::max(m, in.x(b, l, j));
-    double s = 0;
-    for (int64_t j = 0; j < V; ++j) s += std::exp(in.x(b, l, j) - m);
-    r.lse[t] = m + std::log(s);
-    double h = 0;
-    for (int64_t j = 0; j < V; ++j) {
-      const double logq = in.x(b, l, j) - r.lse[t];
-      h -= std::exp(logq) * logq;
-    }
-    r.entropy[t] = h;
-    lp[t] = r.logp[t] = in.x(b, l, in.id(t)) - r.lse[t];
-  }
-  r.loss = reference_loss(in, lp, lp, &r);
-  for (int64_t t = 0; t < N; ++t) {
-    if (in.w[t] != 0 && in.bad(t)) r.per_token_loss[t] = r.kl[t] = NAN;
-  }
-  // d(loss)/d(logp_t) by central differences in double (the detached base stays fixed): O(N^2), cheap beside the
-  // O(N V) rows at every shape the suites use.
-  const double h = 1e-6;
-  for (int64_t t = 0; t < N; ++t) {
-    if (in.w[t] == 0) continue;
-    std::vector<double> p = lp;
-    if (std::isnan(lp[t])) {
-      r.dlogp[t] = NAN;  // a bad id: NaN row
-      continue;
-    }
-    p[t] = lp[t] + h;
-    const double fp = reference_loss(in, p, lp, nullptr, true);
-    p[t] = lp[t] - h;
-    const double fm = reference_loss(in, p, lp, nullptr, true);
-    r.dlogp[t] = upstream * (fp - fm) / (2 * h);
+  // The finite differences leave bad ids' tokens out of the loss, so that the other tokens' coefficients stay finite.
+  policy_reference_forward(in, B, L, in.opt, upstream, SkipNan::kLogp, r);
+  for (int64_t t = 0; t < N; ++t)
     if (std::isfinite(r.dlogp[t])) r.grad_unit = std::max(r.grad_unit, std::abs(r.dlogp[t]) / in.opt.temperature);
-  }
   if (!want_logits_grad) return r;
   r.grad.assign(static_cast<size_t>(B * in.Lg * V), 0.0);
   for (int64_t t = 0; t < N; ++t) {
@@ -399,40 +185,27 @@ const char* entry_name(PlEntry e) {
   return "?";
 }
 
-struct PlOut {
-  double loss = 0;
-  std::vector<double> per_token_loss, kl, logp, entropy, lse;
-  std::vector<uint8_t> clipped;
+struct PlOut : PolicyForwardOut {
   std::vector<float> grad;
 };
 
 PlOut run_backend(PlInputs& in, PlEntry e, bool dev, float upstream, bool want_entropy = true) {
-  const int64_t B = in.c.B, L = in.c.L;
-  TestTensor loss(DType::kFloat32, {});
-  TestTensor ptl(DType::kFloat32, {B, L}), kl(DType::kFloat32, {B, L}), logp(DType::kFloat32, {B, L}),
-      ent(DType::kFloat32, {B, L}), lse(DType::kFloat32, {B, L}), clipped(DType::kBool, {B, L});
+  PolicyOutputTensors outs(in.c.B, in.c.L);
   TestTensor grad(in.c.dtype, in.logits.sizes());
   TestTensor gscale(DType::kFloat32, {});
   gscale.set(0, upstream);
-  for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &grad}) t->fill_storage_nan();
-  clipped.fill_storage_bytes(0x77);
+  grad.fill_storage_nan();
   std::optional<TestTensor> inplace;
   if (e == PlEntry::kInPlace) inplace.emplace(in.logits.clone());
   if (dev) {
     in.to_device();
-    for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &grad, &gscale, &clipped}) t->to_device();
+    outs.to_device();
+    for (TestTensor* t : {&grad, &gscale}) t->to_device();
     if (inplace) inplace->to_device();
   }
   PolicyLossInputs pin = in.view(dev);
   if (inplace) pin.logits = inplace->view(dev);
-  PolicyLossOutputs out;
-  out.loss = loss.view(dev);
-  out.per_token_loss = ptl.view(dev);
-  out.kl = kl.view(dev);
-  out.is_clipped = clipped.view(dev);
-  out.logp = logp.view(dev);
-  if (want_entropy) out.entropy = ent.view(dev);
-  out.lse = lse.view(dev);
+  const PolicyLossOutputs out = outs.views(dev, want_entropy);
   DeviceScratch ws(dev ? policy_loss_workspace_bytes(pin, in.opt) : 0);
   switch (e) {
     case PlEntry::kForward: policy_loss_forward(pin, in.opt, out, ws.ws(), nullptr); break;
@@ -445,28 +218,14 @@ PlOut run_backend(PlInputs& in, PlEntry e, bool dev, float upstream, bool want_e
   }
   if (dev) {
     device_synchronize();
-    for (TestTensor* t : {&loss, &ptl, &kl, &logp, &ent, &lse, &grad, &clipped}) t->to_host();
+    outs.to_host();
+    grad.to_host();
     if (inplace) inplace->to_host();
   }
   PlOut o;
-  o.loss = loss.get(0);
-  for (int64_t t = 0; t < B * L; ++t) {
-    o.per_token_loss.push_back(ptl.get(t));
-    o.kl.push_back(kl.get(t));
-    o.logp.push_back(logp.get(t));
-    o.entropy.push_back(want_entropy ? ent.get(t) : 0.0);
-    o.lse.push_back(lse.get(t));
-    o.clipped.push_back(reinterpret_cast<const uint8_t*>(clipped.host_view().data)[t]);
-  }
+  outs.read(o, want_entropy);
   if (e != PlEntry::kForward) o.grad = (inplace ? *inplace : grad).gather_float();
   return o;
-}
-
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v)
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  return m;
 }
 
 // Compares a backend's outputs with expected ones (the reference's, or the CPU backend's).
@@ -474,20 +233,8 @@ void expect_outputs(const PlInputs& in, PlEntry e, const PlOut& got, const PlOut
                     const std::string& who) {
   const DType dt = in.c.dtype;
   const std::string tag = who + " " + entry_name(e);
-  // A logp carries a float32 rounding error of about eps * |lse| (lse - x_id cancels), which the ratio and the
-  // KL pass on, amplified by |A| r and exp(ref - logp): the tolerances scale with those sizes.
-  const double u = std::max(1.0, max_abs(ref.lse));
-  EXPECT_TRUE(all_close(std::vector<double>{got.loss}, std::vector<double>{want.loss},
-                        tolerance(dt, Quantity::kLoss), ref.loss_scale * u, tag + " loss"));
-  EXPECT_TRUE(all_close(got.logp, want.logp, tolerance(dt, Quantity::kLse), u, tag + " logp"));
-  EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), u, tag + " lse"));
-  EXPECT_TRUE(all_close(got.entropy, want.entropy, tolerance(dt, Quantity::kLse), u, tag + " entropy"));
-  double amp = 1;
-  for (int64_t t = 0; t < in.c.B * in.c.L; ++t)
-    if (std::isfinite(ref.kl[t])) amp = std::max(amp, ref.kl[t] + 2 + std::abs(ref.per_token_loss[t]));
-  EXPECT_TRUE(all_close(got.kl, want.kl, tolerance(dt, Quantity::kLoss), amp * u, tag + " kl"));
-  EXPECT_TRUE(all_close(got.per_token_loss, want.per_token_loss, tolerance(dt, Quantity::kLoss), amp * u,
-                        tag + " per_token_loss"));
+  const double u = logp_unit(ref);
+  expect_forward_close(got, want, ref, dt, u, tag);
   int64_t clip_mismatch = 0, first = -1;
   for (size_t t = 0; t < got.clipped.size(); ++t)
     if (got.clipped[t] != want.clipped[t]) clip_mismatch++, first = first < 0 ? static_cast<int64_t>(t) : first;
@@ -506,13 +253,7 @@ void expect_outputs(const PlInputs& in, PlEntry e, const PlOut& got, const PlOut
 
 PlOut from_reference(const PlRef& r) {
   PlOut o;
-  o.loss = r.loss;
-  o.per_token_loss = r.per_token_loss;
-  o.kl = r.kl;
-  o.logp = r.logp;
-  o.entropy = r.entropy;
-  o.lse = r.lse;
-  o.clipped = r.clipped;
+  static_cast<PolicyForwardOut&>(o) = r;  // the forward outputs
   o.grad.assign(r.grad.begin(), r.grad.end());
   return o;
 }
@@ -534,30 +275,30 @@ std::vector<PlCase> make_cases(bool gpu_suite) {
     for (DType dt : dts) {
       // Every loss type at both levels with every option set (mask, old, ref, temperature, clip-higher).
       for (auto t : types)
-        for (auto l : levels) cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, PlPreset::kFull, t, l});
-      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kAligned, PlPreset::kFloatMask, PolicyLossType::kGrpo,
+        for (auto l : levels) cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, Preset::kFull, t, l});
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kAligned, Preset::kFloatMask, PolicyLossType::kGrpo,
                        ImportanceSamplingLevel::kSequence});
-      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kStrided, PlPreset::kFloatMask, PolicyLossType::kBnpo,
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kStrided, Preset::kFloatMask, PolicyLossType::kBnpo,
                        ImportanceSamplingLevel::kToken});
-      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kStrided, PlPreset::kSeedLike, PolicyLossType::kGrpo,
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kStrided, Preset::kSeedLike, PolicyLossType::kGrpo,
                        ImportanceSamplingLevel::kToken});
-      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kAligned, PlPreset::kPlain, PolicyLossType::kDrGrpo,
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kAligned, Preset::kPlain, PolicyLossType::kDrGrpo,
                        ImportanceSamplingLevel::kToken});
-      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, PlPreset::kPlain, PolicyLossType::kGrpo,
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, Preset::kPlain, PolicyLossType::kGrpo,
                        ImportanceSamplingLevel::kSequence});
-      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, PlPreset::kDapoGlobal, PolicyLossType::kDapo,
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, Preset::kDapoGlobal, PolicyLossType::kDapo,
                        ImportanceSamplingLevel::kToken});
-      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, PlPreset::kAllMasked, PolicyLossType::kGrpo,
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kShifted, Preset::kAllMasked, PolicyLossType::kGrpo,
                        ImportanceSamplingLevel::kToken});
-      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kAligned, PlPreset::kBadIdNoCheck, PolicyLossType::kBnpo,
+      cases.push_back({s[0], s[1], s[2], dt, PlLayout::kAligned, Preset::kBadIdNoCheck, PolicyLossType::kBnpo,
                        ImportanceSamplingLevel::kToken});
     }
   }
   // Edge shapes: one token, one class, an empty batch.
   for (const Shape& s : {Shape{1, 1, 7}, Shape{2, 3, 1}, Shape{0, 4, 9}, Shape{3, 0, 9}}) {
-    cases.push_back({s[0], s[1], s[2], DType::kFloat32, PlLayout::kShifted, PlPreset::kFull, PolicyLossType::kGrpo,
+    cases.push_back({s[0], s[1], s[2], DType::kFloat32, PlLayout::kShifted, Preset::kFull, PolicyLossType::kGrpo,
                      ImportanceSamplingLevel::kSequence});
-    cases.push_back({s[0], s[1], s[2], DType::kBFloat16, PlLayout::kAligned, PlPreset::kSeedLike,
+    cases.push_back({s[0], s[1], s[2], DType::kBFloat16, PlLayout::kAligned, Preset::kSeedLike,
                      PolicyLossType::kDapo, ImportanceSamplingLevel::kToken});
   }
   return cases;
@@ -611,7 +352,7 @@ TEST_P(PolicyLossCuda, MatchesCpuBackend) {
 TEST_P(PolicyLossCuda, EveryAlgorithmMatchesCpuBackend) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const PlCase c = GetParam();
-  if (c.preset != PlPreset::kFull && c.preset != PlPreset::kFloatMask) GTEST_SKIP() << "covered by MatchesCpuBackend";
+  if (c.preset != Preset::kFull && c.preset != Preset::kFloatMask) GTEST_SKIP() << "covered by MatchesCpuBackend";
   PlInputs in(c, seed_of(c) + 3);
   const float up = 1.5f;
   const PlRef ref = reference(in, up, /*want_logits_grad=*/false);  // tolerance sizes, as in MatchesCpuBackend
@@ -631,7 +372,7 @@ TEST_P(PolicyLossCuda, EveryAlgorithmMatchesCpuBackend) {
     in.opt.cluster_size = v.cluster;
     in.opt.threads = v.threads;
     try {
-      const PlOut got = run_backend(in, PlEntry::kInPlace, true, up, c.preset == PlPreset::kFull);
+      const PlOut got = run_backend(in, PlEntry::kInPlace, true, up, c.preset == Preset::kFull);
 #if defined(LOGITLESS_WITH_CUDA)
       // Token level, the fused pass is the last row launch: the resident kernel ran it (sequence level, the last
       // launch is the backward from the saved lse, which streams).
@@ -639,7 +380,7 @@ TEST_P(PolicyLossCuda, EveryAlgorithmMatchesCpuBackend) {
         EXPECT_EQ(pl::debug::last_rows_plan().algo, PolicyLossAlgo::kRowResident);
 #endif
       PlOut w = want;
-      if (c.preset != PlPreset::kFull) w.entropy = got.entropy;  // not requested in this run
+      if (c.preset != Preset::kFull) w.entropy = got.entropy;  // not requested in this run
       expect_outputs(in, PlEntry::kInPlace, got, w, ref, "cuda variant");
     } catch (const Error& err) {
       const std::string msg = err.what();
@@ -663,7 +404,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PolicyLossCuda, ::testing::ValuesIn(make_cases(
 
 // ---- the reference itself: its gradient against central differences over the logits ----------------------------
 TEST(PolicyLossReference, GradientMatchesFiniteDifferences) {
-  for (PlPreset preset : {PlPreset::kFull, PlPreset::kSeedLike, PlPreset::kFloatMask}) {
+  for (Preset preset : {Preset::kFull, Preset::kSeedLike, Preset::kFloatMask}) {
     for (auto level : {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence}) {
       for (auto type : {PolicyLossType::kGrpo, PolicyLossType::kDrGrpo}) {
         PlCase c{2, 3, 5, DType::kFloat32, PlLayout::kShifted, preset, type, level};
@@ -676,7 +417,7 @@ TEST(PolicyLossReference, GradientMatchesFiniteDifferences) {
             in.perturb_at = k;
             in.perturb_by = step;
             const PlRef q = reference(in, 1.0, /*want_logits_grad=*/false);
-            return reference_loss(in, q.logp, base, nullptr);
+            return reference_loss(in, q.logp, base);
           };
           const double fp = loss_at(h), fm = loss_at(-h);
           in.perturb_at = -1;
@@ -691,7 +432,7 @@ TEST(PolicyLossReference, GradientMatchesFiniteDifferences) {
 // The loss and its gradient at the seed's setting by hand: no old policy, so the ratio term is -A per token and
 // the gradient of logp_t is (-A + beta (1 - exp(ref - logp))) times the reduction's factor.
 TEST(PolicyLossReference, SeedSettingByHand) {
-  PlCase c{2, 2, 4, DType::kFloat32, PlLayout::kShifted, PlPreset::kSeedLike, PolicyLossType::kBnpo,
+  PlCase c{2, 2, 4, DType::kFloat32, PlLayout::kShifted, Preset::kSeedLike, PolicyLossType::kBnpo,
            ImportanceSamplingLevel::kToken};
   PlInputs in(c, 5);
   const PlRef r = reference(in, 1.0, /*want_logits_grad=*/true);
@@ -720,8 +461,7 @@ std::string sel_name(const SelCase& c) {
   return os.str();
 }
 
-struct SelRun {
-  std::vector<double> logp, entropy, lse;
+struct SelRun : SelectiveForwardOut {
   std::vector<float> grad;
 };
 
@@ -775,17 +515,9 @@ SelRun selective_reference(const SelInputs& in) {
   const double T = in.c.temperature;
   for (int64_t i = 0; i < in.c.N; ++i) {
     std::vector<double> x(in.c.V);
-    double m = -INFINITY;
-    for (int64_t j = 0; j < in.c.V; ++j) m = std::max(m, x[j] = in.logits.get(i * in.c.V + j) / T);
-    double s = 0;
-    for (double v : x) s += std::exp(v - m);
-    const double lse = m + std::log(s);
-    double h = 0;
-    for (double v : x) h -= std::exp(v - lse) * (v - lse);
+    for (int64_t j = 0; j < in.c.V; ++j) x[j] = in.logits.get(i * in.c.V + j) / T;
     const int64_t t = in.ids.get_index(i);
-    r.logp.push_back(x[t] - lse);
-    r.lse.push_back(lse);
-    r.entropy.push_back(h);
+    const double lse = push_selective_row(x, t, r);
     for (int64_t j = 0; j < in.c.V; ++j)
       r.grad.push_back(static_cast<float>(in.grad_logp.get(i) * ((j == t) - std::exp(x[j] - lse)) / T));
   }
@@ -794,10 +526,7 @@ SelRun selective_reference(const SelInputs& in) {
 
 void expect_selective(const SelInputs& in, const SelRun& got, const SelRun& want, const std::string& who) {
   const DType dt = in.c.dtype;
-  const double u = std::max(1.0, max_abs(want.lse));
-  EXPECT_TRUE(all_close(got.logp, want.logp, tolerance(dt, Quantity::kLse), u, who + " logp"));
-  EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), u, who + " lse"));
-  EXPECT_TRUE(all_close(got.entropy, want.entropy, tolerance(dt, Quantity::kLse), u, who + " entropy"));
+  expect_selective_forward_close(got, want, dt, who);
   double gmax = 1.5 / in.c.temperature;
   EXPECT_TRUE(all_close(got.grad, want.grad, tolerance(dt, Quantity::kGrad), gmax, who + " grad"));
 }
@@ -833,16 +562,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SelectiveLogSoftmaxCpu, ::testing::ValuesIn(sel
 INSTANTIATE_TEST_SUITE_P(Shapes, SelectiveLogSoftmaxCuda, ::testing::ValuesIn(sel_cases(true)), sel_param_name);
 
 // ---- bad input --------------------------------------------------------------------------------------------------
-std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (kind) *kind = e.kind();
-    return e.what();
-  }
-  return "";
-}
-
 struct SmallPolicy {
   TestTensor logits{DType::kFloat32, {2, 4, 6}}, ids{DType::kInt64, {2, 3}}, adv{DType::kFloat32, {2}},
       mask{DType::kInt32, {2, 3}}, ref{DType::kFloat32, {2, 3}}, loss{DType::kFloat32, {}};
@@ -1008,13 +727,8 @@ TEST(PolicyLossCudaErrors, BadIdAndWorkspaceOnGpu) {
   p.ref_logp = s.ref.view(true);
   PolicyLossOutputs o;
   o.loss = s.loss.view(true);
-  EXPECT_NE(error_of([&] { policy_loss_forward(p, s.opt, o, {}, nullptr); }).find("workspace: expected >="),
-            std::string::npos);
-  DeviceScratch ws(policy_loss_workspace_bytes(p, s.opt));
-  const std::string msg = error_of([&] { policy_loss_forward(p, s.opt, o, ws.ws(), nullptr); });
-  EXPECT_NE(msg.find("completion_ids"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("[1, 0]"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("got 6"), std::string::npos) << msg;
+  expect_gpu_workspace_and_bad_id_errors([&](Workspace ws) { policy_loss_forward(p, s.opt, o, ws, nullptr); },
+                                         policy_loss_workspace_bytes(p, s.opt));
 }
 
 // B * (L+1) * V > 2^31: element offsets past the int32 range. GPU only (4.9 GB of bf16 logits); rows near the
@@ -1245,7 +959,7 @@ TEST(PolicyLossSteps, ChunkedCallsMatchOneCall) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   for (auto level : {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence}) {
     SCOPED_TRACE(level_name(level));
-    const PlCase c{4, 24, 5003, DType::kBFloat16, PlLayout::kAligned, PlPreset::kFull, PolicyLossType::kGrpo, level};
+    const PlCase c{4, 24, 5003, DType::kBFloat16, PlLayout::kAligned, Preset::kFull, PolicyLossType::kGrpo, level};
     PlInputs in(c, 31);
     const PlOut want = run_backend(in, PlEntry::kForwardBackward, true, 1.f, /*want_entropy=*/false);
 
