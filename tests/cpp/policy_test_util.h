@@ -58,17 +58,6 @@ inline double max_abs(const std::vector<double>& v) {
   return m;
 }
 
-// The message of the Error `f` throws ("" where it throws none), and its kind.
-inline std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (kind) *kind = e.kind();
-    return e.what();
-  }
-  return "";
-}
-
 // A float tensor's viewed elements as double, flat order.
 inline std::vector<double> as_doubles(const TestTensor& x) {
   const std::vector<float> f = x.gather_float();

@@ -503,16 +503,6 @@ struct SmallProblem {
   }
 };
 
-std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (kind) *kind = e.kind();
-    return e.what();
-  }
-  return "";
-}
-
 TEST(CrossEntropyErrors, BadTargetNamesFirstRow) {
   SmallProblem s;
   s.target.set_index(2, 5);

@@ -883,16 +883,6 @@ TEST(LinearCrossEntropyPlan, ExplicitChunksAndTinyBudgets) {
 }
 
 // ---- bad input ----------------------------------------------------------------------------------------------
-std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (kind) *kind = e.kind();
-    return e.what();
-  }
-  return "";
-}
-
 struct Small {
   int64_t N = 4, H = 6, V = 5;
   TestTensor hidden{DType::kFloat32, {4, 6}}, weight{DType::kFloat32, {5, 6}}, target{DType::kInt64, {4}},

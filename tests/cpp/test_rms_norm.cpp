@@ -875,16 +875,6 @@ TEST(RMSNormPlan, PlanErrorRefusesWhatTheKernelsCannotRun) {
 }
 
 // ---- bad input ---------------------------------------------------------------------------------------------
-std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (kind) *kind = e.kind();
-    return e.what();
-  }
-  return "";
-}
-
 struct Small {
   TestTensor x{DType::kBFloat16, {4, 5}}, w{DType::kBFloat16, {5}}, y{DType::kBFloat16, {4, 5}},
       rstd{DType::kFloat32, {4}}, dy{DType::kBFloat16, {4, 5}}, dx{DType::kBFloat16, {4, 5}},

@@ -112,4 +112,15 @@ Tol tolerance(DType dtype, Quantity q);
 
 std::string dtype_tag(DType dt);
 
+// The message of the Error that f raises ("" when it raises none), and its kind when `kind` is given.
+inline std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {
+  try {
+    f();
+  } catch (const Error& e) {
+    if (kind) *kind = e.kind();
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace logitless::test

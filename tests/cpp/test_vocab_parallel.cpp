@@ -465,15 +465,6 @@ TEST(VocabParallelCrossEntropy, NanAndInfStayInTheirRow) {
   }
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 TEST(VocabParallelCrossEntropyErrors, BadArguments) {
   TestTensor logits(DType::kFloat32, {4, 3}), target(DType::kInt64, {4}), partials(DType::kFloat32, {4, 4});
   TestTensor loss(DType::kFloat32, {}), w5(DType::kFloat32, {5}), w3(DType::kFloat32, {3});
