@@ -104,7 +104,9 @@ export PYTHONPATH=$BUILD/python${PYTHONPATH:+:$PYTHONPATH}
 step_py() {
   [ -d tests/python ] || return 0
   t0=$(date +%s)
-  timeout ${PY_TIMEOUT:-420} python3 -m pytest -q -rf --tb=line ${PYTEST_ARGS:-tests/python} > "$OUT/pytest.log" 2>&1
+  # PYTEST_ARGS is split on spaces: pass one-word expressions (-k cuda), or PYTEST_K for a -k with spaces.
+  timeout ${PY_TIMEOUT:-420} python3 -m pytest -q -rf --tb=line ${PYTEST_ARGS:-tests/python} ${PYTEST_K:+-k "$PYTEST_K"} \
+    > "$OUT/pytest.log" 2>&1
   note "pytest: rc=$?, $(tail -1 "$OUT/pytest.log") ($(( $(date +%s) - t0 )) s)"
   grep -E '^FAILED' "$OUT/pytest.log" | cut -c1-200 | head -25
 }
