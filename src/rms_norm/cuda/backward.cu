@@ -1,9 +1,10 @@
 // RMSNorm backward on CUDA: dx in one read of x and dy (and the residual-output gradient) and one write,
 // and dW reduced in float32 without atomics, in two steps:
 //   1. the row kernel is persistent: each CTA walks rows base, base + grid * slots, ... in a fixed order,
-//      accumulates dy * n for the columns each thread owns (registers, or shared memory on the generic
-//      path), adds its row slots together in slot order, and writes one float32 row of H to the workspace.
-//      The register kernel holds the weight across its rows and may load a slot's next row before it
+//      accumulates dy * n for the columns each thread owns (in registers, or in shared memory: the generic
+//      path and, for rows over 8 KB, the register kernels' smem_dw variants), adds its row slots together in
+//      slot order, and writes one float32 row of H to the workspace. The register kernel holds the weight
+//      across its rows (smem_dw: reads it from L1 where used) and may load a slot's next row before it
 //      reduces the current one (plan.prefetch), so the loads stay in flight through the reduction;
 //   2. reduce_dw adds the workspace rows column by column in a fixed order and rounds once to dW's dtype.
 // Nothing depends on timing, so the bits repeat from run to run. The workspace is (CTAs x H) floats (about
