@@ -92,60 +92,13 @@ Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weig
 // The gradient outputs (any may be absent). `bias` is null when only sizing a workspace.
 void add_grads(Problem& p, const TensorView& hidden, const TensorView& weight, const TensorView* bias,
                const TensorView& grad_hidden, const TensorView& grad_weight, const TensorView& grad_bias) {
-  const int64_t H = p.hidden, V = p.vocab;
-  if (grad_hidden.defined()) {
-    check_defined(grad_hidden, "grad_hidden");
-    LOGITLESS_CHECK_ARG(grad_hidden.dtype == hidden.dtype || grad_hidden.dtype == DType::kFloat32, "grad_hidden",
-                        str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's) or float32"),
-                        dtype_name(grad_hidden.dtype));
-    check_device(grad_hidden, "grad_hidden", p.device);
-    check_shape(grad_hidden, "grad_hidden", hidden, hidden.ndim, "the shape of hidden");
-    LOGITLESS_CHECK_ARG(grad_hidden.stride(-1) == 1 || H == 1, "grad_hidden", "a last dimension with stride 1",
-                        str_cat("stride ", grad_hidden.stride(-1)));
-    check_nonnull(grad_hidden, "grad_hidden");
-    const int64_t ld = uniform_row_stride(grad_hidden, grad_hidden.ndim - 1, "grad_hidden", H);
-    LOGITLESS_CHECK_ARG(ld >= H, "grad_hidden",
-                        str_cat("rows with one common stride >= ", H, " (e.g. a contiguous tensor)"),
-                        "rows a GEMM cannot write in place");
-    if (p.device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_hidden", "a row stride");
-    p.grad_hidden = Matrix{grad_hidden.data, grad_hidden.dtype, ld};
-  }
-  if (grad_weight.defined()) {
-    check_defined(grad_weight, "grad_weight");
-    LOGITLESS_CHECK_ARG(grad_weight.dtype == weight.dtype || grad_weight.dtype == DType::kFloat32, "grad_weight",
-                        str_cat("dtype ", dtype_name(weight.dtype), " (weight's) or float32"),
-                        dtype_name(grad_weight.dtype));
-    check_device(grad_weight, "grad_weight", p.device);
-    check_shape(grad_weight, "grad_weight", weight, 2, "the shape of weight");
-    LOGITLESS_CHECK_ARG(grad_weight.strides[1] == 1 || H == 1, "grad_weight", "a last dimension with stride 1",
-                        str_cat("stride ", grad_weight.strides[1]));
-    LOGITLESS_CHECK_ARG(grad_weight.strides[0] >= H || V <= 1, "grad_weight",
-                        str_cat("a row stride >= ", H, " (rows that do not overlap)"),
-                        str_cat("stride ", grad_weight.strides[0]));
-    check_nonnull(grad_weight, "grad_weight");
-    const int64_t ld = V <= 1 ? H : grad_weight.strides[0];
-    if (p.device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_weight", "a row stride");
-    p.grad_weight = Matrix{grad_weight.data, grad_weight.dtype, ld};
-  }
-  if (grad_bias.defined()) {
-    check_defined(grad_bias, "grad_bias");
-    if (bias) {
-      LOGITLESS_CHECK_ARG(bias->defined(), "grad_bias", "None (there is no bias)", "a tensor");
-      LOGITLESS_CHECK_ARG(grad_bias.dtype == bias->dtype || grad_bias.dtype == DType::kFloat32, "grad_bias",
-                          str_cat("dtype ", dtype_name(bias->dtype), " (bias's) or float32"),
-                          dtype_name(grad_bias.dtype));
-    } else {
-      check_float_dtype(grad_bias, "grad_bias");
-    }
-    check_device(grad_bias, "grad_bias", p.device);
-    check_ndim(grad_bias, "grad_bias", 1);
-    LOGITLESS_CHECK_ARG(grad_bias.sizes[0] == V, "grad_bias", str_cat("shape [", V, "] (one per class)"),
-                        str_cat("shape ", shape_str(grad_bias)));
-    check_nonnull(grad_bias, "grad_bias");
-    p.grad_bias = grad_bias.data;
-    p.grad_bias_dtype = grad_bias.dtype;
-    p.grad_bias_stride = grad_bias.strides[0];
-  }
+  const lce::GradOutputs g =
+      lce::check_grad_outputs(hidden, weight, bias, p.hidden, p.vocab, p.device, grad_hidden, grad_weight, grad_bias);
+  p.grad_hidden = g.grad_hidden;
+  p.grad_weight = g.grad_weight;
+  p.grad_bias = g.grad_bias;
+  p.grad_bias_dtype = g.grad_bias_dtype;
+  p.grad_bias_stride = g.grad_bias_stride;
 }
 
 void add_inputs(Problem& p, const TensorView& bias, const TensorView& class_weight) {
@@ -457,6 +410,66 @@ void linear_cross_entropy_shard_forward_backward_step(
 }
 
 namespace lce {
+
+GradOutputs check_grad_outputs(const TensorView& hidden, const TensorView& weight, const TensorView* bias, int64_t H,
+                               int64_t V, const Device& device, const TensorView& grad_hidden,
+                               const TensorView& grad_weight, const TensorView& grad_bias) {
+  GradOutputs g;
+  if (grad_hidden.defined()) {
+    check_defined(grad_hidden, "grad_hidden");
+    LOGITLESS_CHECK_ARG(grad_hidden.dtype == hidden.dtype || grad_hidden.dtype == DType::kFloat32, "grad_hidden",
+                        str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's) or float32"),
+                        dtype_name(grad_hidden.dtype));
+    check_device(grad_hidden, "grad_hidden", device);
+    check_shape(grad_hidden, "grad_hidden", hidden, hidden.ndim, "the shape of hidden");
+    LOGITLESS_CHECK_ARG(grad_hidden.stride(-1) == 1 || H == 1, "grad_hidden", "a last dimension with stride 1",
+                        str_cat("stride ", grad_hidden.stride(-1)));
+    check_nonnull(grad_hidden, "grad_hidden");
+    const int64_t ld = uniform_row_stride(grad_hidden, grad_hidden.ndim - 1, "grad_hidden", H);
+    LOGITLESS_CHECK_ARG(ld >= H, "grad_hidden",
+                        str_cat("rows with one common stride >= ", H, " (e.g. a contiguous tensor)"),
+                        "rows a GEMM cannot write in place");
+    if (device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_hidden", "a row stride");
+    g.grad_hidden = Matrix{grad_hidden.data, grad_hidden.dtype, ld};
+  }
+  if (grad_weight.defined()) {
+    check_defined(grad_weight, "grad_weight");
+    LOGITLESS_CHECK_ARG(grad_weight.dtype == weight.dtype || grad_weight.dtype == DType::kFloat32, "grad_weight",
+                        str_cat("dtype ", dtype_name(weight.dtype), " (weight's) or float32"),
+                        dtype_name(grad_weight.dtype));
+    check_device(grad_weight, "grad_weight", device);
+    check_shape(grad_weight, "grad_weight", weight, 2, "the shape of weight");
+    LOGITLESS_CHECK_ARG(grad_weight.strides[1] == 1 || H == 1, "grad_weight", "a last dimension with stride 1",
+                        str_cat("stride ", grad_weight.strides[1]));
+    LOGITLESS_CHECK_ARG(grad_weight.strides[0] >= H || V <= 1, "grad_weight",
+                        str_cat("a row stride >= ", H, " (rows that do not overlap)"),
+                        str_cat("stride ", grad_weight.strides[0]));
+    check_nonnull(grad_weight, "grad_weight");
+    const int64_t ld = V <= 1 ? H : grad_weight.strides[0];
+    if (device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_weight", "a row stride");
+    g.grad_weight = Matrix{grad_weight.data, grad_weight.dtype, ld};
+  }
+  if (grad_bias.defined()) {
+    check_defined(grad_bias, "grad_bias");
+    if (bias) {
+      LOGITLESS_CHECK_ARG(bias->defined(), "grad_bias", "None (there is no bias)", "a tensor");
+      LOGITLESS_CHECK_ARG(grad_bias.dtype == bias->dtype || grad_bias.dtype == DType::kFloat32, "grad_bias",
+                          str_cat("dtype ", dtype_name(bias->dtype), " (bias's) or float32"),
+                          dtype_name(grad_bias.dtype));
+    } else {
+      check_float_dtype(grad_bias, "grad_bias");
+    }
+    check_device(grad_bias, "grad_bias", device);
+    check_ndim(grad_bias, "grad_bias", 1);
+    LOGITLESS_CHECK_ARG(grad_bias.sizes[0] == V, "grad_bias", str_cat("shape [", V, "] (one per class)"),
+                        str_cat("shape ", shape_str(grad_bias)));
+    check_nonnull(grad_bias, "grad_bias");
+    g.grad_bias = grad_bias.data;
+    g.grad_bias_dtype = grad_bias.dtype;
+    g.grad_bias_stride = grad_bias.strides[0];
+  }
+  return g;
+}
 
 HiddenWeight check_hidden_weight(const TensorView& hidden, const TensorView& weight, bool empty_vocab_ok) {
   check_defined(hidden, "hidden");

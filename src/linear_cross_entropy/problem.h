@@ -92,4 +92,18 @@ struct HiddenWeight {
 };
 HiddenWeight check_hidden_weight(const TensorView& hidden, const TensorView& weight, bool empty_vocab_ok);
 
+// The gradient outputs of a fused linear head (any may be absent: data nullptr), checked against the inputs
+// they belong to: grad_hidden shaped like hidden and grad_weight like weight (each of its input's dtype or
+// float32, with rows a GEMM can write in place), grad_bias [V] of bias's dtype or float32 (`bias` null: only
+// sizing a workspace, where any float dtype passes). H and V: the hidden size and the weight's rows.
+struct GradOutputs {
+  Matrix grad_hidden, grad_weight;
+  void* grad_bias = nullptr;
+  DType grad_bias_dtype = DType::kFloat32;
+  int64_t grad_bias_stride = 1;
+};
+GradOutputs check_grad_outputs(const TensorView& hidden, const TensorView& weight, const TensorView* bias, int64_t H,
+                               int64_t V, const Device& device, const TensorView& grad_hidden,
+                               const TensorView& grad_weight, const TensorView& grad_bias);
+
 }  // namespace logitless::lce

@@ -64,55 +64,13 @@ void check_extents(const Problem& p) {
 // The gradient outputs (any may be absent). `bias` is null when only sizing a workspace.
 void add_grads(Problem& p, const TensorView& hidden, const TensorView& weight, const TensorView* bias,
                const LinearPolicyLossGrads& g) {
-  const int64_t H = p.hidden, V = p.vocab;
-  if (g.grad_hidden.defined()) {
-    const TensorView& gh = g.grad_hidden;
-    LOGITLESS_CHECK_ARG(gh.dtype == hidden.dtype || gh.dtype == DType::kFloat32, "grad_hidden",
-                        str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's) or float32"), dtype_name(gh.dtype));
-    check_device(gh, "grad_hidden", p.device);
-    check_shape(gh, "grad_hidden", hidden, hidden.ndim, "the shape of hidden");
-    LOGITLESS_CHECK_ARG(gh.stride(-1) == 1 || H == 1, "grad_hidden", "a last dimension with stride 1",
-                        str_cat("stride ", gh.stride(-1)));
-    check_nonnull(gh, "grad_hidden");
-    const int64_t ld = uniform_row_stride(gh, gh.ndim - 1, "grad_hidden", H);
-    LOGITLESS_CHECK_ARG(ld >= H, "grad_hidden", str_cat("rows with one common stride >= ", H, " (e.g. a contiguous tensor)"),
-                        "rows a GEMM cannot write in place");
-    if (p.device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_hidden", "a row stride");
-    p.grad_hidden = lce::Matrix{gh.data, gh.dtype, ld};
-  }
-  if (g.grad_weight.defined()) {
-    const TensorView& gw = g.grad_weight;
-    LOGITLESS_CHECK_ARG(gw.dtype == weight.dtype || gw.dtype == DType::kFloat32, "grad_weight",
-                        str_cat("dtype ", dtype_name(weight.dtype), " (weight's) or float32"), dtype_name(gw.dtype));
-    check_device(gw, "grad_weight", p.device);
-    check_shape(gw, "grad_weight", weight, 2, "the shape of weight");
-    LOGITLESS_CHECK_ARG(gw.strides[1] == 1 || H == 1, "grad_weight", "a last dimension with stride 1",
-                        str_cat("stride ", gw.strides[1]));
-    LOGITLESS_CHECK_ARG(gw.strides[0] >= H || V == 1, "grad_weight",
-                        str_cat("a row stride >= ", H, " (rows that do not overlap)"), str_cat("stride ", gw.strides[0]));
-    check_nonnull(gw, "grad_weight");
-    const int64_t ld = V == 1 ? H : gw.strides[0];
-    if (p.device.type == DeviceType::kCUDA) check_gemm_extent(ld, "grad_weight", "a row stride");
-    p.grad_weight = lce::Matrix{gw.data, gw.dtype, ld};
-  }
-  if (g.grad_bias.defined()) {
-    const TensorView& gb = g.grad_bias;
-    if (bias) {
-      LOGITLESS_CHECK_ARG(bias->defined(), "grad_bias", "None (there is no bias)", "a tensor");
-      LOGITLESS_CHECK_ARG(gb.dtype == bias->dtype || gb.dtype == DType::kFloat32, "grad_bias",
-                          str_cat("dtype ", dtype_name(bias->dtype), " (bias's) or float32"), dtype_name(gb.dtype));
-    } else {
-      check_float_dtype(gb, "grad_bias");
-    }
-    check_device(gb, "grad_bias", p.device);
-    check_ndim(gb, "grad_bias", 1);
-    LOGITLESS_CHECK_ARG(gb.sizes[0] == V, "grad_bias", str_cat("shape [", V, "] (one per class)"),
-                        str_cat("shape ", shape_str(gb)));
-    check_nonnull(gb, "grad_bias");
-    p.grad_bias = gb.data;
-    p.grad_bias_dtype = gb.dtype;
-    p.grad_bias_stride = gb.strides[0];
-  }
+  const lce::GradOutputs o = lce::check_grad_outputs(hidden, weight, bias, p.hidden, p.vocab, p.device, g.grad_hidden,
+                                                     g.grad_weight, g.grad_bias);
+  p.grad_hidden = o.grad_hidden;
+  p.grad_weight = o.grad_weight;
+  p.grad_bias = o.grad_bias;
+  p.grad_bias_dtype = o.grad_bias_dtype;
+  p.grad_bias_stride = o.grad_bias_stride;
 }
 
 // No gradient output may share memory with an input or with another output: the GEMMs read the inputs while
