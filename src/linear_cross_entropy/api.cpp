@@ -102,19 +102,10 @@ void add_grads(Problem& p, const TensorView& hidden, const TensorView& weight, c
 }
 
 void add_inputs(Problem& p, const TensorView& bias, const TensorView& class_weight) {
-  if (bias.defined()) {
-    check_defined(bias, "bias");
-    LOGITLESS_CHECK_ARG(bias.dtype == p.dtype || bias.dtype == DType::kFloat32, "bias",
-                        str_cat("dtype ", dtype_name(p.dtype), " (hidden's) or float32"), dtype_name(bias.dtype));
-    check_device(bias, "bias", p.device);
-    check_ndim(bias, "bias", 1);
-    LOGITLESS_CHECK_ARG(bias.sizes[0] == p.vocab, "bias", str_cat("shape [", p.vocab, "] (one per class, V from weight)"),
-                        str_cat("shape ", shape_str(bias)));
-    check_nonnull(bias, "bias");
-    p.bias = bias.data;
-    p.bias_dtype = bias.dtype;
-    p.bias_stride = bias.strides[0];
-  }
+  const lce::BiasInput b = lce::check_bias(bias, p.dtype, p.vocab, p.device);
+  p.bias = b.data;
+  p.bias_dtype = b.dtype;
+  p.bias_stride = b.stride;
   if (class_weight.defined()) {
     check_defined(class_weight, "class_weight");
     check_dtype(class_weight, "class_weight", DType::kFloat32);
@@ -410,6 +401,23 @@ void linear_cross_entropy_shard_forward_backward_step(
 }
 
 namespace lce {
+
+BiasInput check_bias(const TensorView& bias, DType dtype, int64_t V, const Device& device) {
+  BiasInput b;
+  if (!bias.defined()) return b;
+  check_defined(bias, "bias");
+  LOGITLESS_CHECK_ARG(bias.dtype == dtype || bias.dtype == DType::kFloat32, "bias",
+                      str_cat("dtype ", dtype_name(dtype), " (hidden's) or float32"), dtype_name(bias.dtype));
+  check_device(bias, "bias", device);
+  check_ndim(bias, "bias", 1);
+  LOGITLESS_CHECK_ARG(bias.sizes[0] == V, "bias", str_cat("shape [", V, "] (one per class, V from weight)"),
+                      str_cat("shape ", shape_str(bias)));
+  check_nonnull(bias, "bias");
+  b.data = bias.data;
+  b.dtype = bias.dtype;
+  b.stride = bias.strides[0];
+  return b;
+}
 
 GradOutputs check_grad_outputs(const TensorView& hidden, const TensorView& weight, const TensorView* bias, int64_t H,
                                int64_t V, const Device& device, const TensorView& grad_hidden,

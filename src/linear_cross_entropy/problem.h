@@ -92,6 +92,14 @@ struct HiddenWeight {
 };
 HiddenWeight check_hidden_weight(const TensorView& hidden, const TensorView& weight, bool empty_vocab_ok);
 
+// A fused linear head's optional bias [V] (data nullptr: none), of the inputs' dtype or float32.
+struct BiasInput {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t stride = 1;
+};
+BiasInput check_bias(const TensorView& bias, DType dtype, int64_t V, const Device& device);
+
 // The gradient outputs of a fused linear head (any may be absent: data nullptr), checked against the inputs
 // they belong to: grad_hidden shaped like hidden and grad_weight like weight (each of its input's dtype or
 // float32, with rows a GEMM can write in place), grad_bias [V] of bias's dtype or float32 (`bias` null: only

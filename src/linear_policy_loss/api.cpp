@@ -40,17 +40,10 @@ void add_hidden_weight(Problem& p, const TensorView& hidden, const TensorView& w
 }
 
 void add_bias(Problem& p, const TensorView& bias) {
-  if (!bias.defined()) return;
-  LOGITLESS_CHECK_ARG(bias.dtype == p.dtype || bias.dtype == DType::kFloat32, "bias",
-                      str_cat("dtype ", dtype_name(p.dtype), " (hidden's) or float32"), dtype_name(bias.dtype));
-  check_device(bias, "bias", p.device);
-  check_ndim(bias, "bias", 1);
-  LOGITLESS_CHECK_ARG(bias.sizes[0] == p.vocab, "bias", str_cat("shape [", p.vocab, "] (one per class, V from weight)"),
-                      str_cat("shape ", shape_str(bias)));
-  check_nonnull(bias, "bias");
-  p.bias = bias.data;
-  p.bias_dtype = bias.dtype;
-  p.bias_stride = bias.strides[0];
+  const lce::BiasInput b = lce::check_bias(bias, p.dtype, p.vocab, p.device);
+  p.bias = b.data;
+  p.bias_dtype = b.dtype;
+  p.bias_stride = b.stride;
 }
 
 void check_extents(const Problem& p) {
