@@ -50,14 +50,6 @@ inline const char* level_name(ImportanceSamplingLevel l) {
   return l == ImportanceSamplingLevel::kToken ? "token" : "seq";
 }
 
-// The largest finite |x| (0 where there is none).
-inline double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v)
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  return m;
-}
-
 // A float tensor's viewed elements as double, flat order.
 inline std::vector<double> as_doubles(const TestTensor& x) {
   const std::vector<float> f = x.gather_float();

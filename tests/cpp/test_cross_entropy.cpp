@@ -311,13 +311,6 @@ std::vector<double> upstream_for(const CeInputs& in, uint64_t seed) {
   return up;
 }
 
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v)
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  return m;
-}
-
 // Compares a backend's outputs with expected ones (from the reference or the CPU backend).
 // The largest upstream factor of any row: |incoming gradient| (times 1/denominator for mean).
 double grad_unit(const CeInputs& in, const std::vector<double>& upstream) {

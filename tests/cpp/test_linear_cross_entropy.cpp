@@ -359,30 +359,6 @@ std::vector<double> upstream_for(const LceInputs& in, uint64_t seed) {
   return up;
 }
 
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v)
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  return m;
-}
-
-// Relative L2 error over the elements finite in both (NaN patterns are checked elementwise), and every element
-// within atol of the largest magnitude.
-::testing::AssertionResult grad_close(const std::vector<double>& got, const std::vector<double>& want, Tol tol,
-                                      const std::string& what) {
-  const auto elementwise = all_close(got, want, Tol{0.0, tol.atol}, max_abs(want), what);
-  if (!elementwise) return elementwise;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(want[i]) || !std::isfinite(got[i])) continue;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  if (rel <= tol.rtol) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": relative L2 error " << rel << " > " << tol.rtol;
-}
-
 // 1/denominator for mean, 1 for sum: the natural size of a reduced loss's terms.
 double loss_unit(const LceInputs& in) {
   if (in.opt.reduction != Reduction::kMean) return 1.0;

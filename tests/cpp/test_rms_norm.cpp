@@ -283,13 +283,6 @@ Backward run_backward(Inputs& in, TestTensor& xs, TestTensor& rstd, bool dev, bo
   return b;
 }
 
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v)
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  return m;
-}
-
 void expect_close(const std::vector<double>& got, const std::vector<double>& want, Tol tol, const std::string& what) {
   EXPECT_TRUE(all_close(got, want, tol, std::max(1.0, max_abs(want)), what));
 }

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -111,6 +112,31 @@ Tol tolerance(DType dtype, Quantity q);
                                      double scale, const std::string& what);
 
 std::string dtype_tag(DType dt);
+
+// The largest finite |x| (0 where there is none).
+inline double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v)
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  return m;
+}
+
+// A gradient against its reference: every element within atol of the largest magnitude, and the relative L2
+// error over the elements finite in both (NaN patterns are checked elementwise) within rtol.
+inline ::testing::AssertionResult grad_close(const std::vector<double>& got, const std::vector<double>& want, Tol tol,
+                                             const std::string& what) {
+  const auto elementwise = all_close(got, want, Tol{0.0, tol.atol}, max_abs(want), what);
+  if (!elementwise) return elementwise;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!std::isfinite(want[i]) || !std::isfinite(got[i])) continue;
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  if (rel <= tol.rtol) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": relative L2 error " << rel << " > " << tol.rtol;
+}
 
 // The message of the Error that f raises ("" when it raises none), and its kind when `kind` is given.
 inline std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {

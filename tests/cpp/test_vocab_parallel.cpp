@@ -164,13 +164,6 @@ std::vector<double> doubles(const TestTensor& t) {
   return std::vector<double>(f.begin(), f.end());
 }
 
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v)
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  return m;
-}
-
 // Stacks every rank's partials (host copies) into [R, rows, 4], on the device if asked: the exchange.
 void exchange(std::vector<TestTensor>& partials, TestTensor& gathered, bool dev) {
   int64_t at = 0;
@@ -760,21 +753,6 @@ LceOut lce_steps(LceInputs& in, LinearCrossEntropyOptions o, int64_t chunk, cons
   out.loss = doubles(loss[0]);
   out.lse = doubles(lse[0]);
   return out;
-}
-
-::testing::AssertionResult grad_close(const std::vector<double>& got, const std::vector<double>& want, Tol tol,
-                                      const std::string& what) {
-  const auto elementwise = all_close(got, want, Tol{0.0, tol.atol}, max_abs(want), what);
-  if (!elementwise) return elementwise;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(want[i]) || !std::isfinite(got[i])) continue;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  if (rel <= tol.rtol) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": relative L2 error " << rel << " > " << tol.rtol;
 }
 
 void expect_lce(const LceInputs& in, const LinearCrossEntropyOptions& o, const LceOut& got, const LceOut& want,
