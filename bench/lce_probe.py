@@ -1,7 +1,8 @@
 """Linear cross-entropy against the three cuBLAS GEMMs it replaces, in one process: a quick probe of the CUDA
 plan's chunking (memory_budget, chunk_tokens) that skips the peers of bench/bench.py.
 
-    python3 bench/lce_probe.py [--shapes 8192x4096x128256,4096x4096x128256] [--budgets-mib 512] [--tag NAME]
+    python3 bench/lce_probe.py [--shapes 8192x4096x128256,4096x4096x128256] [--budgets-mib 512]
+                               [--schedules auto,gradient_in_forward,recompute] [--tag NAME]
 
 Prints, per shape and budget: the GEMMs' time (X·Wᵀ, dZ·W, dZᵀ·X in bf16), the time of
 linear_cross_entropy(x, w, t).backward() (bf16, default options), their ratio, and the peak memory beyond the
@@ -33,6 +34,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8192x4096x128256,4096x4096x128256", help="NxHxV, comma-separated")
     ap.add_argument("--budgets-mib", default="512", help="memory_budget values in MiB, comma-separated")
+    ap.add_argument("--schedules", default="auto", help="schedule values, comma-separated")
     ap.add_argument("--tag", default="", help="a label printed at the start of each line")
     args = ap.parse_args()
     for shape in args.shapes.split(","):
@@ -46,16 +48,17 @@ def main():
         xd, wd = x.detach(), w.detach()
         gemms = median_ms(lambda: (torch.mm(xd, wd.t(), out=z), dz @ wd, dz.t() @ xd))
         del z, dz
-        for budget in (int(b) << 20 for b in args.budgets_mib.split(",")):
+        runs = [(int(b) << 20, s) for b in args.budgets_mib.split(",") for s in args.schedules.split(",")]
+        for budget, schedule in runs:
             def run():
                 x.grad = w.grad = None
-                logitless.linear_cross_entropy(x, w, t, memory_budget=budget).backward()
+                logitless.linear_cross_entropy(x, w, t, memory_budget=budget, schedule=schedule).backward()
 
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             ms = median_ms(run)
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            print(f"{args.tag} N={n} H={h} V={v} budget {budget >> 20} MiB: GEMMs {gemms:.2f} ms, "
+            print(f"{args.tag} N={n} H={h} V={v} budget {budget >> 20} MiB {schedule}: GEMMs {gemms:.2f} ms, "
                   f"linear_cross_entropy {ms:.2f} ms = {ms / gemms:.3f}x, peak extra {peak:.0f} MiB (dX, dW included)",
                   flush=True)
 

@@ -16,7 +16,10 @@ Two schedules (include/logitless/linear_cross_entropy.h has the details), both e
 
 float16 takes the recompute schedule under "auto": its gradient of the logits, formed before the incoming
 gradient is known, would be too small for float16 (a loss scaler's factor arrives only in the backward) and
-flush to zero; the recompute backward forms it with that factor applied.
+flush to zero; the recompute backward forms it with that factor applied. For bfloat16 on CUDA, "auto" asks the
+library's cost model (``logitless::linear_cross_entropy_recompute_is_faster``): where the memory budget forces the
+gradient-in-forward schedule to sum grad_weight over many token groups in float32 (large V·H, e.g. V=256000), the
+recompute schedule's fourth GEMM costs less.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._tensor import descriptor, stream, workspace
+from ._tensor import DEVICE_CODES, DTYPE_CODES, descriptor, stream, workspace
 from .cross_entropy import REDUCTIONS, _enum, _scale_saved
 
 __all__ = ["linear_cross_entropy", "SCHEDULES", "DEFAULT_MEMORY_BUDGET"]
@@ -70,6 +73,18 @@ def _run_forward_backward(hidden, weight, bias, target, class_weight, options, g
                                              None, ws, stream(hidden.device))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
     return loss, lse
+
+
+def _recompute_is_faster(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], options) -> bool:
+    # The library's cost model of the two CUDA plans (shapes and dtypes only, so it also runs while torch.compile
+    # traces with fake tensors); False on the CPU and for float32.
+    if hidden.device.type != "cuda" or hidden.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    h = int(hidden.shape[-1])
+    n = int(hidden.numel()) // h if h else 0
+    return bool(_C.linear_cross_entropy_recompute_is_faster(
+        n, h, int(weight.shape[0]), DTYPE_CODES[hidden.dtype], DEVICE_CODES["cuda"], hidden.device.index or 0,
+        hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad, options))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -261,8 +276,9 @@ def linear_cross_entropy(
             tokens; detached).
         schedule: "auto", "gradient_in_forward" (reduction sum/mean: gradients computed in the forward, the
             backward only scales them; three GEMMs) or "recompute" (the forward keeps lse, the backward
-            recomputes the logits; four GEMMs, the least memory). "auto" takes gradient_in_forward for sum/mean
-            and recompute for reduction none and for float16 (see the module docstring).
+            recomputes the logits; four GEMMs, the least memory). "auto" takes recompute for reduction none,
+            for float16, and for bfloat16 on CUDA where the library's cost model expects it to be faster (see
+            the module docstring); gradient_in_forward otherwise.
         chunk_tokens, chunk_vocab: CUDA chunk sizes (tokens per chunk; vocabulary rows per chunk of the
             recompute backward). None: from `memory_budget`.
         memory_budget: bytes of chunk scratch on CUDA (default 512 MiB); see linear_cross_entropy.h for what
@@ -313,14 +329,17 @@ def linear_cross_entropy(
 
     recompute = schedule == "recompute" or (schedule == "auto" and (red == _NONE or hidden.dtype == torch.float16))
     from . import vocab_parallel
-    if process_group is not None or vocab_parallel.is_dtensor(weight):
+    sharded = process_group is not None or vocab_parallel.is_dtensor(weight)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
+                                              (bias is not None and bias.requires_grad))
+    if schedule == "auto" and not recompute and needs_grad and not sharded:
+        recompute = _recompute_is_faster(hidden, weight, bias, options)
+    if sharded:
         loss, lse = vocab_parallel.linear_cross_entropy(hidden, weight, target, bias, class_weight, options, recompute,
                                                         process_group, bool(sequence_parallel))
         return (loss, lse) if return_lse else loss
     if sequence_parallel:
         raise ValueError("sequence_parallel: expected a process_group or a DTensor weight (vocabulary parallelism)")
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
-                                              (bias is not None and bias.requires_grad))
     if not needs_grad or recompute:
         loss, lse = _forward(hidden, weight, bias, target, class_weight, *options)
     else:

@@ -23,6 +23,16 @@ LinearCrossEntropyOptions lce_options(nb::handle options) {
 void bind_linear_cross_entropy(nb::module_& m) {
   using namespace nb::literals;
   m.def(
+      "linear_cross_entropy_recompute_is_faster",
+      [](int64_t n, int64_t h, int64_t v, int32_t dtype, int32_t device_type, int32_t device_index, bool need_dx,
+         bool need_dw, bool need_db, nb::handle options) {
+        return linear_cross_entropy_recompute_is_faster(n, h, v, static_cast<DType>(dtype),
+                                                        Device{static_cast<DeviceType>(device_type), device_index},
+                                                        need_dx, need_dw, need_db, lce_options(options));
+      },
+      "n"_a, "h"_a, "v"_a, "dtype"_a, "device_type"_a, "device_index"_a, "need_grad_hidden"_a, "need_grad_weight"_a,
+      "need_grad_bias"_a, "options"_a);
+  m.def(
       "linear_cross_entropy_forward_workspace_bytes",
       [](nb::handle hidden, nb::handle weight, nb::handle target, nb::handle options) {
         return linear_cross_entropy_forward_workspace_bytes(to_view(hidden), to_view(weight), to_view(target),

@@ -186,6 +186,39 @@ void dispatch(const Problem& p, Workspace ws, StreamHandle stream) {
 
 }  // namespace
 
+bool linear_cross_entropy_recompute_is_faster(int64_t n_tokens, int64_t hidden, int64_t vocab, DType dtype,
+                                              Device device, bool need_grad_hidden, bool need_grad_weight,
+                                              bool need_grad_bias, const LinearCrossEntropyOptions& options) {
+  check_options(options);
+  LOGITLESS_CHECK_ARG(n_tokens >= 0, "n_tokens", ">= 0", n_tokens);
+  LOGITLESS_CHECK_ARG(hidden >= 1, "hidden", ">= 1", hidden);
+  LOGITLESS_CHECK_ARG(vocab >= 1, "vocab", ">= 1", vocab);
+  LOGITLESS_CHECK_ARG(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16, "dtype",
+                      "float32, float16 or bfloat16", dtype_name(dtype));
+  LOGITLESS_CHECK_ARG(device.type == DeviceType::kCPU || device.type == DeviceType::kCUDA, "device", "CPU or CUDA",
+                      static_cast<int>(device.type));
+  if (device.type != DeviceType::kCUDA || dtype == DType::kFloat32) return false;
+#if defined(LOGITLESS_WITH_CUDA)
+  Problem p;
+  p.mode = Mode::kForwardBackward;
+  p.n_tokens = n_tokens;
+  p.hidden = hidden;
+  p.vocab = p.vocab_total = vocab;
+  p.dtype = dtype;
+  p.device = device;
+  p.options = options;
+  p.hidden_uniform = true;
+  p.hidden_ld = hidden;
+  p.weight = Matrix{nullptr, dtype, hidden};
+  return lce::cuda_recompute_is_faster(p, need_grad_hidden, need_grad_weight, need_grad_bias);
+#else
+  (void)need_grad_hidden;
+  (void)need_grad_weight;
+  (void)need_grad_bias;
+  throw_runtime("linear_cross_entropy: logitless was built without its CUDA backend; CUDA tensors are not supported");
+#endif
+}
+
 size_t linear_cross_entropy_forward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
                                                     const TensorView& target,
                                                     const LinearCrossEntropyOptions& options) {

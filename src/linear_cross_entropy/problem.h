@@ -75,6 +75,8 @@ void run_cpu_step(const Problem& p, Workspace ws);
 #if defined(LOGITLESS_WITH_CUDA)
 size_t cuda_workspace_bytes(const Problem& p);
 void run_cuda(const Problem& p, Workspace ws, StreamHandle stream);
+// p: kForwardBackward without gradient outputs; the flags say which ones (in the inputs' dtype) the call would have.
+bool cuda_recompute_is_faster(const Problem& p, bool need_dx, bool need_dw, bool need_db);
 #endif
 
 // hidden [*, H] and weight [V, H] checked (dtypes, devices, shapes, layouts; errors name the argument) and

@@ -798,6 +798,42 @@ TEST(LinearCrossEntropyPlan, GradientInForwardAtLlamaShapes) {
   EXPECT_EQ(lce::plan_linear_cross_entropy(in).group_rows, 1280);
 }
 
+// The schedule "auto" takes for bf16 (recompute_is_faster): the three shapes measured on H100 (plan.cpp), and
+// where the model does not apply.
+TEST(LinearCrossEntropyPlan, RecomputeWhereTheGradientAccumulatorCostsMore) {
+  using lce::Pass;
+  // 8192 x 2304 x 256000: 13 float32 grad_weight accumulations and 43 short chunks against a fourth GEMM.
+  EXPECT_TRUE(lce::recompute_is_faster(llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000)));
+  // 16384 x 2048 x 128256: 13 accumulations of a smaller grad_weight cost less than the fourth GEMM.
+  EXPECT_FALSE(lce::recompute_is_faster(llama_inputs(Pass::kForwardBackward, 16384, 2048, 128256)));
+  // No accumulator (every token's gradient held): gradient in the forward.
+  EXPECT_FALSE(lce::recompute_is_faster(llama_inputs(Pass::kForwardBackward, 8192, 4096, 128256)));
+  EXPECT_FALSE(lce::recompute_is_faster(llama_inputs(Pass::kForwardBackward, 4096, 4096, 128256)));
+  // A bigger budget removes the accumulations at V=256000 (every token's 4.2 GB gradient fits 4 GiB + the
+  // 2.4 GB accumulator it replaces).
+  lce::PlanInputs in = llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000);
+  in.memory_budget = size_t{4} << 30;
+  EXPECT_FALSE(lce::recompute_is_faster(in));
+  // A float32 grad_weight sums in place (no accumulator), a frozen weight has none.
+  in = llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000);
+  in.grad_weight_f32 = true;
+  EXPECT_FALSE(lce::recompute_is_faster(in));
+  in = llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000);
+  in.need_dw = false;
+  EXPECT_FALSE(lce::recompute_is_faster(in));
+  // Outside the model: float32 inputs, other passes, the vocabulary-parallel steps, no tokens.
+  in = llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000);
+  in.elem_bytes = 4;
+  EXPECT_FALSE(lce::recompute_is_faster(in));
+  EXPECT_FALSE(lce::recompute_is_faster(llama_inputs(Pass::kForward, 8192, 2304, 256000)));
+  EXPECT_FALSE(lce::recompute_is_faster(llama_inputs(Pass::kBackward, 8192, 2304, 256000)));
+  in = llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000);
+  in.steps = true;
+  in.chunk_tokens = 512;
+  EXPECT_FALSE(lce::recompute_is_faster(in));
+  EXPECT_FALSE(lce::recompute_is_faster(llama_inputs(Pass::kForwardBackward, 0, 2304, 256000)));
+}
+
 TEST(LinearCrossEntropyPlan, Float32InputsOverwriteTheirLogits) {
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
   in.elem_bytes = 4;
@@ -970,6 +1006,41 @@ TEST(LinearCrossEntropyErrors, BadTargetNamesFirstRowAndWritesNothing) {
   EXPECT_TRUE(has(msg, "got 5 at row 2")) << msg;
   EXPECT_EQ(kind, Error::Kind::kInvalidArgument);
   EXPECT_TRUE(std::isnan(s.loss.get(0)));
+}
+
+// The public advice behind schedule="auto": false on the CPU and for float32, the planner's model on CUDA, and
+// bad sizes rejected with the argument's name.
+TEST(LinearCrossEntropySchedule, RecomputeIsFasterQuery) {
+  const LinearCrossEntropyOptions o;
+  const Device cpu{DeviceType::kCPU, 0};
+  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, cpu, true, true, false, o));
+  EXPECT_TRUE(has(error_of([&] {
+                    linear_cross_entropy_recompute_is_faster(-1, 2304, 256000, DType::kBFloat16, cpu, true, true, false, o);
+                  }),
+                  "n_tokens"));
+  EXPECT_TRUE(has(error_of([&] {
+                    linear_cross_entropy_recompute_is_faster(8, 0, 256000, DType::kBFloat16, cpu, true, true, false, o);
+                  }),
+                  "hidden"));
+  EXPECT_TRUE(has(error_of([&] {
+                    linear_cross_entropy_recompute_is_faster(8, 16, 0, DType::kBFloat16, cpu, true, true, false, o);
+                  }),
+                  "vocab"));
+  EXPECT_TRUE(has(error_of([&] {
+                    linear_cross_entropy_recompute_is_faster(8, 16, 32, DType::kInt64, cpu, true, true, false, o);
+                  }),
+                  "dtype"));
+}
+
+TEST(LinearCrossEntropyCudaSchedule, RecomputeIsFasterQuery) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const LinearCrossEntropyOptions o;
+  const Device gpu{DeviceType::kCUDA, 0};
+  EXPECT_TRUE(linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, gpu, true, true, false, o));
+  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(16384, 2048, 128256, DType::kBFloat16, gpu, true, true, false, o));
+  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(8192, 4096, 128256, DType::kBFloat16, gpu, true, true, true, o));
+  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kFloat32, gpu, true, true, false, o));
+  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, gpu, true, false, false, o));
 }
 
 TEST(LinearCrossEntropyCudaErrors, BadTargetAndSmallWorkspace) {

@@ -591,3 +591,30 @@ def test_cuda_logits_never_in_memory(schedule):
     extra = extra_peak_memory(lambda: linear_cross_entropy(h, w, target, schedule=schedule,
                                                            memory_budget=64 << 20).backward())
     assert extra < logits_bytes, f"{extra / 2**20:.0f} MiB extra for {logits_bytes / 2**20:.0f} MiB of bf16 logits"
+
+
+# ----------------------------------------------------------------------------------------------------
+# schedule="auto" for bfloat16 asks the library's cost model (shapes only: the weight here is a broadcast view).
+
+def _shape_only(n, h, v, device):
+    hidden = torch.empty(1, h, dtype=torch.bfloat16, device=device, requires_grad=True).expand(n, h)
+    weight = torch.empty(1, h, dtype=torch.bfloat16, device=device, requires_grad=True).expand(v, h)
+    return hidden, weight
+
+
+def _default_options():
+    return (-100, 2, 0.0, 0.0, 0.0, True, 0, 0, 512 << 20)  # see linear_cross_entropy.py for the order
+
+
+def test_auto_schedule_cost_model_is_off_on_the_cpu():
+    from logitless.linear_cross_entropy import _recompute_is_faster
+    hidden, weight = _shape_only(8192, 2304, 256000, "cpu")
+    assert not _recompute_is_faster(hidden, weight, None, _default_options())
+
+
+@needs_cuda
+def test_auto_schedule_takes_recompute_where_the_accumulator_costs_more():
+    from logitless.linear_cross_entropy import _recompute_is_faster
+    assert _recompute_is_faster(*_shape_only(8192, 2304, 256000, "cuda"), None, _default_options())
+    assert not _recompute_is_faster(*_shape_only(16384, 2048, 128256, "cuda"), None, _default_options())
+    assert not _recompute_is_faster(*_shape_only(8192, 4096, 128256, "cuda"), None, _default_options())

@@ -392,6 +392,16 @@ struct Run {
 
 }  // namespace
 
+bool cuda_recompute_is_faster(const Problem& p, bool need_dx, bool need_dw, bool need_db) {
+  DeviceGuard guard(p.device.index);
+  PlanInputs in = plan_inputs(p);  // p carries no gradient outputs: say which ones the call would have
+  in.need_dx = need_dx;
+  in.need_dw = need_dw;
+  in.need_db = need_db;
+  in.grad_hidden_f32 = in.grad_weight_f32 = false;  // in the inputs' dtype
+  return recompute_is_faster(in);
+}
+
 size_t cuda_workspace_bytes(const Problem& p) {
   DeviceGuard guard(p.device.index);
   return plan_linear_cross_entropy(plan_inputs(p)).bytes;

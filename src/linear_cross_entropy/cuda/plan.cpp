@@ -180,4 +180,32 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   return p;
 }
 
+// Both schedules do the same three GEMMs' work and differ in what they add to it (N·V logits, V·H weight):
+//  * recompute: a second logits GEMM (2 N H V FLOPs) and a second float32 logits round trip (4 N V bytes more:
+//    18 against 14 per logit), plus its float32 grad_hidden accumulator, read and written by every vocabulary
+//    chunk's GEMM after the first (8 N H bytes each);
+//  * gradient in forward: its float32 grad_weight accumulator, read and written by every token group's GEMM
+//    (8 V H bytes a group), and each chunk's re-read of the weight where a chunk is too short for its logits
+//    GEMM to be compute-bound (2 V H (1 - chunk / kFlopsPerByte) bytes a chunk).
+// Measured on H100, bf16, default 512 MiB budget, × the three cuBLAS GEMMs (bench/RESULTS.md): 8192×2304×256000
+// gradient in forward 1.92x, recompute 1.66x (the model: 73 against 50 GB); 16384×2048×128256 1.52x against
+// 1.79x (27 against 49 GB); 8192×4096×128256 1.13x against 1.55x (no accumulator, 1024-token chunks: 0 against
+// 42 GB). The model orders all three.
+bool recompute_is_faster(const PlanInputs& gif) {
+  if (gif.pass != Pass::kForwardBackward || gif.steps || gif.elem_bytes != 2 || gif.n <= 0) return false;
+  const Plan fb = plan_linear_cross_entropy(gif);
+  PlanInputs bw_in = gif;
+  bw_in.pass = Pass::kBackward;
+  const Plan bw = plan_linear_cross_entropy(bw_in);
+  const double N = static_cast<double>(gif.n), H = static_cast<double>(gif.h), V = static_cast<double>(gif.v);
+  double gif_cost = 0.0;
+  if (fb.dw_accumulator) gif_cost += static_cast<double>(ceil_div(gif.n, fb.group_rows)) * 8.0 * V * H;
+  const double chunk = static_cast<double>(fb.chunk_rows);
+  if (chunk < kFlopsPerByte)
+    gif_cost += static_cast<double>(ceil_div(gif.n, fb.chunk_rows)) * 2.0 * V * H * (1.0 - chunk / kFlopsPerByte);
+  double rec_cost = 2.0 * N * H * V / kFlopsPerByte + 4.0 * N * V;
+  if (bw.dx_accumulator) rec_cost += static_cast<double>(ceil_div(gif.v, bw.vocab_cols) - 1) * 8.0 * N * H;
+  return rec_cost < gif_cost;
+}
+
 }  // namespace logitless::lce
