@@ -329,26 +329,6 @@ Out run_backend(LplInputs& in, Entry e, bool dev, float upstream, const Out* sav
   return r;
 }
 
-// Relative L2 error over the elements finite in both (NaN patterns are checked elementwise), and every element
-// within atol of the largest magnitude (at least `unit`).
-::testing::AssertionResult grad_close(const std::vector<double>& got, const std::vector<double>& want, Tol tol,
-                                      double unit, const std::string& what) {
-  const auto elementwise = all_close(got, want, Tol{0.0, tol.atol}, std::max(max_abs(want), unit), what);
-  if (!elementwise) return elementwise;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (!std::isfinite(want[i]) || !std::isfinite(got[i])) continue;
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  // The error is relative to the tensor's norm, but never to less than one element of the natural size `unit`: where
-  // the exact gradient cancels (V = 1) the reference holds float32 roundings of 0, and their norm is no scale.
-  const double rel = std::sqrt(num / std::max(den, unit * unit + 1e-300));
-  if (den == 0 && num <= unit * unit * tol.atol * tol.atol) return ::testing::AssertionSuccess();
-  if (rel <= tol.rtol) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": relative L2 error " << rel << " > " << tol.rtol;
-}
-
 Out from_reference(const Ref& r) {
   Out o;
   static_cast<PolicyForwardOut&>(o) = r;  // the forward outputs
