@@ -452,16 +452,23 @@ BiasInput check_bias(const TensorView& bias, DType dtype, int64_t V, const Devic
   return b;
 }
 
+namespace {
+// A gradient output's dtype (its input's, `of` naming that input, or float32) and device.
+void check_grad_dtype_device(const TensorView& grad, const char* name, DType input_dtype, const char* of,
+                             const Device& device) {
+  check_defined(grad, name);
+  LOGITLESS_CHECK_ARG(grad.dtype == input_dtype || grad.dtype == DType::kFloat32, name,
+                      str_cat("dtype ", dtype_name(input_dtype), " (", of, ") or float32"), dtype_name(grad.dtype));
+  check_device(grad, name, device);
+}
+}  // namespace
+
 GradOutputs check_grad_outputs(const TensorView& hidden, const TensorView& weight, const TensorView* bias, int64_t H,
                                int64_t V, const Device& device, const TensorView& grad_hidden,
                                const TensorView& grad_weight, const TensorView& grad_bias) {
   GradOutputs g;
   if (grad_hidden.defined()) {
-    check_defined(grad_hidden, "grad_hidden");
-    LOGITLESS_CHECK_ARG(grad_hidden.dtype == hidden.dtype || grad_hidden.dtype == DType::kFloat32, "grad_hidden",
-                        str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's) or float32"),
-                        dtype_name(grad_hidden.dtype));
-    check_device(grad_hidden, "grad_hidden", device);
+    check_grad_dtype_device(grad_hidden, "grad_hidden", hidden.dtype, "hidden's", device);
     check_shape(grad_hidden, "grad_hidden", hidden, hidden.ndim, "the shape of hidden");
     LOGITLESS_CHECK_ARG(grad_hidden.stride(-1) == 1 || H == 1, "grad_hidden", "a last dimension with stride 1",
                         str_cat("stride ", grad_hidden.stride(-1)));
@@ -474,11 +481,7 @@ GradOutputs check_grad_outputs(const TensorView& hidden, const TensorView& weigh
     g.grad_hidden = Matrix{grad_hidden.data, grad_hidden.dtype, ld};
   }
   if (grad_weight.defined()) {
-    check_defined(grad_weight, "grad_weight");
-    LOGITLESS_CHECK_ARG(grad_weight.dtype == weight.dtype || grad_weight.dtype == DType::kFloat32, "grad_weight",
-                        str_cat("dtype ", dtype_name(weight.dtype), " (weight's) or float32"),
-                        dtype_name(grad_weight.dtype));
-    check_device(grad_weight, "grad_weight", device);
+    check_grad_dtype_device(grad_weight, "grad_weight", weight.dtype, "weight's", device);
     check_shape(grad_weight, "grad_weight", weight, 2, "the shape of weight");
     LOGITLESS_CHECK_ARG(grad_weight.strides[1] == 1 || H == 1, "grad_weight", "a last dimension with stride 1",
                         str_cat("stride ", grad_weight.strides[1]));
@@ -494,13 +497,11 @@ GradOutputs check_grad_outputs(const TensorView& hidden, const TensorView& weigh
     check_defined(grad_bias, "grad_bias");
     if (bias) {
       LOGITLESS_CHECK_ARG(bias->defined(), "grad_bias", "None (there is no bias)", "a tensor");
-      LOGITLESS_CHECK_ARG(grad_bias.dtype == bias->dtype || grad_bias.dtype == DType::kFloat32, "grad_bias",
-                          str_cat("dtype ", dtype_name(bias->dtype), " (bias's) or float32"),
-                          dtype_name(grad_bias.dtype));
+      check_grad_dtype_device(grad_bias, "grad_bias", bias->dtype, "bias's", device);
     } else {
       check_float_dtype(grad_bias, "grad_bias");
+      check_device(grad_bias, "grad_bias", device);
     }
-    check_device(grad_bias, "grad_bias", device);
     check_ndim(grad_bias, "grad_bias", 1);
     LOGITLESS_CHECK_ARG(grad_bias.sizes[0] == V, "grad_bias", str_cat("shape [", V, "] (one per class)"),
                         str_cat("shape ", shape_str(grad_bias)));
