@@ -27,6 +27,7 @@ set(LOGITLESS_CUDA_SOURCES
   src/cross_entropy/cuda/row_resident.cu
   src/cross_entropy/cuda/streaming.cu
   src/linear_cross_entropy/cuda/generic.cpp
+  src/linear_cross_entropy/cuda/hopper.cu
   src/linear_cross_entropy/cuda/kernels.cu
   src/linear_policy_loss/cuda/kernels.cu
   src/linear_policy_loss/cuda/run.cpp

@@ -27,8 +27,10 @@ note "gpu: $(head -1 "$OUT/gpu.txt")"
 
 step_build() {
   t0=$(date +%s)
+  # CUTLASS headers: the nvidia-cutlass wheel carried in .whl (installed into /tmp/site above).
+  local cutlass=/tmp/site/cutlass_library/source/include
   if cmake -S . -B "$BUILD" -G Ninja -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90a} -DLOGITLESS_PYTHON=${PY:-ON} \
-       -DLOGITLESS_TESTS=ON > "$OUT/configure.log" 2>&1 && cmake --build "$BUILD" -j "$(nproc)" > "$OUT/build.log" 2>&1; then
+       -DLOGITLESS_TESTS=ON $([ -d $cutlass ] && echo -DLOGITLESS_CUTLASS_DIR=$cutlass) > "$OUT/configure.log" 2>&1 && cmake --build "$BUILD" -j "$(nproc)" > "$OUT/build.log" 2>&1; then
     note "build: ok ($(( $(date +%s) - t0 )) s)"
   else
     note "build: FAILED (see build.log)"; tail -40 "$OUT/build.log"

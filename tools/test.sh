@@ -23,6 +23,8 @@ fi
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 "$PY" -m pip install -q --disable-pip-version-check "torch>=2.4" "nanobind>=2.0" "scikit-build-core>=0.10" pytest numpy \
   "transformers>=5.0,<6"  # tests/python/test_hf_patch.py (the range pyproject's hf extra pins)
+# The CuTe/CUTLASS headers of the Hopper kernels (the version CMakeLists.txt pins); its Python side is not used.
+"$PY" -m pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==4.2.0.0"
 
 step "configure and build (CUDA targets ${CUDA_ARCHS:-90a;80})"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOGITLESS_TESTS=ON -DLOGITLESS_PYTHON=ON \

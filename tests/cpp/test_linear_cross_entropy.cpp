@@ -12,6 +12,9 @@
 
 #include "linear_cross_entropy/cuda/grad_columns.h"
 #include "linear_cross_entropy/cuda/plan.h"
+#if defined(LOGITLESS_WITH_CUDA)
+#include "linear_cross_entropy/cuda/hopper.h"
+#endif
 #include "test_util.h"
 
 namespace logitless::test {
@@ -477,6 +480,51 @@ TEST_P(LinearCrossEntropyCuda, MatchesCpuBackend) {
   }
 }
 
+#if defined(LOGITLESS_WITH_CUDA)
+// The generic path (cuBLAS and the row kernels) where the fused Hopper kernels would otherwise run: the path of
+// every other GPU, kept tested on Hopper too. On other GPUs this repeats MatchesCpuBackend.
+TEST_P(LinearCrossEntropyCuda, GenericPathMatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  LceInputs in(GetParam(), seed_of(GetParam()));
+  const auto up = upstream_for(in, seed_of(GetParam()) + 1);
+  const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+  lce::debug::set_fused_kernels(false);
+  for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+    SCOPED_TRACE(entry_name(e));
+    const Outputs got = run_backend(in, e, /*dev=*/true, up, &want.lse);
+    EXPECT_EQ(lce::debug::last_kernel(), lce::Kernel::kCublasChunked);
+    expect_outputs(in, e, got, want, "cuda generic", in.c.dtype);
+  }
+  lce::debug::set_fused_kernels(true);
+}
+
+// Which kernel the 16-bit cases ran: the fused one on an sm_90 device when the build has it and the shapes allow
+// (H a multiple of 8: TMA row strides), so MatchesCpuBackend is known to cover it there.
+TEST(LinearCrossEntropyCudaFused, RunsOnHopperFor16BitInputs) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  const bool hopper = major == 9 && minor == 0;
+  for (const LceCase c : {LceCase{64, 128, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain,
+                                  Reduction::kMean, false},
+                          LceCase{7, 33, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain,
+                                  Reduction::kMean, false},
+                          LceCase{64, 128, 1000, DType::kFloat32, Layout::kContiguous, Preset::kPlain,
+                                  Reduction::kMean, false}}) {
+    SCOPED_TRACE(case_name(c));
+    LceInputs in(c, seed_of(c));
+    const auto up = upstream_for(in, seed_of(c) + 1);
+    for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+      SCOPED_TRACE(entry_name(e));
+      run_backend(in, e, /*dev=*/true, up, nullptr);
+      const bool want = hopper && lce::debug::fused_kernels_built() && c.dtype == DType::kBFloat16 && c.h % 8 == 0;
+      EXPECT_EQ(lce::debug::last_kernel(), want ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
+    }
+  }
+}
+#endif
+
 INSTANTIATE_TEST_SUITE_P(Shapes, LinearCrossEntropyCpu, ::testing::ValuesIn(make_cpu_cases()), param_name);
 INSTANTIATE_TEST_SUITE_P(Shapes, LinearCrossEntropyCuda, ::testing::ValuesIn(make_cuda_cases()), param_name);
 
@@ -746,7 +794,7 @@ void expect_layout_sound(const lce::Plan& p) {
     if (i) EXPECT_LE(regions[i - 1].second, regions[i].first);
   }
   const size_t offs[] = {p.off_scalars, p.off_targets, p.off_row_loss, p.off_lse, p.off_hidden, p.off_logits,
-                         p.off_dlogits, p.off_dw, p.off_dx, p.off_db, p.off_db_partial};
+                         p.off_dlogits, p.off_dw, p.off_dx, p.off_db, p.off_db_partial, p.off_partials};
   for (size_t off : offs)
     if (off != lce::Plan::kNone) {
       EXPECT_EQ(off % 256, 0u);
@@ -865,6 +913,52 @@ TEST(LinearCrossEntropyPlan, ForwardAndBackward) {
   b = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kBackward, 256, 4096, 128256));
   EXPECT_EQ(b.vocab_cols, 128256);
   EXPECT_FALSE(b.dx_accumulator);
+}
+
+TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
+  lce::PlanInputs in = llama_inputs(lce::Pass::kForward, 8192, 4096, 128256);
+  in.fused = true;
+  // Forward: no logits, no cross-entropy scratch; 16 bytes per token and 256-column tile (501 tiles), so every
+  // token fits one chunk.
+  lce::Plan f = lce::plan_linear_cross_entropy(in);
+  EXPECT_EQ(f.kernel, lce::Kernel::kHopperFused);
+  EXPECT_EQ(f.off_logits, lce::Plan::kNone);
+  EXPECT_EQ(f.ce_bytes, 0u);
+  EXPECT_EQ(f.chunk_rows, 8192);
+  EXPECT_NE(f.off_partials, lce::Plan::kNone);
+  EXPECT_GE(f.bytes - f.off_partials, size_t{8192} * 501 * 16);
+  expect_layout_sound(f);
+  // Gradient in forward: the float32 chunk for the gradient kernel and the chunk's tile statistics.
+  in.pass = lce::Pass::kForwardBackward;
+  lce::Plan g = lce::plan_linear_cross_entropy(in);
+  EXPECT_EQ(g.kernel, lce::Kernel::kHopperFused);
+  EXPECT_NE(g.off_logits, lce::Plan::kNone);
+  EXPECT_NE(g.off_partials, lce::Plan::kNone);
+  EXPECT_EQ(g.group_rows, 8192);
+  expect_layout_sound(g);
+  // Backward: only the 16-bit gradient per column, 512 MiB / (2 bytes x 8192) = 32768 columns (whole tiles).
+  in.pass = lce::Pass::kBackward;
+  lce::Plan b = lce::plan_linear_cross_entropy(in);
+  EXPECT_EQ(b.kernel, lce::Kernel::kHopperFused);
+  EXPECT_EQ(b.off_logits, lce::Plan::kNone);
+  EXPECT_EQ(b.vocab_cols, 32768);
+  EXPECT_TRUE(b.dx_accumulator);
+  expect_layout_sound(b);
+  // What stays generic: a backward with a bias gradient, float32 inputs, the vocabulary-parallel steps.
+  in.need_db = true;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kCublasChunked);
+  in.need_db = false;
+  in.elem_bytes = 4;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kCublasChunked);
+  in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
+  in.fused = true;
+  in.steps = true;
+  in.chunk_tokens = 512;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kCublasChunked);
+  // Without the flag (another GPU, other operands): the generic plan, as before.
+  in = llama_inputs(lce::Pass::kBackward, 8192, 4096, 128256);
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kCublasChunked);
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).vocab_cols, 10880);
 }
 
 TEST(LinearCrossEntropyPlan, ExplicitChunksAndTinyBudgets) {

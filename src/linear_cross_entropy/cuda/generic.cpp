@@ -16,9 +16,13 @@
 //                        chunk's gathered partials -> lse and losses; dZ_k into the group buffer (or in place);
 //                        a group's GEMMs after its last chunk; the last chunk finishes dW, db and the loss
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "common/cuda/check.cuh"
 #include "common/cuda/cublas.h"
+#include "linear_cross_entropy/cuda/hopper.h"
 #include "linear_cross_entropy/cuda/kernels.h"
 #include "linear_cross_entropy/cuda/plan.h"
 #include "linear_cross_entropy/problem.h"
@@ -50,6 +54,26 @@ Pass pass_of(Mode m) {
 
 bool is_step(Mode m) { return m == Mode::kStepLogits || m == Mode::kStepGradient; }
 
+// On unless the environment says LOGITLESS_LCE_KERNEL=generic (for benchmarks: the same process cannot switch
+// through the Python module); tests switch it with debug::set_fused_kernels.
+bool fused_default() {
+  const char* v = std::getenv("LOGITLESS_LCE_KERNEL");
+  return v == nullptr || std::strcmp(v, "generic") != 0;
+}
+std::atomic<bool> g_fused_enabled{fused_default()};
+thread_local Kernel t_last_kernel = Kernel::kCublasChunked;
+
+// Whether the fused Hopper kernels can run this call: the forward, the gradient in forward and the backward of
+// one device (a backward of a vocabulary shard too), on operands a TMA descriptor takes. hidden's copy (rows
+// without one stride) is contiguous in the workspace, whose pointer run_cuda checks.
+bool fused_allowed(const Problem& p) {
+  if (!g_fused_enabled.load(std::memory_order_relaxed)) return false;
+  if (p.mode != Mode::kForward && p.mode != Mode::kForwardBackward && p.mode != Mode::kBackward) return false;
+  const void* x = p.hidden_uniform ? p.hidden_data : nullptr;
+  const int64_t ldx = p.hidden_uniform ? p.hidden_ld : p.hidden;
+  return fused_gemm_supported(p.device.index, p.dtype, x, ldx, p.weight.data, p.weight.ld, p.hidden);
+}
+
 PlanInputs plan_inputs(const Problem& p) {
   PlanInputs in;
   in.pass = pass_of(p.mode);
@@ -66,6 +90,7 @@ PlanInputs plan_inputs(const Problem& p) {
   // The partials go to the caller; no per-token loss is reduced here.
   in.reduction_none = p.options.reduction == Reduction::kNone || p.mode == Mode::kPartials;
   in.steps = is_step(p.mode);
+  in.fused = fused_allowed(p);
   in.chunk_tokens = p.options.chunk_tokens;
   in.chunk_vocab = p.options.chunk_vocab;
   in.memory_budget = p.options.memory_budget;
@@ -138,6 +163,40 @@ struct Run {
                           Workspace{at<char>(plan.off_ce), plan.ce_bytes}, stream);
   }
 
+  bool fused() const { return plan.kernel == Kernel::kHopperFused; }
+
+  // The fused GEMM of tokens [r0, r0 + rows) against classes [v0, v0 + cols).
+  FusedGemmParams fused_params(int64_t r0, int64_t rows, int64_t v0, int64_t cols) const {
+    FusedGemmParams f;
+    f.dtype = p.dtype;
+    f.x = hidden_rows(r0);
+    f.ldx = ldx;
+    f.w = weight_rows(v0);
+    f.ldw = p.weight.ld;
+    f.m = rows;
+    f.n = cols;
+    f.k = p.hidden;
+    f.col0 = v0;
+    f.bias = p.bias;
+    f.bias_dtype = p.bias_dtype;
+    f.bias_stride = p.bias_stride;
+    f.target = targets + r0;
+    f.ce = grad_params().ce;
+    return f;
+  }
+
+  // The fused forward of a token chunk: tile statistics in the GEMM's epilogue (and the float32 logits into z
+  // when given), then the rows' loss and lse.
+  void fused_row_stats(int64_t r0, int64_t rows, float* z, int64_t ld, float* loss_rows, float* lse_rows) const {
+    FusedGemmParams f = fused_params(r0, rows, 0, p.vocab);
+    f.partials = at<float>(plan.off_partials);
+    f.logits = z;
+    f.ld_logits = ld;
+    launch_fused_stats(f, sm_count, stream);
+    launch_finish_rows(f.partials, rows, (p.vocab + kFusedTileCols - 1) / kFusedTileCols, targets + r0, f.ce, scalars,
+                       loss_rows, lse_rows, sm_count, stream);
+  }
+
   VocabShard shard() const { return VocabShard{p.vocab_offset, p.vocab_total}; }
   TensorView class_weight_view() const {
     return p.class_weight ? TensorView::make(const_cast<float*>(p.class_weight), DType::kFloat32, p.device,
@@ -195,6 +254,10 @@ struct Run {
     float* z = at<float>(plan.off_logits);
     for (int64_t r0 = 0; r0 < N; r0 += S) {
       const int64_t rows = std::min(S, N - r0);
+      if (fused()) {
+        fused_row_stats(r0, rows, nullptr, 0, loss_rows(r0), p.lse ? p.lse + r0 : nullptr);
+        continue;
+      }
       logits(z, plan.ld_logits, r0, rows, 0, p.vocab);
       row_stats(z, plan.ld_logits, r0, rows, loss_rows(r0), p.lse ? p.lse + r0 : nullptr);
     }
@@ -217,8 +280,12 @@ struct Run {
       const int64_t grows = std::min(G, N - g0);
       for (int64_t r0 = g0; r0 < g0 + grows; r0 += S) {
         const int64_t rows = std::min(S, g0 + grows - r0);
-        logits(z, plan.ld_logits, r0, rows, 0, V);
-        row_stats(z, plan.ld_logits, r0, rows, loss_rows(r0), lse + r0);
+        if (fused()) {
+          fused_row_stats(r0, rows, z, plan.ld_logits, loss_rows(r0), lse + r0);
+        } else {
+          logits(z, plan.ld_logits, r0, rows, 0, V);
+          row_stats(z, plan.ld_logits, r0, rows, loss_rows(r0), lse + r0);
+        }
         g.logits = z;
         g.ld_logits = plan.ld_logits;
         g.dlogits = dz + (r0 - g0) * plan.ld_dlogits * es;
@@ -349,10 +416,21 @@ struct Run {
     const int64_t es_gb = dtype_size(p.grad_bias_dtype);
     for (int64_t v0 = 0; v0 < V; v0 += C) {
       const int64_t cols = std::min(C, V - v0);
-      logits(z, plan.ld_logits, 0, N, v0, cols);
-      g.width = cols;
-      g.col0 = v0;
-      launch_grad(g, p.dtype, stream);
+      if (fused()) {  // the gradient straight from the GEMM's accumulators (no bias gradient on this path)
+        FusedGemmParams f = fused_params(0, N, v0, cols);
+        f.lse = p.lse;
+        f.upstream = p.grad_scale;
+        f.upstream_per_row = p.grad_scale_per_row;
+        f.scalars = scalars;
+        f.dlogits = dz;
+        f.ld_dlogits = plan.ld_dlogits;
+        launch_fused_grad(f, sm_count, stream);
+      } else {
+        logits(z, plan.ld_logits, 0, N, v0, cols);
+        g.width = cols;
+        g.col0 = v0;
+        launch_grad(g, p.dtype, stream);
+      }
       if (p.grad_bias)
         launch_column_sums(g.db_partial, plan.db_partial_rows, plan.ld_logits, cols, nullptr,
                            static_cast<char*>(p.grad_bias) + v0 * p.grad_bias_stride * es_gb, p.grad_bias_dtype,
@@ -402,6 +480,12 @@ bool cuda_recompute_is_faster(const Problem& p, bool need_dx, bool need_dw, bool
   return recompute_is_faster(in);
 }
 
+namespace debug {
+void set_fused_kernels(bool enabled) { g_fused_enabled.store(enabled, std::memory_order_relaxed); }
+bool fused_kernels_enabled() { return g_fused_enabled.load(std::memory_order_relaxed); }
+Kernel last_kernel() { return t_last_kernel; }
+}  // namespace debug
+
 size_t cuda_workspace_bytes(const Problem& p) {
   DeviceGuard guard(p.device.index);
   return plan_linear_cross_entropy(plan_inputs(p)).bytes;
@@ -411,6 +495,7 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device.index);
   const Plan plan = plan_linear_cross_entropy(plan_inputs(p));
+  t_last_kernel = plan.kernel;
   Run r{p, plan, stream, static_cast<char*>(ws.data)};
   r.sm_count = device_info(p.device.index).sm_count;
   r.scalars = r.at<Scalars>(plan.off_scalars);
@@ -452,6 +537,9 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
     r.ldx = p.hidden;
   }
   r.blas = cublas_handle(stream, r.at<void>(plan.off_cublas), plan.cublas_bytes);
+  if (plan.kernel == Kernel::kHopperFused && !p.hidden_uniform && reinterpret_cast<uintptr_t>(r.x) % 16 != 0)
+    throw_invalid("workspace: expected a 16-byte aligned pointer (the fused Hopper kernels read the copy of hidden "
+                  "kept there through a TMA descriptor), got a misaligned one");
   switch (p.mode) {
     case Mode::kForward: r.forward(); break;
     case Mode::kForwardBackward: r.forward_backward(); break;

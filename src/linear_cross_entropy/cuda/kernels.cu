@@ -199,6 +199,46 @@ __global__ void copy_rows_kernel(const E* src, const RowLayout rows, int64_t n, 
   }
 }
 
+__global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t tiles, const int64_t* target,
+                                   const ce::KernelParams p, const Scalars* scalars, float* loss, float* lse) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+    const int64_t t = target[r];
+    const ce::RowKind kind = ce::classify(p, t);
+    if (kind != ce::RowKind::kValid) {  // uniform over the warp
+      if (lane == 0) {
+        const float v = kind == ce::RowKind::kBad ? NAN : 0.f;
+        loss[r] = v;
+        if (lse) lse[r] = v;
+      }
+      continue;
+    }
+    const float4* row = partials + r * tiles;
+    float m = -INFINITY, s = 0.f, xt = 0.f, swx = 0.f;
+    for (int64_t j = lane; j < tiles; j += 32) m = ce::max_nan(m, row[j].x);
+    for (int o = 16; o > 0; o >>= 1) m = ce::max_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    for (int64_t j = lane; j < tiles; j += 32) {
+      const float4 q = row[j];
+      if (q.x != -INFINITY) s += q.y * expf(q.x - m);  // accurate exp: a few terms per row, not a hot loop
+      xt += q.z;
+      swx += q.w;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+      xt += __shfl_xor_sync(0xFFFFFFFFu, xt, o);
+      swx += __shfl_xor_sync(0xFFFFFFFFu, swx, o);
+    }
+    if (lane == 0) {
+      // NaN, +inf (an infinite logit) or -inf (every logit -inf) as the maximum: NaN, as the row kernels give.
+      const ce::RowStats st{isfinite(m) ? m + logf(s) : NAN, xt, swx};
+      const ce::LossTerms lt = ce::row_loss(st, ce::target_weight(p, t), scalars->weight_sum, p.eps, p.inv_v, p.z);
+      loss[r] = lt.loss;
+      if (lse) lse[r] = st.lse;
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kReduceThreads) reduce_loss_kernel(const float* row_loss, int64_t n,
                                                                      const Scalars* scalars, float* loss) {
   __shared__ double sh[kReduceThreads / 32];
@@ -286,6 +326,17 @@ void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t
                                                                  static_cast<uint16_t*>(dst));
   }
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy row copy");
+}
+
+void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
+                        const ce::KernelParams& ce, const Scalars* scalars, float* loss, float* lse, int sm_count,
+                        cudaStream_t stream) {
+  if (rows <= 0) return;
+  constexpr int kThreads = 256;
+  const int64_t blocks = std::min<int64_t>((rows + kThreads / 32 - 1) / (kThreads / 32), int64_t{sm_count} * 8);
+  finish_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(partials), rows, tiles, target, ce, scalars, loss, lse);
+  LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy fused row statistics");
 }
 
 void launch_reduce_loss(const float* row_loss, int64_t n, const Scalars* scalars, float* loss, cudaStream_t stream) {

@@ -31,6 +31,13 @@ void launch_cast(const float* src, int64_t src_ld, int64_t rows, int64_t cols, v
 void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t h, int elem_bytes, void* dst,
                       int sm_count, cudaStream_t stream);
 
+// The rows' loss and lse from the fused forward's tile statistics partials [rows, tiles, 4] (hopper.h): one warp
+// per row combines its tiles as a vocabulary-parallel finalize combines shards (include/logitless/vocab_parallel.h)
+// and applies the cross-entropy's row loss. lse may be nullptr. ce: the row kinds, class weights and options.
+void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
+                        const ce::KernelParams& ce, const Scalars* scalars, float* loss, float* lse, int sm_count,
+                        cudaStream_t stream);
+
 // loss[0] = sum of row_loss[0, n) (in double, fixed order) * scalars->inv_denom; 0 for n = 0.
 void launch_reduce_loss(const float* row_loss, int64_t n, const Scalars* scalars, float* loss, cudaStream_t stream);
 

@@ -55,6 +55,10 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   const size_t budget = std::max<size_t>(in.memory_budget, 1);
   const bool grads = in.pass != Pass::kForward;
   p.dlogits_in_place = grads && es == 4;
+  if (in.fused && es == 2 && !in.steps && !(in.pass == Pass::kBackward && in.need_db)) p.kernel = Kernel::kHopperFused;
+  const bool fused = p.kernel == Kernel::kHopperFused;
+  // The fused forward's statistics: 16 bytes per token and 256-column tile.
+  const int64_t stats_row = fused && in.pass != Pass::kBackward ? 16 * ceil_div(V, kFusedTileCols) : 0;
 
   if (in.steps) {
     // Chunks of exactly chunk_tokens (every rank's exchange pairs them up). float32 inputs form the gradient in
@@ -81,7 +85,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   } else if (in.pass != Pass::kBackward) {
     // Token chunks of whole rows: the statistics of a row need all of its V logits.
     p.ld_logits = round_up(V, 8);  // 32-byte float32 rows; 16-byte rows of a 16-bit gradient alike
-    const int64_t logits_row = 4 * p.ld_logits;
+    // The fused forward keeps no logits, only their tile statistics.
+    const int64_t logits_row = (fused && in.pass == Pass::kForward ? 0 : 4 * p.ld_logits) + stats_row;
     if (in.pass == Pass::kForward || p.dlogits_in_place) {
       p.chunk_rows = in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, logits_row);
       p.chunk_rows = std::min(p.chunk_rows, std::max<int64_t>(N, 1));
@@ -125,11 +130,14 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     // Vocabulary chunks over every token: each chunk of grad_weight rows is complete when written (no
     // grad_weight accumulator); grad_hidden sums over the chunks.
     const int64_t tokens = std::max<int64_t>(N, 1);
-    const int64_t per_col = 4 * tokens + (p.dlogits_in_place ? 0 : es * tokens);
+    // The fused backward writes the gradient from the GEMM's accumulators: no float32 logits.
+    const int64_t per_col = (fused ? 0 : 4 * tokens) + (p.dlogits_in_place ? 0 : es * tokens);
     if (in.chunk_vocab > 0) {
       p.vocab_cols = std::min(in.chunk_vocab, V);
     } else {
       p.vocab_cols = std::min(fit(budget, per_col), V);
+      // Whole 256-column tiles of the fused GEMM per chunk.
+      if (fused && p.vocab_cols >= kFusedTileCols) p.vocab_cols = p.vocab_cols / kFusedTileCols * kFusedTileCols;
       const size_t acc = in.need_dx && !in.grad_hidden_f32 ? static_cast<size_t>(4 * N * H) : 0;
       if (p.vocab_cols < V && acc > 0 && static_cast<size_t>(per_col * round_up(V, 8)) <= budget + acc)
         p.vocab_cols = V;
@@ -146,7 +154,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   p.off_targets = L.add(static_cast<size_t>(N) * 8);
   if (in.pass != Pass::kBackward && !in.reduction_none) p.off_row_loss = L.add(static_cast<size_t>(N) * 4);
   if (in.pass == Pass::kForwardBackward) p.off_lse = L.add(static_cast<size_t>(N) * 4);
-  if (in.pass != Pass::kBackward) {
+  if (in.pass != Pass::kBackward && !fused) {  // the fused path's row kernel needs no scratch
     p.ce_bytes = in.ce_workspace_bytes ? in.ce_workspace_bytes(p.chunk_rows) : 0;
     if (p.ce_bytes) p.off_ce = L.add(p.ce_bytes);
   }
@@ -155,13 +163,14 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (p.cublas_bytes) p.off_cublas = L.add(p.cublas_bytes);
     if (in.copy_hidden) p.off_hidden = L.add(static_cast<size_t>(N * H * es));
     if (in.pass == Pass::kBackward) {
-      p.off_logits = L.add(static_cast<size_t>(N * p.ld_logits * 4));
+      if (!fused) p.off_logits = L.add(static_cast<size_t>(N * p.ld_logits * 4));
       if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(N * p.ld_dlogits * es));
       if (p.dx_accumulator) p.off_dx = L.add(static_cast<size_t>(N * H * 4));
       if (in.need_db) p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
     } else {
+      if (fused) p.off_partials = L.add(static_cast<size_t>(p.chunk_rows * stats_row));
       p.slot_bytes = static_cast<size_t>(p.chunk_rows * p.ld_logits * 4);
-      p.off_logits = L.add(p.slot_bytes);
+      if (!(fused && in.pass == Pass::kForward)) p.off_logits = L.add(p.slot_bytes);
       if (in.steps) {
         p.slot_bytes = (p.slot_bytes + 255) / 256 * 256;
         L.add(p.slot_bytes);  // the second slot, right after the first
@@ -203,6 +212,9 @@ bool recompute_is_faster(const PlanInputs& gif) {
   const double chunk = static_cast<double>(fb.chunk_rows);
   if (chunk < kFlopsPerByte)
     gif_cost += static_cast<double>(ceil_div(gif.n, fb.chunk_rows)) * 2.0 * V * H * (1.0 - chunk / kFlopsPerByte);
+  // The fused Hopper kernels move fewer bytes per logit (10 and 2 instead of 14 and 18), but their logits GEMM
+  // is slower than cuBLAS's (measured 2026-11-22, bench/RESULTS.md), and with the same terms the model still
+  // ranks the three shapes as they measured with them; so one model for both kernels.
   double rec_cost = 2.0 * N * H * V / kFlopsPerByte + 4.0 * N * V;
   if (bw.dx_accumulator) rec_cost += static_cast<double>(ceil_div(gif.v, bw.vocab_cols) - 1) * 8.0 * N * H;
   return rec_cost < gif_cost;

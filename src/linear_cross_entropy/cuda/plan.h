@@ -8,10 +8,15 @@
 
 namespace logitless::lce {
 
-// Which implementation runs a plan. Today the generic one: cuBLAS GEMMs per chunk with the row kernels in
-// between (any GPU from sm_80). A Hopper kernel that computes the softmax statistics in the logits GEMM's
-// epilogue (WGMMA/TMA) is meant to become a second value here, chosen by the planner from the device.
-enum class Kernel : int32_t { kCublasChunked = 0 };
+// Which implementation runs a plan's logits GEMMs.
+//  * kCublasChunked (any GPU from sm_80): cuBLAS writes float32 logits; the cross-entropy family's row kernel
+//    reads them for the statistics, this family's gradient kernel for the gradient.
+//  * kHopperFused (sm_90a, 16-bit inputs; cuda/hopper.h): the logits GEMM computes the statistics (and, in the
+//    recompute backward, the gradient) in its epilogue. The forward keeps no logits; the gradient in forward
+//    keeps the float32 chunk for its gradient kernel but skips the statistics pass; the backward writes the
+//    16-bit gradient straight from the accumulators (not with a bias gradient: that backward stays generic).
+//    The grad_hidden / grad_weight GEMMs are cuBLAS's either way.
+enum class Kernel : int32_t { kCublasChunked = 0, kHopperFused = 1 };
 
 enum class Pass : int32_t { kForward = 0, kForwardBackward = 1, kBackward = 2 };
 
@@ -19,6 +24,9 @@ enum class Pass : int32_t { kForward = 0, kForwardBackward = 1, kBackward = 2 };
 // of the chunk's width per 32 rows, small enough to keep (a 256-token chunk of V=128256: 4 MB) while a
 // 256-token chunk still gives 8 CTAs per 1024 columns, about 1000 CTAs at V=128256.
 inline constexpr int64_t kGradRowsPerBlock = 32;
+
+// Columns of one tile of the fused Hopper GEMM: its forward writes 4 floats of statistics per token and tile.
+inline constexpr int64_t kFusedTileCols = 256;
 
 struct PlanInputs {
   Pass pass = Pass::kForward;
@@ -29,6 +37,7 @@ struct PlanInputs {
   bool grad_weight_f32 = false;
   bool copy_hidden = false;        // hidden's rows do not have one stride a GEMM can take
   bool reduction_none = false;     // per-token losses go straight to the output
+  bool fused = false;              // the device and operands take the fused Hopper kernels (hopper.h)
   // The vocabulary-parallel gradient-in-forward steps (include/logitless/vocab_parallel.h): pass
   // kForwardBackward with chunks of exactly chunk_tokens (agreed between the ranks), two float32 logits slots
   // (a chunk's logits wait in one while the next chunk's are computed), groups of whole chunks.
@@ -77,6 +86,7 @@ struct Plan {
   size_t off_dx = kNone;        // float32 [N, H]
   size_t off_db = kNone;        // float32 [V]
   size_t off_db_partial = kNone;  // float32 [db_partial_rows, width]
+  size_t off_partials = kNone;  // kHopperFused forward: float32 [chunk_rows, ceil(V / 256), 4] tile statistics
   size_t bytes = 0;             // total
 };
 

@@ -1,0 +1,69 @@
+// The Hopper logits GEMM of the linear cross-entropy (sm_90a: TMA loads, WGMMA, a persistent warp-specialized
+// CTA): Z = X · Wᵀ (+ bias) for a block of tokens against a block of classes, with the cross-entropy's per-row
+// work done in the epilogue on the float32 accumulators, so that no logit goes through device memory unless asked:
+//   * stats:    per (row, 256-column tile) the partial statistics of include/logitless/vocab_parallel.h
+//               (max, sum of exp, the target's logit, sum of w x): the cross-entropy family's shard finalize
+//               combines the tiles into lse and the loss. Optionally the float32 logits too.
+//   * gradient: d(loss)/dZ from a known lse, in the inputs' dtype, straight into the buffer the grad_hidden and
+//               grad_weight GEMMs read.
+// Host interface only (no CUTLASS types): the kernels live in hopper.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cross_entropy/cuda/params.h"
+#include "linear_cross_entropy/cuda/params.h"
+#include "linear_cross_entropy/cuda/plan.h"  // kFusedTileCols
+#include "logitless/tensor.h"
+
+namespace logitless::lce {
+
+struct FusedGemmParams {
+  DType dtype = DType::kBFloat16;  // of x and w: bf16 or fp16
+  const void* x = nullptr;         // [m, k], row stride ldx (elements)
+  int64_t ldx = 0;
+  const void* w = nullptr;         // [n, k], row stride ldw: the weight rows of classes col0 .. col0 + n
+  int64_t ldw = 0;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t col0 = 0;                // the class of column 0, relative to ce.vocab_offset
+  const void* bias = nullptr;      // bias[(col0 + c) * bias_stride] or nullptr
+  DType bias_dtype = DType::kFloat32;
+  int64_t bias_stride = 1;
+  const int64_t* target = nullptr;  // [m]
+  ce::KernelParams ce;              // ignore_index, vocab_total, vocab_offset, eps, inv_v, z, softcap, weight
+
+  // stats
+  float* partials = nullptr;  // [m, ceil(n / kFusedTileCols), 4]
+  float* logits = nullptr;    // optional: float32 [m, ld_logits]
+  int64_t ld_logits = 0;
+
+  // gradient
+  const float* lse = nullptr;       // [m]
+  const float* upstream = nullptr;  // nullptr (1), [1] or [m] (upstream_per_row)
+  int upstream_per_row = 0;
+  const Scalars* scalars = nullptr;
+  void* dlogits = nullptr;          // [m, ld_dlogits] in dtype
+  int64_t ld_dlogits = 0;
+};
+
+// Whether this build has the fused kernels and the device and operands suit them: compute capability 9.0, 16-bit
+// inputs, both operands' base addresses 16-byte aligned and their row strides multiples of 8 elements (what a
+// TMA descriptor takes), k >= 1.
+bool fused_gemm_supported(int device, DType dtype, const void* x, int64_t ldx, const void* w, int64_t ldw, int64_t k);
+
+// Test and benchmark hooks (not public API): the fused kernels on or off for every later call in the process
+// (on by default; off from the start with the environment variable LOGITLESS_LCE_KERNEL=generic), and which
+// kernel the last call on this thread planned.
+namespace debug {
+bool fused_kernels_built();  // this build has them (it found the CUTLASS headers)
+void set_fused_kernels(bool enabled);
+bool fused_kernels_enabled();
+Kernel last_kernel();
+}  // namespace debug
+
+void launch_fused_stats(const FusedGemmParams& p, int sm_count, cudaStream_t stream);
+void launch_fused_grad(const FusedGemmParams& p, int sm_count, cudaStream_t stream);
+
+}  // namespace logitless::lce
