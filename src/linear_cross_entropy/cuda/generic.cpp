@@ -63,8 +63,8 @@ bool fused_default() {
 std::atomic<bool> g_fused_enabled{fused_default()};
 thread_local Kernel t_last_kernel = Kernel::kCublasChunked;
 
-// Whether the fused Hopper kernels can run this call: the forward, the gradient in forward and the backward of
-// one device (a backward of a vocabulary shard too), on operands a TMA descriptor takes. hidden's copy (rows
+// Whether the fused Hopper kernels can run this call (the planner picks them for the forward and the backward):
+// one device's calls (a backward of a vocabulary shard too), on operands a TMA descriptor takes. hidden's copy (rows
 // without one stride) is contiguous in the workspace, whose pointer run_cuda checks.
 bool fused_allowed(const Problem& p) {
   if (!g_fused_enabled.load(std::memory_order_relaxed)) return false;
@@ -185,13 +185,10 @@ struct Run {
     return f;
   }
 
-  // The fused forward of a token chunk: tile statistics in the GEMM's epilogue (and the float32 logits into z
-  // when given), then the rows' loss and lse.
-  void fused_row_stats(int64_t r0, int64_t rows, float* z, int64_t ld, float* loss_rows, float* lse_rows) const {
+  // The fused forward of a token chunk: tile statistics in the GEMM's epilogue, then the rows' loss and lse.
+  void fused_row_stats(int64_t r0, int64_t rows, float* loss_rows, float* lse_rows) const {
     FusedGemmParams f = fused_params(r0, rows, 0, p.vocab);
     f.partials = at<float>(plan.off_partials);
-    f.logits = z;
-    f.ld_logits = ld;
     launch_fused_stats(f, sm_count, stream);
     launch_finish_rows(f.partials, rows, (p.vocab + kFusedTileCols - 1) / kFusedTileCols, targets + r0, f.ce, scalars,
                        loss_rows, lse_rows, sm_count, stream);
@@ -255,7 +252,7 @@ struct Run {
     for (int64_t r0 = 0; r0 < N; r0 += S) {
       const int64_t rows = std::min(S, N - r0);
       if (fused()) {
-        fused_row_stats(r0, rows, nullptr, 0, loss_rows(r0), p.lse ? p.lse + r0 : nullptr);
+        fused_row_stats(r0, rows, loss_rows(r0), p.lse ? p.lse + r0 : nullptr);
         continue;
       }
       logits(z, plan.ld_logits, r0, rows, 0, p.vocab);
@@ -280,12 +277,8 @@ struct Run {
       const int64_t grows = std::min(G, N - g0);
       for (int64_t r0 = g0; r0 < g0 + grows; r0 += S) {
         const int64_t rows = std::min(S, g0 + grows - r0);
-        if (fused()) {
-          fused_row_stats(r0, rows, z, plan.ld_logits, loss_rows(r0), lse + r0);
-        } else {
-          logits(z, plan.ld_logits, r0, rows, 0, V);
-          row_stats(z, plan.ld_logits, r0, rows, loss_rows(r0), lse + r0);
-        }
+        logits(z, plan.ld_logits, r0, rows, 0, V);
+        row_stats(z, plan.ld_logits, r0, rows, loss_rows(r0), lse + r0);
         g.logits = z;
         g.ld_logits = plan.ld_logits;
         g.dlogits = dz + (r0 - g0) * plan.ld_dlogits * es;

@@ -4,8 +4,12 @@
 // (classes, [256, 64] tiles) into a 4-stage ring of 128-byte-swizzled shared memory; the other two each own 64
 // rows of the 128 x 256 output tile and run m64n256k16 WGMMAs on it (float32 accumulators, 128 per thread). A
 // stage goes back to the producer as soon as both consumer warpgroups' WGMMAs on it have retired, so the loads
-// of the next tile overlap the epilogue of this one. Tiles go in groups of 16 token tiles, class tiles inner, so
-// a wave of CTAs shares a few token and class tiles in L2.
+// of the next tile overlap the epilogue of this one.
+//
+// CTAs run in clusters of two on adjacent token tiles of one class tile: each loads its own A and half of B,
+// multicast to both, so a CTA reads 32 KB per k step from L2 instead of 48. A stage is refilled only when the consumers of both CTAs
+// have released it (its empty barrier counts four arrivals). Tile pairs go in groups of 8, class tiles inner,
+// so a wave of clusters shares a few token and class tiles in L2.
 //
 // Epilogue, per thread: two rows (r and r + 8 of its warp's 16) and 64 columns (pairs at 8-column steps): the
 // accumulator layout of WGMMA. Row statistics reduce over the 4 lanes that share a row.
@@ -32,7 +36,8 @@ using namespace cute;
 
 constexpr int kBM = 128, kBN = static_cast<int>(kFusedTileCols), kBK = 64, kStages = 4;
 constexpr int kThreads = 384;     // a producer warpgroup, two consumer warpgroups
-constexpr int kGroupTiles = 16;   // token tiles per raster group
+constexpr int kCluster = 2;       // CTAs per cluster: token tiles sharing one class tile
+constexpr int kGroupTiles = 8;    // token-tile pairs per raster group
 
 template <typename T>
 struct MmaOf;
@@ -110,28 +115,15 @@ __device__ __forceinline__ void store_pair(T* dst, bool both, float a, float b) 
   }
 }
 
-// The accumulators after bias (raw logits, as the generic path's GEMM writes them) and, where asked, the float32
-// logits out. Columns past n become -inf (they are the TMA's zero fill).
+// The accumulators plus the bias: the raw logits, as the generic path's GEMM writes them.
 template <class Acc, class Crd>
-__device__ __forceinline__ void finish_logits(const FusedGemmParams& p, Acc& acc, const Crd& crd, int64_t m0,
-                                              int64_t n0, int64_t rows_left, int64_t cols_left) {
+__device__ __forceinline__ void add_bias(const FusedGemmParams& p, Acc& acc, const Crd& crd, int64_t n0,
+                                         int64_t cols_left) {
+  if (!p.bias) return;
   CUTE_UNROLL
   for (int e = 0; e < size(acc); ++e) {
     const int c = get<1>(crd(e));
-    if (p.bias && c < cols_left) acc(e) += bias_at(p, n0 + c);
-  }
-  if (p.logits) {
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc); e += 2) {
-      const int r = get<0>(crd(e)), c = get<1>(crd(e));
-      if (r >= rows_left || c >= cols_left) continue;
-      float* dst = p.logits + (m0 + r) * p.ld_logits + n0 + c;
-      if (c + 1 < cols_left) {
-        *reinterpret_cast<float2*>(dst) = make_float2(acc(e), acc(e + 1));
-      } else {
-        *dst = acc(e);
-      }
-    }
+    if (c < cols_left) acc(e) += bias_at(p, n0 + c);
   }
 }
 
@@ -140,7 +132,7 @@ template <bool kGeneral, class Acc, class Crd>
 __device__ __forceinline__ void epilogue_stats(const FusedGemmParams& p, Acc& acc, const Crd& crd, int64_t m0,
                                                int64_t n0, int nt) {
   const int64_t rows_left = p.m - m0, cols_left = p.n - n0;
-  finish_logits(p, acc, crd, m0, n0, rows_left, cols_left);
+  add_bias(p, acc, crd, n0, cols_left);
   int row[2];
   int64_t tcol[2];  // the target's column within this tile (outside [0, kBN) when elsewhere)
   float mx[2] = {-INFINITY, -INFINITY};
@@ -195,7 +187,7 @@ template <typename T, bool kGeneral, class Acc, class Crd>
 __device__ __forceinline__ void epilogue_grad(const FusedGemmParams& p, Acc& acc, const Crd& crd, int64_t m0,
                                               int64_t n0) {
   const int64_t rows_left = p.m - m0, cols_left = p.n - n0;
-  finish_logits(p, acc, crd, m0, n0, rows_left, cols_left);
+  add_bias(p, acc, crd, n0, cols_left);
   const float W = p.scalars->weight_sum, inv_denom = p.scalars->inv_denom;
   int row[2];
   ce::RowKind kind[2];
@@ -259,18 +251,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Cfg::SmemB{});  // (BN, BK, stage)
 
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-  const int num_m = (m + kBM - 1) / kBM, num_n = (n + kBN - 1) / kBN, tiles = num_m * num_n;
+  const int num_m = (m + kBM - 1) / kBM, num_n = (n + kBN - 1) / kBN;
   const int k_tiles = (k + kBK - 1) / kBK;
   const int wg = threadIdx.x / 128;
 
+  const int rank = static_cast<int>(cute::block_rank_in_cluster());
+  const int pairs = (num_m + kCluster - 1) / kCluster * num_n, clusters = gridDim.x / kCluster;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       FullBarrier::init(&smem.full[s], 1);
-      EmptyBarrier::init(&smem.empty[s], 2);  // one arrival per consumer warpgroup
+      EmptyBarrier::init(&smem.empty[s], 2 * kCluster);  // each consumer warpgroup of both CTAs
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  cute::cluster_sync();  // the peer's barriers are initialized before anything multicasts into them
 
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
@@ -279,18 +273,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       Tensor mB = tma_b.get_tma_tensor(make_shape(n, k));
       int stage = 0;
       uint32_t phase = 0;
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int mt, nt;
-        tile_coords(tile, num_m, num_n, mt, nt);
+      for (int pair = blockIdx.x / kCluster; pair < pairs; pair += clusters) {
+        int mp, nt;
+        tile_coords(pair, (num_m + kCluster - 1) / kCluster, num_n, mp, nt);
+        const int mt = mp * kCluster + rank;  // past the last token tile when num_m is odd: zeros, nothing stored
         Tensor gA = local_tile(mA, make_shape(Int<kBM>{}, Int<kBK>{}), make_coord(mt, _));  // (BM, BK, k)
         Tensor gB = local_tile(mB, make_shape(Int<kBN>{}, Int<kBK>{}), make_coord(nt, _));  // (BN, BK, k)
         auto [tAgA, tAsA] = tma_partition(tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
-        auto [tBgB, tBsB] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
+        auto [tBgB, tBsB] =
+            tma_partition(tma_b, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
         for (int kt = 0; kt < k_tiles; ++kt) {
           EmptyBarrier::wait(&smem.empty[stage], phase ^ 1);
-          FullBarrier::arrive_and_expect_tx(&smem.full[stage], Cfg::kStageBytes);
+          FullBarrier::arrive_and_expect_tx(&smem.full[stage], Cfg::kStageBytes);  // A, our half of B, the peer's
           copy(tma_a.with(smem.full[stage]), tAgA(_, kt), tAsA(_, stage));
-          copy(tma_b.with(smem.full[stage]), tBgB(_, kt), tBsB(_, stage));
+          copy(tma_b.with(smem.full[stage], static_cast<uint16_t>((1u << kCluster) - 1)), tBgB(_, kt), tBsB(_, stage));
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       }
@@ -307,11 +303,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     Tensor crd = thr.partition_C(make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{})));
     Tensor acc = partition_fragment_C(mma, make_shape(Int<kBM>{}, Int<kBN>{}));
     const bool releaser = (ct & 127) == 0;
+    // A stage is free for the producers once this warpgroup's WGMMAs on it have retired: tell both CTAs.
+    const auto release = [&](int s) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCluster; ++c) EmptyBarrier::arrive(&smem.empty[s], c, releaser);
+    };
     int stage = 0;
     uint32_t phase = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      int mt, nt;
-      tile_coords(tile, num_m, num_n, mt, nt);
+    for (int pair = blockIdx.x / kCluster; pair < pairs; pair += clusters) {
+      int mp, nt;
+      tile_coords(pair, (num_m + kCluster - 1) / kCluster, num_n, mp, nt);
+      const int mt = mp * kCluster + rank;
       mma.accumulate_ = GMMA::ScaleOut::Zero;
       int prev = -1;
       for (int kt = 0; kt < k_tiles; ++kt) {
@@ -326,13 +328,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         warpgroup_commit_batch();
         warpgroup_wait<1>();  // the previous k tile's WGMMAs have retired: its stage is free
         warpgroup_fence_operand(acc);
-        if (prev >= 0 && releaser) EmptyBarrier::arrive(&smem.empty[prev]);
+        if (prev >= 0) release(prev);
         prev = stage;
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
-      if (prev >= 0 && releaser) EmptyBarrier::arrive(&smem.empty[prev]);
+      if (prev >= 0) release(prev);
       const int64_t m0 = static_cast<int64_t>(mt) * kBM, n0 = static_cast<int64_t>(nt) * kBN;
       if constexpr (kGrad) {
         epilogue_grad<T, kGeneral>(p, acc, crd, m0, n0);
@@ -341,6 +343,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  // Neither CTA leaves while its peer may still multicast into its shared memory or arrive on its barriers.
+  __syncwarp();
+  cute::cluster_sync();
 #endif
 }
 
@@ -351,13 +356,31 @@ void launch_typed(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
   Tensor mA = make_tensor(make_gmem_ptr(static_cast<const T*>(p.x)), make_shape(m, k), make_stride(p.ldx, Int<1>{}));
   Tensor mB = make_tensor(make_gmem_ptr(static_cast<const T*>(p.w)), make_shape(n, k), make_stride(p.ldw, Int<1>{}));
   auto tma_a = make_tma_copy(SM90_TMA_LOAD{}, mA, typename Cfg::SmemA{}(_, _, 0));
-  auto tma_b = make_tma_copy(SM90_TMA_LOAD{}, mB, typename Cfg::SmemB{}(_, _, 0));
+  auto tma_b = make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, mB, typename Cfg::SmemB{}(_, _, 0), Int<kCluster>{});
   auto* kernel = &fused_kernel<T, kGrad, kGeneral, decltype(tma_a), decltype(tma_b)>;
   const int smem = static_cast<int>(kSmemBytes<T>);
   LOGITLESS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const int64_t tiles = ((p.m + kBM - 1) / kBM) * ((p.n + kBN - 1) / kBN);
-  const int grid = static_cast<int>(std::min<int64_t>(tiles, sm_count));
-  kernel<<<grid, kThreads, smem, stream>>>(p, tma_a, tma_b);
+  const int64_t pairs = ((p.m + kCluster * kBM - 1) / (kCluster * kBM)) * ((p.n + kBN - 1) / kBN);
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  // As many clusters as fit at once (the GPCs may not pair every SM), at most one per tile pair.
+  cfg.gridDim = dim3(static_cast<unsigned>(kCluster * std::max(1, sm_count / kCluster)));
+  int resident = 0;
+  if (cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg) != cudaSuccess || resident < 1) {
+    (void)cudaGetLastError();
+    resident = std::max(1, sm_count / kCluster);
+  }
+  cfg.gridDim = dim3(static_cast<unsigned>(kCluster * std::min<int64_t>(pairs, resident)));
+  LOGITLESS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tma_a, tma_b));
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy fused logits GEMM");
 }
 

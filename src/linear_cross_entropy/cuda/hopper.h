@@ -2,8 +2,8 @@
 // CTA): Z = X · Wᵀ (+ bias) for a block of tokens against a block of classes, with the cross-entropy's per-row
 // work done in the epilogue on the float32 accumulators, so that no logit goes through device memory unless asked:
 //   * stats:    per (row, 256-column tile) the partial statistics of include/logitless/vocab_parallel.h
-//               (max, sum of exp, the target's logit, sum of w x): the cross-entropy family's shard finalize
-//               combines the tiles into lse and the loss. Optionally the float32 logits too.
+//               (max, sum of exp, the target's logit, sum of w x); launch_finish_rows (kernels.h) combines the
+//               tiles into lse and the loss.
 //   * gradient: d(loss)/dZ from a known lse, in the inputs' dtype, straight into the buffer the grad_hidden and
 //               grad_weight GEMMs read.
 // Host interface only (no CUTLASS types): the kernels live in hopper.cu.
@@ -36,8 +36,6 @@ struct FusedGemmParams {
 
   // stats
   float* partials = nullptr;  // [m, ceil(n / kFusedTileCols), 4]
-  float* logits = nullptr;    // optional: float32 [m, ld_logits]
-  int64_t ld_logits = 0;
 
   // gradient
   const float* lse = nullptr;       // [m]

@@ -55,10 +55,14 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   const size_t budget = std::max<size_t>(in.memory_budget, 1);
   const bool grads = in.pass != Pass::kForward;
   p.dlogits_in_place = grads && es == 4;
-  if (in.fused && es == 2 && !in.steps && !(in.pass == Pass::kBackward && in.need_db)) p.kernel = Kernel::kHopperFused;
+  // The fused kernels serve the forward and the recompute backward. The gradient in forward stays generic: its
+  // token chunks are short (192 to 1024 rows at the default budget), where the fused GEMM's 256-row cluster tiles
+  // measured slower than cuBLAS (bench/RESULTS.md, 2026-11-22).
+  if (in.fused && es == 2 && !in.steps && in.pass != Pass::kForwardBackward && !(in.pass == Pass::kBackward && in.need_db))
+    p.kernel = Kernel::kHopperFused;
   const bool fused = p.kernel == Kernel::kHopperFused;
   // The fused forward's statistics: 16 bytes per token and 256-column tile.
-  const int64_t stats_row = fused && in.pass != Pass::kBackward ? 16 * ceil_div(V, kFusedTileCols) : 0;
+  const int64_t stats_row = fused && in.pass == Pass::kForward ? 16 * ceil_div(V, kFusedTileCols) : 0;
 
   if (in.steps) {
     // Chunks of exactly chunk_tokens (every rank's exchange pairs them up). float32 inputs form the gradient in
@@ -86,7 +90,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     // Token chunks of whole rows: the statistics of a row need all of its V logits.
     p.ld_logits = round_up(V, 8);  // 32-byte float32 rows; 16-byte rows of a 16-bit gradient alike
     // The fused forward keeps no logits, only their tile statistics.
-    const int64_t logits_row = (fused && in.pass == Pass::kForward ? 0 : 4 * p.ld_logits) + stats_row;
+    const int64_t logits_row = fused ? stats_row : 4 * p.ld_logits;
     if (in.pass == Pass::kForward || p.dlogits_in_place) {
       p.chunk_rows = in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, logits_row);
       p.chunk_rows = std::min(p.chunk_rows, std::max<int64_t>(N, 1));
@@ -170,7 +174,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     } else {
       if (fused) p.off_partials = L.add(static_cast<size_t>(p.chunk_rows * stats_row));
       p.slot_bytes = static_cast<size_t>(p.chunk_rows * p.ld_logits * 4);
-      if (!(fused && in.pass == Pass::kForward)) p.off_logits = L.add(p.slot_bytes);
+      if (!fused) p.off_logits = L.add(p.slot_bytes);
       if (in.steps) {
         p.slot_bytes = (p.slot_bytes + 255) / 256 * 256;
         L.add(p.slot_bytes);  // the second slot, right after the first

@@ -11,11 +11,10 @@ namespace logitless::lce {
 // Which implementation runs a plan's logits GEMMs.
 //  * kCublasChunked (any GPU from sm_80): cuBLAS writes float32 logits; the cross-entropy family's row kernel
 //    reads them for the statistics, this family's gradient kernel for the gradient.
-//  * kHopperFused (sm_90a, 16-bit inputs; cuda/hopper.h): the logits GEMM computes the statistics (and, in the
-//    recompute backward, the gradient) in its epilogue. The forward keeps no logits; the gradient in forward
-//    keeps the float32 chunk for its gradient kernel but skips the statistics pass; the backward writes the
-//    16-bit gradient straight from the accumulators (not with a bias gradient: that backward stays generic).
-//    The grad_hidden / grad_weight GEMMs are cuBLAS's either way.
+//  * kHopperFused (sm_90a, 16-bit inputs; cuda/hopper.h): the logits GEMM computes the statistics (forward) or
+//    the gradient (recompute backward) in its epilogue: the forward keeps no logits, the backward writes the
+//    16-bit gradient straight from the accumulators. Not for the gradient in forward (see plan.cpp) nor a
+//    backward with a bias gradient. The grad_hidden / grad_weight GEMMs are cuBLAS's either way.
 enum class Kernel : int32_t { kCublasChunked = 0, kHopperFused = 1 };
 
 enum class Pass : int32_t { kForward = 0, kForwardBackward = 1, kBackward = 2 };
