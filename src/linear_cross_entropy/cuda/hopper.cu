@@ -7,9 +7,9 @@
 // of the next tile overlap the epilogue of this one.
 //
 // CTAs run in clusters of two on adjacent token tiles of one class tile: each loads its own A and half of B,
-// multicast to both, so a CTA reads 32 KB per k step from L2 instead of 48. A stage is refilled only when the consumers of both CTAs
-// have released it (its empty barrier counts four arrivals). Tile pairs go in groups of 8, class tiles inner,
-// so a wave of clusters shares a few token and class tiles in L2.
+// multicast to both, so a CTA reads 32 KB per k step from L2 instead of 48. A stage is refilled only when the
+// consumers of both CTAs have released it (its empty barrier counts four arrivals). Tile pairs go in groups of 8,
+// class tiles inner, so a wave of clusters shares a few token and class tiles in L2.
 //
 // Epilogue, per thread: two rows (r and r + 8 of its warp's 16) and 64 columns (pairs at 8-column steps): the
 // accumulator layout of WGMMA. Row statistics reduce over the 4 lanes that share a row.
@@ -19,6 +19,7 @@
 
 #include "common/cuda/check.cuh"
 #include "cross_entropy/cuda/device.cuh"
+#include "linear_cross_entropy/cuda/dtype_io.cuh"
 
 #if defined(LOGITLESS_WITH_CUTLASS)
 #include <cute/tensor.hpp>
@@ -80,15 +81,6 @@ __device__ __forceinline__ void tile_coords(int tile, int num_m, int num_n, int&
   nt = r / rows;
 }
 
-__device__ __forceinline__ float bias_at(const FusedGemmParams& p, int64_t c) {
-  const int64_t i = (p.col0 + c) * p.bias_stride;
-  switch (p.bias_dtype) {
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(p.bias)[i]);
-    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p.bias)[i]);
-    default: return static_cast<const float*>(p.bias)[i];
-  }
-}
-
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
@@ -123,7 +115,7 @@ __device__ __forceinline__ void add_bias(const FusedGemmParams& p, Acc& acc, con
   CUTE_UNROLL
   for (int e = 0; e < size(acc); ++e) {
     const int c = get<1>(crd(e));
-    if (c < cols_left) acc(e) += bias_at(p, n0 + c);
+    if (c < cols_left) acc(e) += load_as_float(p.bias, p.bias_dtype, (p.col0 + n0 + c) * p.bias_stride);
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include "common/cuda/check.cuh"
 #include "cross_entropy/cuda/device.cuh"
+#include "linear_cross_entropy/cuda/dtype_io.cuh"
 #include "linear_cross_entropy/cuda/grad_columns.h"
 #include "linear_cross_entropy/cuda/kernels.h"
 #include "linear_cross_entropy/cuda/plan.h"
@@ -17,22 +18,6 @@ namespace {
 constexpr int kReduceThreads = 1024;
 constexpr int kGradThreads = 256;
 constexpr int kEltThreads = 256;
-
-__device__ __forceinline__ float load_as_float(const void* p, DType dt, int64_t i) {
-  switch (dt) {
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
-    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ void store_as(void* p, DType dt, int64_t i, float v) {
-  switch (dt) {
-    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
-    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
-    default: static_cast<float*>(p)[i] = v; break;
-  }
-}
 
 // Fixed thread count and per-thread order: the sums come out bit-identical on every run.
 __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const PrepassParams p) {
@@ -217,18 +202,16 @@ __global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t
     const float4* row = partials + r * tiles;
     float m = -INFINITY, s = 0.f, xt = 0.f, swx = 0.f;
     for (int64_t j = lane; j < tiles; j += 32) m = ce::max_nan(m, row[j].x);
-    for (int o = 16; o > 0; o >>= 1) m = ce::max_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    m = ce::warp_max(m);
     for (int64_t j = lane; j < tiles; j += 32) {
       const float4 q = row[j];
       if (q.x != -INFINITY) s += q.y * expf(q.x - m);  // accurate exp: a few terms per row, not a hot loop
       xt += q.z;
       swx += q.w;
     }
-    for (int o = 16; o > 0; o >>= 1) {
-      s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
-      xt += __shfl_xor_sync(0xFFFFFFFFu, xt, o);
-      swx += __shfl_xor_sync(0xFFFFFFFFu, swx, o);
-    }
+    s = ce::warp_sum(s);
+    xt = ce::warp_sum(xt);
+    swx = ce::warp_sum(swx);
     if (lane == 0) {
       // NaN, +inf (an infinite logit) or -inf (every logit -inf) as the maximum: NaN, as the row kernels give.
       const ce::RowStats st{isfinite(m) ? m + logf(s) : NAN, xt, swx};

@@ -58,8 +58,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   // The fused kernels serve the forward and the recompute backward. The gradient in forward stays generic: its
   // token chunks are short (192 to 1024 rows at the default budget), where the fused GEMM's 256-row cluster tiles
   // measured slower than cuBLAS (bench/RESULTS.md, 2026-11-22).
-  if (in.fused && es == 2 && !in.steps && in.pass != Pass::kForwardBackward && !(in.pass == Pass::kBackward && in.need_db))
-    p.kernel = Kernel::kHopperFused;
+  const bool fused_pass = in.pass == Pass::kForward || (in.pass == Pass::kBackward && !in.need_db);
+  if (in.fused && es == 2 && !in.steps && fused_pass) p.kernel = Kernel::kHopperFused;
   const bool fused = p.kernel == Kernel::kHopperFused;
   // The fused forward's statistics: 16 bytes per token and 256-column tile.
   const int64_t stats_row = fused && in.pass == Pass::kForward ? 16 * ceil_div(V, kFusedTileCols) : 0;
