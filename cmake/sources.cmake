@@ -26,6 +26,7 @@ set(LOGITLESS_CUDA_SOURCES
   src/cross_entropy/cuda/launch.cu
   src/cross_entropy/cuda/row_resident.cu
   src/cross_entropy/cuda/streaming.cu
+  src/linear_cross_entropy/cuda/exp_grad.cu
   src/linear_cross_entropy/cuda/generic.cpp
   src/linear_cross_entropy/cuda/hopper.cu
   src/linear_cross_entropy/cuda/kernels.cu

@@ -9,6 +9,7 @@
 #include <optional>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include "linear_cross_entropy/cuda/grad_columns.h"
 #include "linear_cross_entropy/cuda/plan.h"
@@ -23,7 +24,10 @@ namespace {
 // kPadded: hidden rows with a stride > H (one common stride: the GEMMs read them in place), a weight with
 // padded rows. kShifted: the causal-LM view h[:, :-1, :] of [B, T+1, H] (rows of two strides: copied).
 enum class Layout { kContiguous, kPadded, kShifted };
-enum class Preset { kPlain, kIgnore, kSmoothing, kWeights, kZLoss, kSoftcap, kAll, kAllIgnored, kBadTargetNoCheck };
+// kWide: logits spread over hundreds of units, most targets far below their row's maximum (the fused gradient in
+// forward rewrites such rows: params.h, ExpGradParams).
+enum class Preset { kPlain, kIgnore, kSmoothing, kWeights, kZLoss, kSoftcap, kAll, kAllIgnored, kBadTargetNoCheck,
+                    kWide };
 
 const char* layout_name(Layout l) {
   switch (l) {
@@ -44,6 +48,7 @@ const char* preset_name(Preset p) {
     case Preset::kAll: return "all";
     case Preset::kAllIgnored: return "allignored";
     case Preset::kBadTargetNoCheck: return "badnocheck";
+    case Preset::kWide: return "wide";
   }
   return "?";
 }
@@ -128,7 +133,9 @@ struct LceInputs {
     target.fill_storage_bytes(0x7F);
     hidden.fill_normal(seed, 1.f);
     // Logits of about unit spread (several units with softcap, so that the cap bends them).
-    const float spread = c.preset == Preset::kSoftcap || c.preset == Preset::kAll ? 6.f : 2.f;
+    const float spread = c.preset == Preset::kWide                                 ? 60.f
+                         : c.preset == Preset::kSoftcap || c.preset == Preset::kAll ? 6.f
+                                                                                    : 2.f;
     weight.fill_normal(seed + 1, spread / std::sqrt(static_cast<float>(H)));
     if (c.bias) {
       bias = TestTensor(c.dtype, {V});
@@ -442,6 +449,7 @@ std::vector<LceCase> make_cuda_cases() {
     }
     for (Preset p : {Preset::kAllIgnored, Preset::kBadTargetNoCheck})
       cases.push_back({96, 40, 1001, dt, Layout::kContiguous, p, Reduction::kMean, true});
+    cases.push_back({200, 64, 3001, dt, Layout::kContiguous, Preset::kWide, Reduction::kMean, false});
   }
   return cases;
 }
@@ -518,10 +526,38 @@ TEST(LinearCrossEntropyCudaFused, RunsOnHopperFor16BitInputs) {
     for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
       SCOPED_TRACE(entry_name(e));
       run_backend(in, e, /*dev=*/true, up, nullptr);
-      const bool want = hopper && lce::debug::fused_kernels_built() && c.dtype == DType::kBFloat16 && c.h % 8 == 0 &&
-                        e != Entry::kForwardBackward;
+      // The gradient in forward too: bfloat16 without soft cap or label smoothing takes the exponential form.
+      const bool want = hopper && lce::debug::fused_kernels_built() && c.dtype == DType::kBFloat16 && c.h % 8 == 0;
       EXPECT_EQ(lce::debug::last_kernel(), want ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
     }
+  }
+}
+
+// The fused gradient in forward's row rewrite (exp_fixup), which real inputs reach only for rows far from the usual
+// range (the kWide cases above): every valid row through it, against the CPU backend, for the options the
+// exponential form takes (class weights, z-loss, ignored and bad rows, bias, per-token upstream factors), with
+// one group and with several (a float32 grad_weight accumulator).
+TEST(LinearCrossEntropyCudaFused, RewrittenRowsMatchCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const LceCase cases[] = {
+      {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
+      {333, 96, 7777, DType::kBFloat16, Layout::kPadded, Preset::kIgnore, Reduction::kSum, true},
+      {256, 128, 4099, DType::kBFloat16, Layout::kContiguous, Preset::kWeights, Reduction::kMean, true},
+      {256, 128, 4099, DType::kBFloat16, Layout::kShifted, Preset::kZLoss, Reduction::kNone, false},
+      {96, 40, 1001, DType::kBFloat16, Layout::kContiguous, Preset::kBadTargetNoCheck, Reduction::kMean, true},
+      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kWide, Reduction::kMean, false}};
+  for (const LceCase& c : cases) {
+    SCOPED_TRACE(case_name(c));
+    LceInputs in(c, seed_of(c));
+    const auto up = upstream_for(in, seed_of(c) + 1);
+    const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+    lce::debug::set_exp_fixup_all(true);
+    for (Chunking ch : {Chunking::kDefault, Chunking::kSmall}) {
+      SCOPED_TRACE(chunking_name(ch));
+      const Outputs got = run_backend(in, Entry::kForwardBackward, /*dev=*/true, up, &want.lse, ch);
+      expect_outputs(in, Entry::kForwardBackward, got, want, "cuda rewritten rows", in.c.dtype);
+    }
+    lce::debug::set_exp_fixup_all(false);
   }
 }
 #endif
@@ -795,7 +831,8 @@ void expect_layout_sound(const lce::Plan& p) {
     if (i) EXPECT_LE(regions[i - 1].second, regions[i].first);
   }
   const size_t offs[] = {p.off_scalars, p.off_targets, p.off_row_loss, p.off_lse, p.off_hidden, p.off_logits,
-                         p.off_dlogits, p.off_dw, p.off_dx, p.off_db, p.off_db_partial, p.off_partials};
+                         p.off_dlogits, p.off_dw, p.off_dx, p.off_db, p.off_db_partial, p.off_partials,
+                         p.off_shift, p.off_row_scale, p.off_fixups, p.off_scaled_hidden, p.off_dx_rows};
   for (size_t off : offs)
     if (off != lce::Plan::kNone) {
       EXPECT_EQ(off % 256, 0u);
@@ -858,6 +895,14 @@ TEST(LinearCrossEntropyPlan, RecomputeWhereTheGradientAccumulatorCostsMore) {
   // No accumulator (every token's gradient held): gradient in the forward.
   EXPECT_FALSE(lce::recompute_is_faster(llama_inputs(Pass::kForwardBackward, 8192, 4096, 128256)));
   EXPECT_FALSE(lce::recompute_is_faster(llama_inputs(Pass::kForwardBackward, 4096, 4096, 128256)));
+  // The same with the fused kernels (exponential form): the gradient in forward's 10 accumulations at V=256000
+  // still cost more than the fourth GEMM; at 16384 x 2048 its 9 do not.
+  for (const auto& [n, h, v, want] : {std::tuple{8192, 2304, 256000, true}, std::tuple{16384, 2048, 128256, false},
+                                      std::tuple{8192, 4096, 128256, false}, std::tuple{4096, 4096, 128256, false}}) {
+    lce::PlanInputs f = llama_inputs(Pass::kForwardBackward, n, h, v);
+    f.fused = f.fused_exp = true;
+    EXPECT_EQ(lce::recompute_is_faster(f), want) << n << "x" << h << "x" << v;
+  }
   // A bigger budget removes the accumulations at V=256000 (every token's 4.2 GB gradient fits 4 GiB + the
   // 2.4 GB accumulator it replaces).
   lce::PlanInputs in = llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000);
@@ -929,14 +974,53 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   EXPECT_NE(f.off_partials, lce::Plan::kNone);
   EXPECT_GE(f.bytes - f.off_partials, size_t{8192} * 501 * 16);
   expect_layout_sound(f);
-  // Gradient in forward: generic (its short token chunks run faster through cuBLAS), the plan as without the flag.
+  // Gradient in forward without the exponential form (float16, soft cap, label smoothing): generic, the plan as
+  // without the flag.
   in.pass = lce::Pass::kForwardBackward;
   lce::Plan g = lce::plan_linear_cross_entropy(in);
   EXPECT_EQ(g.kernel, lce::Kernel::kCublasChunked);
   EXPECT_EQ(g.off_partials, lce::Plan::kNone);
+  EXPECT_EQ(g.off_shift, lce::Plan::kNone);
   EXPECT_EQ(g.chunk_rows, 1024);
   EXPECT_EQ(g.group_rows, 8192);
   expect_layout_sound(g);
+  // With it: one GEMM per group, no float32 logits. Per token 2 x 128256 (exponentials) + 16 x 501 (statistics)
+  // + 12 + 2 x 4096 (scaled hidden) + 4 x 4096 (float32 grad_hidden rows) = 289116 bytes: every token's (2.37 GB)
+  // costs less than budget + the float32 grad_weight accumulator (2.64 GB), so one group and no accumulator.
+  in.fused_exp = true;
+  g = lce::plan_linear_cross_entropy(in);
+  EXPECT_EQ(g.kernel, lce::Kernel::kHopperFused);
+  EXPECT_EQ(g.chunk_rows, 8192);
+  EXPECT_EQ(g.group_rows, 8192);
+  EXPECT_FALSE(g.dw_accumulator);
+  EXPECT_EQ(g.off_logits, lce::Plan::kNone);
+  EXPECT_EQ(g.ce_bytes, 0u);
+  for (size_t off : {g.off_partials, g.off_dlogits, g.off_shift, g.off_row_scale, g.off_fixups, g.off_scaled_hidden,
+                     g.off_dx_rows})
+    EXPECT_NE(off, lce::Plan::kNone);
+  EXPECT_GE(g.bytes, size_t{8192} * 289116);
+  EXPECT_LE(g.bytes, size_t{8192} * 289116 + (size_t{40} << 20));
+  expect_layout_sound(g);
+  // 16384 x 2048 x 128256: 276828 bytes a token; every token's (4.5 GB) exceeds budget + accumulator (1.6 GB), so
+  // groups from the budget (1939 -> 1920 rows) and the accumulator.
+  lce::PlanInputs in2 = llama_inputs(lce::Pass::kForwardBackward, 16384, 2048, 128256);
+  in2.fused = in2.fused_exp = true;
+  g = lce::plan_linear_cross_entropy(in2);
+  EXPECT_EQ(g.kernel, lce::Kernel::kHopperFused);
+  EXPECT_EQ(g.group_rows, 1920);
+  EXPECT_EQ(g.chunk_rows, 1920);
+  EXPECT_TRUE(g.dw_accumulator);
+  expect_layout_sound(g);
+  // Float32 grad_hidden (the GEMM writes it, then scales it in place): no float32 rows; a frozen weight: no scaled
+  // hidden; a bias gradient: generic.
+  in2.grad_hidden_f32 = true;
+  in2.need_dw = false;
+  g = lce::plan_linear_cross_entropy(in2);
+  EXPECT_EQ(g.off_dx_rows, lce::Plan::kNone);
+  EXPECT_EQ(g.off_scaled_hidden, lce::Plan::kNone);
+  in2.need_db = true;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in2).kernel, lce::Kernel::kCublasChunked);
+  in.fused_exp = false;
   // Backward: only the 16-bit gradient per column, 512 MiB / (2 bytes x 8192) = 32768 columns (whole tiles).
   in.pass = lce::Pass::kBackward;
   lce::Plan b = lce::plan_linear_cross_entropy(in);

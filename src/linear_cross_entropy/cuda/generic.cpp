@@ -7,6 +7,9 @@
 //   forward:             per token chunk: Z = X_c Wᵀ (+b) in float32; cross-entropy forward -> loss rows, lse
 //   gradient in forward: per token chunk as above, then dZ = d(loss)/dZ in the inputs' dtype into the group's
 //                        buffer; per group: dX_g = dZ_g W, dW (+)= dZ_gᵀ X_g (float32 accumulation), db += Σ dZ
+//                        (fused, params.h's ExpGradParams: per token group the GEMM writes E = exp(Z - shift) and
+//                        the statistics; per row the scale s and E's target element; dX_g = s ⊙ (E_g W),
+//                        dW (+)= E_gᵀ (s ⊙ X_g))
 //   backward:            per vocabulary chunk v: Z = X W_vᵀ (+b_v); dZ from the saved lse; dX (+)= dZ W_v;
 //                        dW_v = dZᵀ X (final: every token is in this product); db_v = Σ dZ
 // and for a vocabulary shard (include/logitless/vocab_parallel.h), whose weight rows are classes offset + j:
@@ -61,6 +64,7 @@ bool fused_default() {
   return v == nullptr || std::strcmp(v, "generic") != 0;
 }
 std::atomic<bool> g_fused_enabled{fused_default()};
+std::atomic<bool> g_force_fixups{false};
 thread_local Kernel t_last_kernel = Kernel::kCublasChunked;
 
 // Whether the fused Hopper kernels can run this call (the planner picks them for the forward and the backward):
@@ -91,6 +95,7 @@ PlanInputs plan_inputs(const Problem& p) {
   in.reduction_none = p.options.reduction == Reduction::kNone || p.mode == Mode::kPartials;
   in.steps = is_step(p.mode);
   in.fused = fused_allowed(p);
+  in.fused_exp = p.dtype == DType::kBFloat16 && p.options.softcap == 0.0 && p.options.label_smoothing == 0.0;
   in.chunk_tokens = p.options.chunk_tokens;
   in.chunk_vocab = p.options.chunk_vocab;
   in.memory_budget = p.options.memory_budget;
@@ -194,6 +199,73 @@ struct Run {
                        loss_rows, lse_rows, sm_count, stream);
   }
 
+  // The gradient in forward on the fused path (plan: kHopperFused, pass kForwardBackward), one token group at a
+  // time: see params.h's ExpGradParams.
+  void fused_forward_backward() const {
+    const int64_t N = p.n_tokens, H = p.hidden, V = p.vocab, G = plan.group_rows;
+    const int64_t tiles = (V + kFusedTileCols - 1) / kFusedTileCols;
+    float* lse = p.lse ? p.lse : at<float>(plan.off_lse);
+    float* dw_acc = at<float>(plan.off_dw);
+    const GradParams g = grad_params();
+    for (int64_t g0 = 0; g0 < N; g0 += G) {
+      const int64_t rows = std::min(G, N - g0);
+      ExpGradParams e;
+      e.rows = rows;
+      e.h = H;
+      e.v = V;
+      e.x = hidden_rows(g0);
+      e.ldx = ldx;
+      e.w = p.weight.data;
+      e.ldw = p.weight.ld;
+      e.bias = p.bias;
+      e.bias_dtype = p.bias_dtype;
+      e.bias_stride = p.bias_stride;
+      e.target = targets + g0;
+      e.ce = g.ce;
+      e.scalars = scalars;
+      e.upstream = p.grad_scale && p.grad_scale_per_row ? p.grad_scale + g0 : p.grad_scale;
+      e.upstream_per_row = p.grad_scale_per_row;
+      e.partials = at<float>(plan.off_partials);
+      e.tiles = tiles;
+      e.lse = lse + g0;
+      e.shift = at<float>(plan.off_shift);
+      e.scale = at<float>(plan.off_row_scale);
+      e.e = at<void>(plan.off_dlogits);
+      e.ld_e = plan.ld_dlogits;
+      e.xs = at<void>(plan.off_scaled_hidden);
+      e.fixups = at<int>(plan.off_fixups);
+      e.force_fixups = g_force_fixups.load(std::memory_order_relaxed) ? 1 : 0;
+      launch_target_shift(e, sm_count, stream);
+      FusedGemmParams f = fused_params(g0, rows, 0, V);
+      f.partials = at<float>(plan.off_partials);
+      f.shift = e.shift;
+      f.dlogits = e.e;
+      f.ld_dlogits = e.ld_e;
+      launch_fused_exp(f, sm_count, stream);
+      launch_finish_rows(f.partials, rows, tiles, targets + g0, f.ce, scalars, loss_rows(g0), lse + g0, sm_count,
+                         stream);
+      launch_exp_rows(e, sm_count, stream);
+      if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W): float32 rows, scaled on the way out (in place if float32)
+        char* dx = static_cast<char*>(p.grad_hidden.data) + g0 * p.grad_hidden.ld * dtype_size(p.grad_hidden.dtype);
+        float* y = p.grad_hidden.dtype == DType::kFloat32 ? reinterpret_cast<float*>(dx) : at<float>(plan.off_dx_rows);
+        const int64_t ldy = p.grad_hidden.dtype == DType::kFloat32 ? p.grad_hidden.ld : H;
+        gemm_row_major(blas, false, false, rows, H, V, e.e, e.ld_e, p.weight.data, p.weight.ld, p.dtype, y, ldy,
+                       DType::kFloat32, false);
+        launch_cast(y, ldy, rows, H, dx, p.grad_hidden.dtype, p.grad_hidden.ld, 1, sm_count, stream, e.scale);
+      }
+      if (p.grad_weight.data) {  // dW (+)= E_gᵀ (s ⊙ X_g)
+        void* dw = dw_acc ? static_cast<void*>(dw_acc) : p.grad_weight.data;
+        const int64_t ldw = dw_acc ? H : p.grad_weight.ld;
+        const DType dwt = dw_acc ? DType::kFloat32 : p.grad_weight.dtype;
+        gemm_row_major(blas, true, false, V, H, rows, e.e, e.ld_e, e.xs, H, p.dtype, dw, ldw, dwt,
+                       /*accumulate=*/g0 > 0);
+      }
+    }
+    if (dw_acc)
+      launch_cast(dw_acc, H, V, H, p.grad_weight.data, p.grad_weight.dtype, p.grad_weight.ld, 1, sm_count, stream);
+    reduce_loss();
+  }
+
   VocabShard shard() const { return VocabShard{p.vocab_offset, p.vocab_total}; }
   TensorView class_weight_view() const {
     return p.class_weight ? TensorView::make(const_cast<float*>(p.class_weight), DType::kFloat32, p.device,
@@ -262,6 +334,7 @@ struct Run {
   }
 
   void forward_backward() const {
+    if (fused()) return fused_forward_backward();
     const int64_t N = p.n_tokens, H = p.hidden, V = p.vocab, S = plan.chunk_rows, G = plan.group_rows;
     const int64_t es = dtype_size(p.dtype);
     float* z = at<float>(plan.off_logits);
@@ -475,6 +548,7 @@ bool cuda_recompute_is_faster(const Problem& p, bool need_dx, bool need_dw, bool
 
 namespace debug {
 void set_fused_kernels(bool enabled) { g_fused_enabled.store(enabled, std::memory_order_relaxed); }
+void set_exp_fixup_all(bool enabled) { g_force_fixups.store(enabled, std::memory_order_relaxed); }
 bool fused_kernels_enabled() { return g_fused_enabled.load(std::memory_order_relaxed); }
 Kernel last_kernel() { return t_last_kernel; }
 }  // namespace debug

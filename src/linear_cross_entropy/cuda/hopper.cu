@@ -16,6 +16,7 @@
 #include "linear_cross_entropy/cuda/hopper.h"
 
 #include <algorithm>
+#include <mutex>
 
 #include "common/cuda/check.cuh"
 #include "cross_entropy/cuda/device.cuh"
@@ -39,6 +40,9 @@ constexpr int kBM = 128, kBN = static_cast<int>(kFusedTileCols), kBK = 64, kStag
 constexpr int kThreads = 384;     // a producer warpgroup, two consumer warpgroups
 constexpr int kCluster = 2;       // CTAs per cluster: token tiles sharing one class tile
 constexpr int kGroupTiles = 8;    // token-tile pairs per raster group
+constexpr int kMaxDevices = 64;   // devices whose launch configuration is remembered (others ask every launch)
+
+enum class Epi { kStats, kGrad, kExp };  // hopper.h: statistics, gradient, statistics and exponentials
 
 template <typename T>
 struct MmaOf;
@@ -229,7 +233,85 @@ __device__ __forceinline__ void epilogue_grad(const FusedGemmParams& p, Acc& acc
   }
 }
 
-template <typename T, bool kGrad, bool kGeneral, class TmaA, class TmaB>
+// The gradient in forward (plain options, params.h's ExpGradParams): the statistics of epilogue_stats and
+// E = exp(z - shift) of every element in T (0 in ignored rows, NaN in rows with a bad target). One exponential per
+// element serves both: a tile's sum of exp(z - max) is the sum of E times exp(shift - max), except where the tile
+// maximum is more than 64 nats from shift, where the tile sums again relative to its maximum.
+template <typename T, class Acc, class Crd>
+__device__ __forceinline__ void epilogue_exp(const FusedGemmParams& p, Acc& acc, const Crd& crd, int64_t m0,
+                                             int64_t n0, int nt) {
+  const int64_t rows_left = p.m - m0, cols_left = p.n - n0;
+  add_bias(p, acc, crd, n0, cols_left);
+  int row[2];
+  int64_t tcol[2];
+  float fill[2], c_l2[2], mx[2] = {-INFINITY, -INFINITY}, xt[2] = {0.f, 0.f}, se[2] = {0.f, 0.f};
+  bool valid[2];
+  CUTE_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    row[i] = get<0>(crd(2 * i));
+    tcol[i] = -1;
+    fill[i] = 0.f;
+    c_l2[i] = 0.f;
+    valid[i] = false;
+    if (row[i] < rows_left) {
+      const int64_t t = p.target[m0 + row[i]];
+      const ce::RowKind kind = ce::classify(p.ce, t);
+      valid[i] = kind == ce::RowKind::kValid;
+      if (valid[i]) {
+        tcol[i] = ce::target_column(p.ce, t) - p.col0 - n0;
+        c_l2[i] = p.shift[m0 + row[i]] * ce::kLog2e;
+      } else if (kind == ce::RowKind::kBad) {
+        fill[i] = NAN;
+      }
+    }
+  }
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); ++e) {
+    const int i = (e >> 1) & 1, c = get<1>(crd(e));
+    const float x = c < cols_left ? acc(e) : -INFINITY;
+    acc(e) = x;
+    mx[i] = fmaxf(mx[i], x);
+    if (c == tcol[i]) xt[i] = x;
+  }
+  T* out = static_cast<T*>(p.dlogits);
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); e += 2) {
+    const int i = (e >> 1) & 1, r = get<0>(crd(e)), c = get<1>(crd(e));
+    const float e0 = ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -c_l2[i]));
+    const float e1 = ce::fast_exp2(fmaf(acc(e + 1), ce::kLog2e, -c_l2[i]));
+    se[i] += e0 + e1;
+    if (r >= rows_left || c >= cols_left) continue;
+    store_pair(out + (m0 + r) * p.ld_dlogits + n0 + c, c + 1 < cols_left, valid[i] ? e0 : fill[i],
+               valid[i] ? e1 : fill[i]);
+  }
+  const int lane = threadIdx.x & 31;
+  CUTE_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const float mi = quad_max(mx[i]);
+    const float ml2 = mi == -INFINITY ? 0.f : mi * ce::kLog2e;
+    float si = quad_sum(se[i]) * ce::fast_exp2(c_l2[i] - ml2);
+    // Far from shift either way (E of this tile overflows, or underflows while exp(shift - max) overflows): sum
+    // again. NaN compares false; the sum is NaN already.
+    const bool far = fabsf(ml2 - c_l2[i]) > 64.f * ce::kLog2e;
+    if (__any_sync(0xFFFFFFFFu, far)) {
+      float s = 0.f;
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc); ++e)
+        if (((e >> 1) & 1) == i) s += ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -ml2));
+      s = quad_sum(s);
+      if (far) si = s;
+    }
+    if (mi == -INFINITY) si = 0.f;
+    const float xti = quad_sum(xt[i]);
+    float m_out = mi;
+    if (isnan(si)) m_out = si = NAN;  // NaN or +inf in the tile's row, as epilogue_stats
+    if ((lane & 3) == 0 && row[i] < rows_left)
+      reinterpret_cast<float4*>(p.partials)[(m0 + row[i]) * ((p.n + kBN - 1) / kBN) + nt] =
+          make_float4(m_out, si, xti, 0.f);
+  }
+}
+
+template <typename T, Epi kEpi, bool kGeneral, class TmaA, class TmaB>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_kernel(const __grid_constant__ FusedGemmParams p, const __grid_constant__ TmaA tma_a,
                  const __grid_constant__ TmaB tma_b) {
@@ -328,8 +410,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       warpgroup_fence_operand(acc);
       if (prev >= 0) release(prev);
       const int64_t m0 = static_cast<int64_t>(mt) * kBM, n0 = static_cast<int64_t>(nt) * kBN;
-      if constexpr (kGrad) {
+      if constexpr (kEpi == Epi::kGrad) {
         epilogue_grad<T, kGeneral>(p, acc, crd, m0, n0);
+      } else if constexpr (kEpi == Epi::kExp) {
+        epilogue_exp<T>(p, acc, crd, m0, n0, nt);
       } else {
         epilogue_stats<kGeneral>(p, acc, crd, m0, n0, nt);
       }
@@ -341,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <typename T, bool kGrad, bool kGeneral>
+template <typename T, Epi kEpi, bool kGeneral>
 void launch_typed(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
   using Cfg = Config<T>;
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
@@ -349,9 +433,8 @@ void launch_typed(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
   Tensor mB = make_tensor(make_gmem_ptr(static_cast<const T*>(p.w)), make_shape(n, k), make_stride(p.ldw, Int<1>{}));
   auto tma_a = make_tma_copy(SM90_TMA_LOAD{}, mA, typename Cfg::SmemA{}(_, _, 0));
   auto tma_b = make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, mB, typename Cfg::SmemB{}(_, _, 0), Int<kCluster>{});
-  auto* kernel = &fused_kernel<T, kGrad, kGeneral, decltype(tma_a), decltype(tma_b)>;
+  auto* kernel = &fused_kernel<T, kEpi, kGeneral, decltype(tma_a), decltype(tma_b)>;
   const int smem = static_cast<int>(kSmemBytes<T>);
-  LOGITLESS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t pairs = ((p.m + kCluster * kBM - 1) / (kCluster * kBM)) * ((p.n + kBN - 1) / kBN);
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -364,28 +447,42 @@ void launch_typed(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = stream;
-  // As many clusters as fit at once (the GPCs may not pair every SM), at most one per tile pair.
-  cfg.gridDim = dim3(static_cast<unsigned>(kCluster * std::max(1, sm_count / kCluster)));
+  // As many clusters as fit at once (the GPCs may not pair every SM), at most one per tile pair. The shared-memory
+  // opt-in and that count are per kernel and device: asked once (the occupancy query alone costs more host time
+  // than a launch), under a lock, for each device of the process.
+  static std::mutex mu;
+  static int resident_of[kMaxDevices] = {};
+  int device = 0;
+  LOGITLESS_CUDA_CHECK(cudaGetDevice(&device));
   int resident = 0;
-  if (cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg) != cudaSuccess || resident < 1) {
-    (void)cudaGetLastError();
-    resident = std::max(1, sm_count / kCluster);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (device >= kMaxDevices || resident_of[device] == 0) {
+      LOGITLESS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      cfg.gridDim = dim3(static_cast<unsigned>(kCluster * std::max(1, sm_count / kCluster)));
+      if (cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg) != cudaSuccess || resident < 1) {
+        (void)cudaGetLastError();
+        resident = std::max(1, sm_count / kCluster);
+      }
+      if (device < kMaxDevices) resident_of[device] = resident;
+    }
+    resident = device < kMaxDevices ? resident_of[device] : resident;
   }
   cfg.gridDim = dim3(static_cast<unsigned>(kCluster * std::min<int64_t>(pairs, resident)));
   LOGITLESS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tma_a, tma_b));
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy fused logits GEMM");
 }
 
-template <bool kGrad>
+template <Epi kEpi>
 void launch(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
   if (p.m <= 0 || p.n <= 0) return;
   const bool general = p.ce.softcap > 0.f || p.ce.eps != 0.f;
   if (p.dtype == DType::kBFloat16) {
-    general ? launch_typed<cutlass::bfloat16_t, kGrad, true>(p, sm_count, stream)
-            : launch_typed<cutlass::bfloat16_t, kGrad, false>(p, sm_count, stream);
+    general ? launch_typed<cutlass::bfloat16_t, kEpi, true>(p, sm_count, stream)
+            : launch_typed<cutlass::bfloat16_t, kEpi, false>(p, sm_count, stream);
   } else {
-    general ? launch_typed<cutlass::half_t, kGrad, true>(p, sm_count, stream)
-            : launch_typed<cutlass::half_t, kGrad, false>(p, sm_count, stream);
+    general ? launch_typed<cutlass::half_t, kEpi, true>(p, sm_count, stream)
+            : launch_typed<cutlass::half_t, kEpi, false>(p, sm_count, stream);
   }
 }
 
@@ -403,11 +500,18 @@ bool fused_gemm_supported(int device, DType dtype, const void* x, int64_t ldx, c
 }
 
 void launch_fused_stats(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
-  launch<false>(p, sm_count, stream);
+  launch<Epi::kStats>(p, sm_count, stream);
 }
 
 void launch_fused_grad(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
-  launch<true>(p, sm_count, stream);
+  launch<Epi::kGrad>(p, sm_count, stream);
+}
+
+void launch_fused_exp(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
+  if (p.m <= 0 || p.n <= 0) return;
+  if (p.dtype != DType::kBFloat16 || p.ce.softcap > 0.f || p.ce.eps != 0.f)
+    throw_invalid("linear cross-entropy fused exponentials: bfloat16 inputs without soft cap or label smoothing only");
+  launch_typed<cutlass::bfloat16_t, Epi::kExp, false>(p, sm_count, stream);
 }
 
 #else  // built without CUTLASS: the generic path serves every device
@@ -418,6 +522,9 @@ void launch_fused_stats(const FusedGemmParams&, int, cudaStream_t) {
   throw_runtime("linear cross-entropy: the fused Hopper kernels were not built (no CUTLASS headers)");
 }
 void launch_fused_grad(const FusedGemmParams&, int, cudaStream_t) {
+  throw_runtime("linear cross-entropy: the fused Hopper kernels were not built (no CUTLASS headers)");
+}
+void launch_fused_exp(const FusedGemmParams&, int, cudaStream_t) {
   throw_runtime("linear cross-entropy: the fused Hopper kernels were not built (no CUTLASS headers)");
 }
 

@@ -6,6 +6,8 @@
 //               tiles into lse and the loss.
 //   * gradient: d(loss)/dZ from a known lse, in the inputs' dtype, straight into the buffer the grad_hidden and
 //               grad_weight GEMMs read.
+//   * exp:      the statistics, and E = exp(Z - shift) per element in bfloat16 for the gradient in forward
+//               (params.h, ExpGradParams; plain options only).
 // Host interface only (no CUTLASS types): the kernels live in hopper.cu.
 #pragma once
 
@@ -37,6 +39,9 @@ struct FusedGemmParams {
   // stats
   float* partials = nullptr;  // [m, ceil(n / kFusedTileCols), 4]
 
+  // exp
+  const float* shift = nullptr;  // [m]; E goes to dlogits
+
   // gradient
   const float* lse = nullptr;       // [m]
   const float* upstream = nullptr;  // nullptr (1), [1] or [m] (upstream_per_row)
@@ -57,11 +62,15 @@ bool fused_gemm_supported(int device, DType dtype, const void* x, int64_t ldx, c
 namespace debug {
 bool fused_kernels_built();  // this build has them (it found the CUTLASS headers)
 void set_fused_kernels(bool enabled);
+// The gradient in forward's fused path sends every valid row through its rewrite (params.h, ExpGradParams), the
+// path of rows the scaled form does not suit, which real inputs seldom reach.
+void set_exp_fixup_all(bool enabled);
 bool fused_kernels_enabled();
 Kernel last_kernel();
 }  // namespace debug
 
 void launch_fused_stats(const FusedGemmParams& p, int sm_count, cudaStream_t stream);
 void launch_fused_grad(const FusedGemmParams& p, int sm_count, cudaStream_t stream);
+void launch_fused_exp(const FusedGemmParams& p, int sm_count, cudaStream_t stream);
 
 }  // namespace logitless::lce

@@ -167,11 +167,13 @@ __global__ void column_sums_kernel(const float* partial, int64_t partial_rows, i
 }
 
 __global__ void cast_kernel(const float* src, int64_t src_ld, int64_t rows, int64_t cols, void* dst, DType ddt,
-                            int64_t dst_ld, int64_t dst_cs) {
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
+                            int64_t dst_ld, int64_t dst_cs, const float* row_scale) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const float s = row_scale ? row_scale[r] : 1.f;
     for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < cols;
          c += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      store_as(dst, ddt, r * dst_ld + c * dst_cs, src ? src[r * src_ld + c] : 0.f);
+      store_as(dst, ddt, r * dst_ld + c * dst_cs, src ? s * src[r * src_ld + c] : 0.f);
+  }
 }
 
 template <typename E>
@@ -290,10 +292,10 @@ void launch_column_sums(const float* partial, int64_t partial_rows, int64_t ld, 
 }
 
 void launch_cast(const float* src, int64_t src_ld, int64_t rows, int64_t cols, void* dst, DType dst_dtype,
-                 int64_t dst_ld, int64_t dst_col_stride, int sm_count, cudaStream_t stream) {
+                 int64_t dst_ld, int64_t dst_col_stride, int sm_count, cudaStream_t stream, const float* row_scale) {
   if (rows == 0 || cols == 0) return;
   cast_kernel<<<grid_2d(rows, cols, sm_count), kEltThreads, 0, stream>>>(src, src_ld, rows, cols, dst, dst_dtype,
-                                                                         dst_ld, dst_col_stride);
+                                                                         dst_ld, dst_col_stride, row_scale);
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy cast");
 }
 

@@ -23,9 +23,11 @@ void launch_grad(const GradParams& p, DType out_dtype, cudaStream_t stream);
 void launch_column_sums(const float* partial, int64_t partial_rows, int64_t ld, int64_t width, float* acc, void* out,
                         DType out_dtype, int64_t out_stride, cudaStream_t stream);
 
-// dst[r * dst_ld + c * dst_col_stride] = src[r * src_ld + c] (float32 -> dtype); src nullptr: zeros.
+// dst[r * dst_ld + c * dst_col_stride] = src[r * src_ld + c] (float32 -> dtype), times row_scale[r] when given;
+// src nullptr: zeros. dst may be src itself (float32, same layout).
 void launch_cast(const float* src, int64_t src_ld, int64_t rows, int64_t cols, void* dst, DType dst_dtype,
-                 int64_t dst_ld, int64_t dst_col_stride, int sm_count, cudaStream_t stream);
+                 int64_t dst_ld, int64_t dst_col_stride, int sm_count, cudaStream_t stream,
+                 const float* row_scale = nullptr);
 
 // dst [n, h] contiguous = the rows of src (any collapsed layout), elements of `elem_bytes`.
 void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t h, int elem_bytes, void* dst,
@@ -37,6 +39,12 @@ void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t
 void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
                         const ce::KernelParams& ce, const Scalars* scalars, float* loss, float* lse, int sm_count,
                         cudaStream_t stream);
+
+// The gradient in forward's fused path (ExpGradParams, exp_grad.cu). Before the logits GEMM: shift[r] = the
+// target's logit (0 for rows without one). After it and launch_finish_rows: every row's scale, the target's
+// element of E and the scaled hidden row, or (the rows the scaled form does not suit) a rewrite of the row.
+void launch_target_shift(const ExpGradParams& p, int sm_count, cudaStream_t stream);
+void launch_exp_rows(const ExpGradParams& p, int sm_count, cudaStream_t stream);
 
 // loss[0] = sum of row_loss[0, n) (in double, fixed order) * scalars->inv_denom; 0 for n = 0.
 void launch_reduce_loss(const float* row_loss, int64_t n, const Scalars* scalars, float* loss, cudaStream_t stream);

@@ -48,4 +48,41 @@ struct GradParams {
   ce::KernelParams ce;  // vocab, ignore_index, eps, inv_v, z, softcap, class weights: the family's definitions
 };
 
+// The gradient in forward on the fused Hopper path, one token group at a time. The logits GEMM (hopper.h, exp
+// epilogue) writes E[r, j] = exp(z[r, j] - shift[r]) in bfloat16 next to the tile statistics, with shift[r] about
+// the target's logit, so that d(loss)/dZ[r, j] = scale[r] * E[r, j] for every j but the target; exp_rows puts
+// (a p_t - b) / scale[r] in the target's place. Then grad_hidden = scale ⊙ (E W) and grad_weight = Eᵀ (scale ⊙ X):
+// the three GEMMs with no pass over the [rows, V] matrix between them. Rows where that form loses precision (a
+// maximum logit more than kExpRange above shift, or a row scale near 0 beside its target term) go to exp_fixup,
+// which recomputes their logits and writes their gradient over a scale of its own.
+struct ExpGradParams {
+  int64_t rows = 0, h = 0, v = 0;
+  const void* x = nullptr;  // bfloat16 hidden rows [rows, h], row stride ldx
+  int64_t ldx = 0;
+  const void* w = nullptr;  // bfloat16 weight [v, h], row stride ldw
+  int64_t ldw = 0;
+  const void* bias = nullptr;  // bias[j * bias_stride] or nullptr
+  DType bias_dtype = DType::kFloat32;
+  int64_t bias_stride = 1;
+  const int64_t* target = nullptr;  // [rows]
+  ce::KernelParams ce;              // ignore_index, vocab_total, z, class weights (no label smoothing, no soft cap)
+  const Scalars* scalars = nullptr;
+  const float* upstream = nullptr;  // nullptr (1), [1] or [rows] (upstream_per_row)
+  int upstream_per_row = 0;
+  const float* partials = nullptr;  // [rows, tiles, 4]: the exp epilogue's tile statistics
+  int64_t tiles = 0;
+  const float* lse = nullptr;  // [rows]
+  float* shift = nullptr;      // [rows]
+  float* scale = nullptr;      // [rows]: 0 for ignored rows, NaN for bad ones
+  void* e = nullptr;           // bfloat16 [rows, ld_e]
+  int64_t ld_e = 0;
+  void* xs = nullptr;  // bfloat16 [rows, h]: scale[r] * x[r]; nullptr when no grad_weight is asked for
+  int* fixups = nullptr;  // [1 + rows]: the count, then the rows exp_fixup rewrites
+  int force_fixups = 0;   // tests: every valid row goes through exp_fixup
+};
+
+// Rows whose maximum logit exceeds shift by more than this many nats are rewritten by exp_fixup: below it E stays
+// under e^40 and scale above e^-53 times its row factor, far from bfloat16's range limits (e^±88).
+inline constexpr float kExpRange = 40.f;
+
 }  // namespace logitless::lce

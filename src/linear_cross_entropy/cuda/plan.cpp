@@ -55,14 +55,21 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   const size_t budget = std::max<size_t>(in.memory_budget, 1);
   const bool grads = in.pass != Pass::kForward;
   p.dlogits_in_place = grads && es == 4;
-  // The fused kernels serve the forward and the recompute backward. The gradient in forward stays generic: its
-  // token chunks are short (192 to 1024 rows at the default budget), where the fused GEMM's 256-row cluster tiles
-  // measured slower than cuBLAS (bench/RESULTS.md, 2026-11-22).
-  const bool fused_pass = in.pass == Pass::kForward || (in.pass == Pass::kBackward && !in.need_db);
+  // The fused kernels serve the forward, the recompute backward and, in its exponential form (bfloat16, plain
+  // options), the gradient in forward; none of them a bias gradient. The gradient in forward's earlier fused
+  // form (statistics from the GEMM, float32 logits still kept for the gradient kernel) measured slower than the
+  // generic path (bench/RESULTS.md, 2026-11-22): the exponential form keeps no float32 logits at all.
+  const bool fused_pass = in.pass == Pass::kForward || (in.pass == Pass::kBackward && !in.need_db) ||
+                          (in.pass == Pass::kForwardBackward && in.fused_exp && !in.need_db);
   if (in.fused && es == 2 && !in.steps && fused_pass) p.kernel = Kernel::kHopperFused;
   const bool fused = p.kernel == Kernel::kHopperFused;
   // The fused forward's statistics: 16 bytes per token and 256-column tile.
-  const int64_t stats_row = fused && in.pass == Pass::kForward ? 16 * ceil_div(V, kFusedTileCols) : 0;
+  const int64_t stats_row = fused && in.pass != Pass::kBackward ? 16 * ceil_div(V, kFusedTileCols) : 0;
+  // The exponential form's other per-token bytes: shift, scale and a rewrite slot; hidden scaled by row; the
+  // unscaled float32 grad_hidden row.
+  const int64_t exp_row = !fused || in.pass != Pass::kForwardBackward
+                              ? 0
+                              : 12 + (in.need_dw ? es * H : 0) + (in.need_dx && !in.grad_hidden_f32 ? 4 * H : 0);
 
   if (in.steps) {
     // Chunks of exactly chunk_tokens (every rank's exchange pairs them up). float32 inputs form the gradient in
@@ -91,7 +98,18 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     p.ld_logits = round_up(V, 8);  // 32-byte float32 rows; 16-byte rows of a 16-bit gradient alike
     // The fused forward keeps no logits, only their tile statistics.
     const int64_t logits_row = fused ? stats_row : 4 * p.ld_logits;
-    if (in.pass == Pass::kForward || p.dlogits_in_place) {
+    if (fused && grads) {
+      // Groups of whole rows, each one GEMM of exponentials (16-bit, the buffer the grad_hidden / grad_weight
+      // GEMMs read) and statistics, with no float32 logits: the budget holds the group, or every token when that
+      // costs no more than the float32 grad_weight accumulator it saves (as below).
+      const int64_t row = es * p.ld_logits + stats_row + exp_row;
+      const int64_t max_rows = std::max<int64_t>(N, 1);
+      p.group_rows = std::min(in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, row), max_rows);
+      const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
+      if (in.chunk_tokens <= 0 && p.group_rows < N && acc > 0 && static_cast<size_t>(N * row) <= budget + acc)
+        p.group_rows = N;
+      p.chunk_rows = p.group_rows;
+    } else if (in.pass == Pass::kForward || p.dlogits_in_place) {
       p.chunk_rows = in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, logits_row);
       p.chunk_rows = std::min(p.chunk_rows, std::max<int64_t>(N, 1));
       p.group_rows = p.chunk_rows;
@@ -181,6 +199,14 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       }
       if (grads) {
         if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(p.group_rows * p.ld_dlogits * es));
+        if (fused) {
+          const auto G = static_cast<size_t>(p.group_rows);
+          p.off_shift = L.add(G * 4);
+          p.off_row_scale = L.add(G * 4);
+          p.off_fixups = L.add((G + 1) * 4);
+          if (in.need_dw) p.off_scaled_hidden = L.add(G * static_cast<size_t>(H * es));
+          if (in.need_dx && !in.grad_hidden_f32) p.off_dx_rows = L.add(G * static_cast<size_t>(H) * 4);
+        }
         if (p.dw_accumulator) p.off_dw = L.add(static_cast<size_t>(V * H * 4));
         if (in.need_db) {
           p.off_db = L.add(static_cast<size_t>(V * 4));
@@ -198,12 +224,13 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
 //    18 against 14 per logit), plus its float32 grad_hidden accumulator, read and written by every vocabulary
 //    chunk's GEMM after the first (8 N H bytes each);
 //  * gradient in forward: its float32 grad_weight accumulator, read and written by every token group's GEMM
-//    (8 V H bytes a group), and each chunk's re-read of the weight where a chunk is too short for its logits
+//    (counted at 10 V H bytes a group, below), and each chunk's re-read of the weight where a chunk is too short for its logits
 //    GEMM to be compute-bound (2 V H (1 - chunk / kFlopsPerByte) bytes a chunk).
-// Measured on H100, bf16, default 512 MiB budget, × the three cuBLAS GEMMs (bench/RESULTS.md): 8192×2304×256000
-// gradient in forward 1.92x, recompute 1.66x (the model: 73 against 50 GB); 16384×2048×128256 1.52x against
-// 1.79x (27 against 49 GB); 8192×4096×128256 1.13x against 1.55x (no accumulator, 1024-token chunks: 0 against
-// 42 GB). The model orders all three.
+// Measured on H100, bf16, default 512 MiB budget, × the three cuBLAS GEMMs (bench/RESULTS.md), generic kernels:
+// 8192×2304×256000 gradient in forward 1.92x, recompute 1.66x (the model: 88 against 50 GB); 16384×2048×128256
+// 1.52x against 1.79x (34 against 49 GB); 8192×4096×128256 1.13x against 1.55x (no accumulator, 1024-token chunks:
+// 0 against 42 GB). Fused (2026-11-22): 1.51x against 1.46x (59 against 40 GB), 1.31x against 1.56x (24 against
+// 36 GB), 1.08x against 1.43x (no accumulator). The model orders all of them.
 bool recompute_is_faster(const PlanInputs& gif) {
   if (gif.pass != Pass::kForwardBackward || gif.steps || gif.elem_bytes != 2 || gif.n <= 0) return false;
   const Plan fb = plan_linear_cross_entropy(gif);
@@ -211,15 +238,17 @@ bool recompute_is_faster(const PlanInputs& gif) {
   bw_in.pass = Pass::kBackward;
   const Plan bw = plan_linear_cross_entropy(bw_in);
   const double N = static_cast<double>(gif.n), H = static_cast<double>(gif.h), V = static_cast<double>(gif.v);
+  // An accumulating grad_weight GEMM reads and writes its float32 output in its epilogue, which does not overlap
+  // its math: 2.1 ms a group at V=256000, H=2304 (8 V H bytes at 2.2 TB/s), so 10 bytes per element here.
   double gif_cost = 0.0;
-  if (fb.dw_accumulator) gif_cost += static_cast<double>(ceil_div(gif.n, fb.group_rows)) * 8.0 * V * H;
+  if (fb.dw_accumulator) gif_cost += static_cast<double>(ceil_div(gif.n, fb.group_rows)) * 10.0 * V * H;
   const double chunk = static_cast<double>(fb.chunk_rows);
   if (chunk < kFlopsPerByte)
     gif_cost += static_cast<double>(ceil_div(gif.n, fb.chunk_rows)) * 2.0 * V * H * (1.0 - chunk / kFlopsPerByte);
-  // The fused Hopper kernels move fewer bytes per logit (10 and 2 instead of 14 and 18), but their logits GEMM
-  // is slower than cuBLAS's (measured 2026-11-22, bench/RESULTS.md), and with the same terms the model still
-  // ranks the three shapes as they measured with them; so one model for both kernels.
-  double rec_cost = 2.0 * N * H * V / kFlopsPerByte + 4.0 * N * V;
+  // The generic recompute's extra float32 logits round trip; the fused schedules keep no float32 logits (both
+  // write one 16-bit matrix for the grad_hidden / grad_weight GEMMs), so they differ by the fourth GEMM only.
+  const bool fused = fb.kernel == Kernel::kHopperFused;
+  double rec_cost = 2.0 * N * H * V / kFlopsPerByte + (fused ? 0.0 : 4.0 * N * V);
   if (bw.dx_accumulator) rec_cost += static_cast<double>(ceil_div(gif.v, bw.vocab_cols) - 1) * 8.0 * N * H;
   return rec_cost < gif_cost;
 }

@@ -13,8 +13,10 @@ namespace logitless::lce {
 //    reads them for the statistics, this family's gradient kernel for the gradient.
 //  * kHopperFused (sm_90a, 16-bit inputs; cuda/hopper.h): the logits GEMM computes the statistics (forward) or
 //    the gradient (recompute backward) in its epilogue: the forward keeps no logits, the backward writes the
-//    16-bit gradient straight from the accumulators. Not for the gradient in forward (see plan.cpp) nor a
-//    backward with a bias gradient. The grad_hidden / grad_weight GEMMs are cuBLAS's either way.
+//    16-bit gradient straight from the accumulators. The gradient in forward takes it for bfloat16 inputs
+//    without soft cap or label smoothing (PlanInputs::fused_exp): the GEMM writes the statistics and the
+//    exponentials of params.h's ExpGradParams, token groups of whole rows. Not for a bias gradient. The
+//    grad_hidden / grad_weight GEMMs are cuBLAS's either way.
 enum class Kernel : int32_t { kCublasChunked = 0, kHopperFused = 1 };
 
 enum class Pass : int32_t { kForward = 0, kForwardBackward = 1, kBackward = 2 };
@@ -37,6 +39,7 @@ struct PlanInputs {
   bool copy_hidden = false;        // hidden's rows do not have one stride a GEMM can take
   bool reduction_none = false;     // per-token losses go straight to the output
   bool fused = false;              // the device and operands take the fused Hopper kernels (hopper.h)
+  bool fused_exp = false;          // ... and the gradient in forward's exponential form (bfloat16, plain options)
   // The vocabulary-parallel gradient-in-forward steps (include/logitless/vocab_parallel.h): pass
   // kForwardBackward with chunks of exactly chunk_tokens (agreed between the ranks), two float32 logits slots
   // (a chunk's logits wait in one while the next chunk's are computed), groups of whole chunks.
@@ -86,6 +89,14 @@ struct Plan {
   size_t off_db = kNone;        // float32 [V]
   size_t off_db_partial = kNone;  // float32 [db_partial_rows, width]
   size_t off_partials = kNone;  // kHopperFused forward: float32 [chunk_rows, ceil(V / 256), 4] tile statistics
+  // kHopperFused gradient in forward (params.h, ExpGradParams), per token of a group: the logits' exponentials
+  // go to off_dlogits; the rows' shift, scale and rewrite list; hidden scaled by row (with a grad_weight) and
+  // the unscaled grad_hidden rows in float32 (with a 16-bit grad_hidden).
+  size_t off_shift = kNone;
+  size_t off_row_scale = kNone;
+  size_t off_fixups = kNone;
+  size_t off_scaled_hidden = kNone;
+  size_t off_dx_rows = kNone;
   size_t bytes = 0;             // total
 };
 

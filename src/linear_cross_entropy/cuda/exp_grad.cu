@@ -1,0 +1,206 @@
+// The row kernels of the gradient in forward on the fused Hopper path (params.h, ExpGradParams): the shift
+// before the logits GEMM, the per-row scale and the target's element after it, and the rewrite of the rows the
+// scaled form does not suit. All per row: none touches more than one element of a [rows, V] row, except
+// exp_fixup on the rows it rewrites.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "common/cuda/check.cuh"
+#include "cross_entropy/cuda/device.cuh"
+#include "linear_cross_entropy/cuda/dtype_io.cuh"
+#include "linear_cross_entropy/cuda/kernels.h"
+#include "linear_cross_entropy/cuda/plan.h"  // kFusedTileCols
+
+namespace logitless::lce {
+namespace {
+
+constexpr int kRowThreads = 256;  // a warp per row
+constexpr int kFixThreads = 256;  // exp_fixup: 8 warps x 8 columns
+constexpr int kFixColsPerWarp = 8;
+constexpr int kFixCols = kFixThreads / 32 * kFixColsPerWarp;
+constexpr int kFixRows = 8;    // rows rewritten per pass over the weight
+constexpr int kFixSpan = 256;  // hidden elements per shared-memory slice
+
+__device__ __forceinline__ const __nv_bfloat16* bf16_row(const void* base, int64_t ld, int64_t r) {
+  return static_cast<const __nv_bfloat16*>(base) + r * ld;
+}
+
+// d(loss)/dZ[r, j] = a p_j - [j == t] b (no label smoothing, no soft cap: ExpGradParams' options).
+__device__ __forceinline__ ce::GradCoeffs coeffs_of(const ExpGradParams& p, int64_t r, int64_t t, float lse) {
+  float s = p.scalars->inv_denom;
+  if (p.upstream) s *= p.upstream[p.upstream_per_row ? r : 0];
+  return ce::row_grad_coeffs(lse, ce::target_weight(p.ce, t), p.scalars->weight_sum, 0.f, p.ce.inv_v, p.ce.z, s);
+}
+
+// A warp's dot product of a bfloat16 hidden row and a weight row (16-byte loads where both rows allow them).
+__device__ __forceinline__ float warp_dot(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t h) {
+  const int lane = threadIdx.x & 31;
+  float acc = 0.f;
+  int64_t h8 = 0;
+  if (reinterpret_cast<uintptr_t>(a) % 16 == 0 && reinterpret_cast<uintptr_t>(b) % 16 == 0) {
+    h8 = h / 8 * 8;
+    for (int64_t i = lane * 8; i < h8; i += 32 * 8) {
+      const uint4 ua = *reinterpret_cast<const uint4*>(a + i), ub = *reinterpret_cast<const uint4*>(b + i);
+      const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&ua);
+      const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&ub);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 fa = __bfloat1622float2(pa[k]), fb = __bfloat1622float2(pb[k]);
+        acc = fmaf(fa.x, fb.x, fmaf(fa.y, fb.y, acc));
+      }
+    }
+  }
+  for (int64_t i = h8 + lane; i < h; i += 32) acc = fmaf(__bfloat162float(a[i]), __bfloat162float(b[i]), acc);
+  return ce::warp_sum(acc);
+}
+
+// xs[r] = s * x[r] (a warp).
+__device__ __forceinline__ void write_scaled_row(const ExpGradParams& p, int64_t r, float s, int lane, int step) {
+  if (!p.xs) return;
+  const __nv_bfloat16* xr = bf16_row(p.x, p.ldx, r);
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.xs) + r * p.h;
+  for (int64_t i = lane; i < p.h; i += step) out[i] = __float2bfloat16_rn(s * __bfloat162float(xr[i]));
+}
+
+__global__ void __launch_bounds__(kRowThreads) target_shift_kernel(const ExpGradParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kRowThreads / 32);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(kRowThreads / 32) + threadIdx.x / 32; r < p.rows; r += warps) {
+    const int64_t t = p.target[r];
+    if (ce::classify(p.ce, t) != ce::RowKind::kValid) {  // uniform over the warp
+      if (lane == 0) p.shift[r] = 0.f;
+      continue;
+    }
+    const int64_t j = ce::target_column(p.ce, t);
+    float z = warp_dot(bf16_row(p.x, p.ldx, r), bf16_row(p.w, p.ldw, j), p.h);
+    if (p.bias) z += load_as_float(p.bias, p.bias_dtype, j * p.bias_stride);
+    if (lane == 0) p.shift[r] = z;
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads) exp_rows_kernel(const ExpGradParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kRowThreads / 32);
+  const float4* partials = reinterpret_cast<const float4*>(p.partials);
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(kRowThreads / 32) + threadIdx.x / 32; r < p.rows; r += warps) {
+    const int64_t t = p.target[r];
+    const ce::RowKind kind = ce::classify(p.ce, t);
+    if (kind != ce::RowKind::kValid) {  // no gradient (ignored) or NaN (a bad target; its E row is NaN)
+      if (lane == 0) p.scale[r] = kind == ce::RowKind::kBad ? NAN : 0.f;
+      write_scaled_row(p, r, 0.f, lane, 32);
+      continue;
+    }
+    const float4* row = partials + r * p.tiles;
+    float m = -INFINITY;
+    for (int64_t k = lane; k < p.tiles; k += 32) m = ce::max_nan(m, row[k].x);
+    m = ce::warp_max(m);
+    const int64_t j = ce::target_column(p.ce, t);
+    const float lse = p.lse[r], c = p.shift[r];
+    const ce::GradCoeffs g = coeffs_of(p, r, t, lse);
+    // Rewritten by exp_fixup: E would exceed e^kExpRange, or a is so small beside b (a z-loss cancelling the
+    // target's weight) that the target's element, (a p_t - b) / (a exp(c - lse)), would lose its precision.
+    if (p.force_fixups || m - c > kExpRange || !(fabsf(g.a) >= 0x1p-8f * fabsf(g.b))) {
+      if (lane == 0) {
+        p.shift[r] = m;
+        p.fixups[1 + atomicAdd(p.fixups, 1)] = static_cast<int>(r);
+      }
+      continue;
+    }
+    const float s = g.a * expf(c - lse);
+    if (lane == 0) {
+      const float zt = row[j / kFusedTileCols].z;  // the target's logit as the GEMM computed it
+      const float d = g.a * expf(zt - lse) - g.b;
+      static_cast<__nv_bfloat16*>(p.e)[r * p.ld_e + j] = __float2bfloat16_rn(s != 0.f ? d / s : 0.f);
+      p.scale[r] = s;
+    }
+    write_scaled_row(p, r, s, lane, 32);
+  }
+}
+
+// The rows exp_rows listed: their logits again (float32 dot products), then E[r, j] = d(loss)/dZ[r, j] / s with
+// s = max(|a| exp(max - lse), |b|), the row's largest gradient term, so that every element is at most about 1.
+// Each CTA owns kFixCols columns and reads their weight rows once per kFixRows listed rows. CTA 0 writes the
+// rows' scale and scaled hidden row.
+__global__ void __launch_bounds__(kFixThreads) exp_fixup_kernel(const ExpGradParams p) {
+  __shared__ float xsh[kFixRows][kFixSpan];
+  const int count = p.fixups[0];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kFixCols + warp * kFixColsPerWarp;
+  for (int k0 = 0; k0 < count; k0 += kFixRows) {
+    const int nr = min(kFixRows, count - k0);
+    float acc[kFixColsPerWarp][kFixRows];
+#pragma unroll
+    for (int c = 0; c < kFixColsPerWarp; ++c)
+#pragma unroll
+      for (int q = 0; q < kFixRows; ++q) acc[c][q] = 0.f;
+    for (int64_t h0 = 0; h0 < p.h; h0 += kFixSpan) {
+      const int span = static_cast<int>(p.h - h0 < kFixSpan ? p.h - h0 : kFixSpan);
+      __syncthreads();
+      for (int i = threadIdx.x; i < kFixRows * kFixSpan; i += kFixThreads) {
+        const int q = i / kFixSpan, k = i % kFixSpan;
+        xsh[q][k] = q < nr && k < span ? __bfloat162float(bf16_row(p.x, p.ldx, p.fixups[1 + k0 + q])[h0 + k]) : 0.f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int c = 0; c < kFixColsPerWarp; ++c) {
+        if (col0 + c >= p.v) break;
+        const __nv_bfloat16* wr = bf16_row(p.w, p.ldw, col0 + c) + h0;
+        for (int k = lane; k < span; k += 32) {
+          const float wv = __bfloat162float(wr[k]);
+#pragma unroll
+          for (int q = 0; q < kFixRows; ++q) acc[c][q] = fmaf(wv, xsh[q][k], acc[c][q]);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kFixRows; ++q) {
+      if (q >= nr) break;
+      const int64_t r = p.fixups[1 + k0 + q], t = p.target[r];
+      const float lse = p.lse[r];
+      const ce::GradCoeffs g = coeffs_of(p, r, t, lse);
+      const float s = fmaxf(fabsf(g.a) * expf(p.shift[r] - lse), fabsf(g.b));
+      const int64_t tc = ce::target_column(p.ce, t);
+#pragma unroll
+      for (int c = 0; c < kFixColsPerWarp; ++c) {
+        const float dot = ce::warp_sum(acc[c][q]);
+        const int64_t j = col0 + c;
+        if (lane != 0 || j >= p.v) continue;
+        const float z = p.bias ? dot + load_as_float(p.bias, p.bias_dtype, j * p.bias_stride) : dot;
+        float d = g.a * expf(z - lse);
+        if (j == tc) d -= g.b;
+        static_cast<__nv_bfloat16*>(p.e)[r * p.ld_e + j] = __float2bfloat16_rn(s != 0.f ? d / s : 0.f);
+      }
+      if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) p.scale[r] = s;
+        write_scaled_row(p, r, s, threadIdx.x, kFixThreads);
+      }
+    }
+  }
+}
+
+int row_blocks(int64_t rows, int sm_count) {
+  return static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>((rows + kRowThreads / 32 - 1) / (kRowThreads / 32), int64_t{sm_count} * 8)));
+}
+
+}  // namespace
+
+void launch_target_shift(const ExpGradParams& p, int sm_count, cudaStream_t stream) {
+  if (p.rows <= 0) return;
+  target_shift_kernel<<<row_blocks(p.rows, sm_count), kRowThreads, 0, stream>>>(p);
+  LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy target shift");
+}
+
+void launch_exp_rows(const ExpGradParams& p, int sm_count, cudaStream_t stream) {
+  if (p.rows <= 0) return;
+  LOGITLESS_CUDA_CHECK(cudaMemsetAsync(p.fixups, 0, sizeof(int), stream));
+  exp_rows_kernel<<<row_blocks(p.rows, sm_count), kRowThreads, 0, stream>>>(p);
+  LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy gradient row scales");
+  // One CTA per kFixCols columns; with no listed row (the usual case) each reads the count and returns.
+  const int64_t blocks = (p.v + kFixCols - 1) / kFixCols;
+  exp_fixup_kernel<<<static_cast<unsigned>(blocks), kFixThreads, 0, stream>>>(p);
+  LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy gradient row rewrite");
+}
+
+}  // namespace logitless::lce
