@@ -212,9 +212,10 @@ Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1
     double s = 0;
     for (int64_t j = 0; j < V; ++j) s += std::exp(x[j] - m);
     lse[i] = m + std::log(s);
-    double smooth = 0;
-    for (int64_t j = 0; j < V; ++j) smooth -= w(j) * (x[j] - lse[i]);
+    double smooth = 0;  // only with label smoothing: a class masked to -inf makes it infinite
     const double eps = o.label_smoothing;
+    if (eps != 0)
+      for (int64_t j = 0; j < V; ++j) smooth -= w(j) * (x[j] - lse[i]);
     rows[i] = -(1 - eps) * w(t) * (x[t] - lse[i]) + eps / V * smooth + o.z_loss * lse[i] * lse[i];
   }
   const double inv = o.reduction == Reduction::kMean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
@@ -600,6 +601,31 @@ TEST(LinearCrossEntropy, Float32Bias) {
       // grad_bias comes in bias's dtype: run_backend allocates the inputs' dtype, so compare through floats.
       const Outputs got = run_backend(in, e, dev, up, &want.lse, Chunking::kDefault, GradDtypes{true});
       expect_outputs(in, e, got, want, dev ? "cuda" : "cpu", dev ? DType::kBFloat16 : DType::kFloat32);
+    }
+  }
+}
+
+// Classes masked by a bias of -inf, some of them targets: those rows' loss is +inf and their gradient finite (the
+// target's probability is 0). The fused gradient in forward divides by exp(the target's logit) and must rewrite
+// such rows instead.
+TEST(LinearCrossEntropy, ClassesMaskedByBias) {
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    for (Reduction red : {Reduction::kNone, Reduction::kMean}) {
+      LceCase c{200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, red, true};
+      LceInputs in(c, 41);
+      for (int64_t j = 0; j < c.v; j += 7) in.bias.set(j, -INFINITY);
+      for (int64_t i = 0; i < c.n; i += 5) in.target.set_index(i, (i * 7) % c.v / 7 * 7);
+      const auto up = upstream_for(in, 42);
+      const Outputs want = reference(in, up);
+      for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+        SCOPED_TRACE(std::string(dev ? "cuda " : "cpu ") + reduction_name(red) + " " + entry_name(e));
+        if (e != Entry::kBackward) {
+          ASSERT_TRUE(std::isinf(want.loss[0])) << "the case must have a masked target";
+        }
+        const Outputs got = run_backend(in, e, dev, up, &want.lse);
+        expect_outputs(in, e, got, want, dev ? "cuda" : "cpu", in.c.dtype);
+      }
     }
   }
 }

@@ -82,7 +82,6 @@ __global__ void __launch_bounds__(kRowThreads) target_shift_kernel(const ExpGrad
 __global__ void __launch_bounds__(kRowThreads) exp_rows_kernel(const ExpGradParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kRowThreads / 32);
-  const float4* partials = reinterpret_cast<const float4*>(p.partials);
   for (int64_t r = blockIdx.x * static_cast<int64_t>(kRowThreads / 32) + threadIdx.x / 32; r < p.rows; r += warps) {
     const int64_t t = p.target[r];
     const ce::RowKind kind = ce::classify(p.ce, t);
@@ -91,26 +90,19 @@ __global__ void __launch_bounds__(kRowThreads) exp_rows_kernel(const ExpGradPara
       write_scaled_row(p, r, 0.f, lane, 32);
       continue;
     }
-    const float4* row = partials + r * p.tiles;
-    float m = -INFINITY;
-    for (int64_t k = lane; k < p.tiles; k += 32) m = ce::max_nan(m, row[k].x);
-    m = ce::warp_max(m);
-    const int64_t j = ce::target_column(p.ce, t);
     const float lse = p.lse[r], c = p.shift[r];
     const ce::GradCoeffs g = coeffs_of(p, r, t, lse);
-    // Rewritten by exp_fixup: E would exceed e^kExpRange, or a is so small beside b (a z-loss cancelling the
-    // target's weight) that the target's element, (a p_t - b) / (a exp(c - lse)), would lose its precision.
-    if (p.force_fixups || m - c > kExpRange || !(fabsf(g.a) >= 0x1p-8f * fabsf(g.b))) {
-      if (lane == 0) {
-        p.shift[r] = m;
-        p.fixups[1 + atomicAdd(p.fixups, 1)] = static_cast<int>(r);
-      }
+    // Rewritten by exp_fixup: E may exceed e^kExpRange (lse, at least the row's maximum logit, is that far above
+    // shift), or a is so small beside b (a z-loss cancelling the target's weight) that the target's element,
+    // (a p_t - b) / (a exp(c - lse)), would lose its precision.
+    if (p.force_fixups || lse - c > kExpRange || !(fabsf(g.a) >= 0x1p-8f * fabsf(g.b))) {
+      if (lane == 0) p.fixups[1 + atomicAdd(p.fixups, 1)] = static_cast<int>(r);
       continue;
     }
     const float s = g.a * expf(c - lse);
     if (lane == 0) {
-      const float zt = row[j / kFusedTileCols].z;  // the target's logit as the GEMM computed it
-      const float d = g.a * expf(zt - lse) - g.b;
+      const int64_t j = ce::target_column(p.ce, t);
+      const float d = s - g.b;  // a p_t - b, with p_t = exp(c - lse): c is the target's logit
       static_cast<__nv_bfloat16*>(p.e)[r * p.ld_e + j] = __float2bfloat16_rn(s != 0.f ? d / s : 0.f);
       p.scale[r] = s;
     }
@@ -119,7 +111,8 @@ __global__ void __launch_bounds__(kRowThreads) exp_rows_kernel(const ExpGradPara
 }
 
 // The rows exp_rows listed: their logits again (float32 dot products), then E[r, j] = d(loss)/dZ[r, j] / s with
-// s = max(|a| exp(max - lse), |b|), the row's largest gradient term, so that every element is at most about 1.
+// s = max(|a|, |b|), at least the row's largest gradient term (|a p_j - [j = t] b| <= |a| + |b|), so that every
+// element is at most 2.
 // Each CTA owns kFixCols columns and reads their weight rows once per kFixRows listed rows. CTA 0 writes the
 // rows' scale and scaled hidden row.
 __global__ void __launch_bounds__(kFixThreads) exp_fixup_kernel(const ExpGradParams p) {
@@ -159,7 +152,7 @@ __global__ void __launch_bounds__(kFixThreads) exp_fixup_kernel(const ExpGradPar
       const int64_t r = p.fixups[1 + k0 + q], t = p.target[r];
       const float lse = p.lse[r];
       const ce::GradCoeffs g = coeffs_of(p, r, t, lse);
-      const float s = fmaxf(fabsf(g.a) * expf(p.shift[r] - lse), fabsf(g.b));
+      const float s = fmaxf(fabsf(g.a), fabsf(g.b));
       const int64_t tc = ce::target_column(p.ce, t);
 #pragma unroll
       for (int c = 0; c < kFixColsPerWarp; ++c) {

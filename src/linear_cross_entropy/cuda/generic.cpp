@@ -195,8 +195,8 @@ struct Run {
     FusedGemmParams f = fused_params(r0, rows, 0, p.vocab);
     f.partials = at<float>(plan.off_partials);
     launch_fused_stats(f, sm_count, stream);
-    launch_finish_rows(f.partials, rows, (p.vocab + kFusedTileCols - 1) / kFusedTileCols, targets + r0, f.ce, scalars,
-                       loss_rows, lse_rows, sm_count, stream);
+    launch_finish_rows(f.partials, rows, (p.vocab + kFusedTileCols - 1) / kFusedTileCols, targets + r0, nullptr, f.ce,
+                       scalars, loss_rows, lse_rows, sm_count, stream);
   }
 
   // The gradient in forward on the fused path (plan: kHopperFused, pass kForwardBackward), one token group at a
@@ -225,8 +225,6 @@ struct Run {
       e.scalars = scalars;
       e.upstream = p.grad_scale && p.grad_scale_per_row ? p.grad_scale + g0 : p.grad_scale;
       e.upstream_per_row = p.grad_scale_per_row;
-      e.partials = at<float>(plan.off_partials);
-      e.tiles = tiles;
       e.lse = lse + g0;
       e.shift = at<float>(plan.off_shift);
       e.scale = at<float>(plan.off_row_scale);
@@ -242,8 +240,8 @@ struct Run {
       f.dlogits = e.e;
       f.ld_dlogits = e.ld_e;
       launch_fused_exp(f, sm_count, stream);
-      launch_finish_rows(f.partials, rows, tiles, targets + g0, f.ce, scalars, loss_rows(g0), lse + g0, sm_count,
-                         stream);
+      launch_finish_rows(f.partials, rows, tiles, targets + g0, e.shift, f.ce, scalars, loss_rows(g0), lse + g0,
+                         sm_count, stream);
       launch_exp_rows(e, sm_count, stream);
       if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W): float32 rows, scaled on the way out (in place if float32)
         char* dx = static_cast<char*>(p.grad_hidden.data) + g0 * p.grad_hidden.ld * dtype_size(p.grad_hidden.dtype);
@@ -604,9 +602,9 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
     r.ldx = p.hidden;
   }
   r.blas = cublas_handle(stream, r.at<void>(plan.off_cublas), plan.cublas_bytes);
-  if (plan.kernel == Kernel::kHopperFused && !p.hidden_uniform && reinterpret_cast<uintptr_t>(r.x) % 16 != 0)
-    throw_invalid("workspace: expected a 16-byte aligned pointer (the fused Hopper kernels read the copy of hidden "
-                  "kept there through a TMA descriptor), got a misaligned one");
+  if (plan.kernel == Kernel::kHopperFused && reinterpret_cast<uintptr_t>(ws.data) % 16 != 0)
+    throw_invalid("workspace: expected a 16-byte aligned pointer (the fused Hopper kernels read and write buffers "
+                  "there through TMA descriptors), got a misaligned one");
   switch (p.mode) {
     case Mode::kForward: r.forward(); break;
     case Mode::kForwardBackward: r.forward_backward(); break;

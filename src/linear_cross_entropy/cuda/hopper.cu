@@ -41,8 +41,12 @@ constexpr int kThreads = 384;     // a producer warpgroup, two consumer warpgrou
 constexpr int kCluster = 2;       // CTAs per cluster: token tiles sharing one class tile
 constexpr int kGroupTiles = 8;    // token-tile pairs per raster group
 constexpr int kMaxDevices = 64;   // devices whose launch configuration is remembered (others ask every launch)
+constexpr int kEpiCols = 64;      // columns of an output chunk (stage_and_store): one 128-byte swizzle row of T
+constexpr int kEpiChunks = kBN / kEpiCols;
+constexpr int kEpiBarrier = 1;    // named barriers kEpiBarrier + w: consumer warpgroup w (0 is __syncthreads)
 
-enum class Epi { kStats, kGrad, kExp };  // hopper.h: statistics, gradient, statistics and exponentials
+// hopper.h: statistics, gradient, statistics and exponentials; kNone: no epilogue (debug::launch_fused_mainloop)
+enum class Epi { kStats, kGrad, kExp, kNone };
 
 template <typename T>
 struct MmaOf;
@@ -65,10 +69,15 @@ struct Config {
   static constexpr uint32_t kStageBytes = (kBM + kBN) * kBK * sizeof(T);
 };
 
+// One output chunk of a consumer warpgroup: its 64 rows by kEpiCols columns, 128-byte swizzled (a TMA box).
+template <typename T>
+using SmemEChunk = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, make_shape(Int<kBM / 2>{}, Int<kEpiCols>{})));
+
 template <typename T>
 struct SharedStorage {
   alignas(1024) cute::array_aligned<T, kBM * kBK * kStages, 1024> a;
   alignas(1024) cute::array_aligned<T, kBN * kBK * kStages, 1024> b;
+  alignas(1024) cute::array_aligned<T, 2 * kBM * kEpiCols, 1024> e;  // two chunk buffers of both warpgroups
   alignas(8) uint64_t full[kStages];
   alignas(8) uint64_t empty[kStages];
 };
@@ -94,21 +103,40 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xFFFFFFFFu, v, 2);
 }
 
-template <typename T>
-__device__ __forceinline__ void store_pair(T* dst, bool both, float a, float b) {
-  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
-    if (both) {
-      *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
-    } else {
-      *reinterpret_cast<__nv_bfloat16*>(dst) = __float2bfloat16_rn(a);
-    }
-  } else {
-    if (both) {
-      *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
-    } else {
-      *reinterpret_cast<__half*>(dst) = __float2half_rn(a);
+// The rows of a thread's accumulators (r and r + 8 of its warp's 16), what the epilogues read of them, loaded while
+// the tile's last WGMMAs drain.
+struct RowData {
+  int row[2];             // within the tile
+  ce::RowKind kind[2];    // rows past the last: ignored
+  int64_t tcol[2];        // the target's column relative to column 0 of this launch (any value unless valid)
+  float v[2];             // exp: shift; grad: lse
+  float scale[2], wt[2];  // grad: the upstream factor times 1 / denominator; the target's class weight
+};
+
+template <Epi kEpi, class Crd>
+__device__ __forceinline__ RowData load_rows(const FusedGemmParams& p, const Crd& crd, int64_t m0) {
+  RowData d;
+  const int64_t rows_left = p.m - m0;
+  CUTE_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    d.row[i] = get<0>(crd(2 * i));
+    d.kind[i] = ce::RowKind::kIgnored;
+    d.tcol[i] = -1;
+    d.v[i] = 0.f;
+    d.scale[i] = d.wt[i] = 1.f;
+    if (d.row[i] < rows_left) {
+      const int64_t r = m0 + d.row[i], t = p.target[r];
+      d.kind[i] = ce::classify(p.ce, t);
+      d.tcol[i] = ce::target_column(p.ce, t) - p.col0;
+      if constexpr (kEpi == Epi::kExp) d.v[i] = p.shift[r];
+      if constexpr (kEpi == Epi::kGrad) {
+        d.v[i] = p.lse[r];
+        d.scale[i] = p.scalars->inv_denom * (p.upstream ? p.upstream[p.upstream_per_row ? r : 0] : 1.f);
+        if (d.kind[i] == ce::RowKind::kValid) d.wt[i] = ce::target_weight(p.ce, t);
+      }
     }
   }
+  return d;
 }
 
 // The accumulators plus the bias: the raw logits, as the generic path's GEMM writes them.
@@ -123,30 +151,73 @@ __device__ __forceinline__ void add_bias(const FusedGemmParams& p, Acc& acc, con
   }
 }
 
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  if constexpr (std::is_same_v<T, cutlass::bfloat16_t>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// The tile's [128, 256] output in T (E or the gradient) through shared memory and TMA stores, which drain while the
+// next tile's WGMMAs run. Each consumer warpgroup writes its 64 rows in kEpiChunks chunks of 64 columns into one of
+// two 8 KB buffers (128-byte swizzle: a chunk is one TMA box), stmatrix putting four 8 x 8 blocks of the WGMMA
+// accumulator layout per instruction, and its first thread stores the chunk; a buffer is rewritten once the store
+// issued from it two chunks before has read it. The TMA clips rows and columns past the output's end.
+// val(e): the value of accumulator element e, called once per element in order.
+template <typename T, class TmaE, class Val>
+__device__ __forceinline__ void stage_and_store(const TmaE& tma_e, T* ebuf, int wgl, int tw, int mt, int nt,
+                                                int m, int n, Val&& val) {
+  const int lane = tw & 31, k = lane >> 3, i = lane & 7;
+  const int r = 16 * (tw >> 5) + 8 * (k & 1) + i;  // the row (of the warpgroup's 64) whose address this lane gives
+  Tensor mE = tma_e.get_tma_tensor(make_shape(m, n));
+  CUTE_UNROLL
+  for (int c = 0; c < kEpiChunks; ++c) {
+    T* buf = ebuf + (c & 1) * (kBM * kEpiCols) + wgl * (kBM / 2 * kEpiCols);
+    if (tw == 0) tma_store_wait<1>();  // the store from this buffer two chunks ago has read it
+    cutlass::arch::NamedBarrier::sync(128, kEpiBarrier + wgl);
+    const uint32_t row_addr = cast_smem_ptr_to_uint(buf) + r * (kEpiCols * sizeof(T));
+    CUTE_UNROLL
+    for (int jj = 0; jj < kEpiCols / 8; jj += 2) {  // two 8-column blocks of the chunk per instruction
+      const int e = 4 * (c * (kEpiCols / 8) + jj);
+      const uint32_t r0 = pack2<T>(val(e), val(e + 1)), r1 = pack2<T>(val(e + 2), val(e + 3));
+      const uint32_t r2 = pack2<T>(val(e + 4), val(e + 5)), r3 = pack2<T>(val(e + 6), val(e + 7));
+      const uint32_t addr = row_addr + (((jj + (k >> 1)) ^ i) << 4);  // the 16-byte chunk, swizzled by row % 8
+      asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+                   "r"(r1), "r"(r2), "r"(r3));
+    }
+    tma_store_fence();  // the writes above, visible to the TMA unit
+    cutlass::arch::NamedBarrier::sync(128, kEpiBarrier + wgl);
+    if (tw == 0) {
+      Tensor gE = local_tile(mE, Shape<Int<kBM / 2>, Int<kEpiCols>>{}, make_coord(2 * mt + wgl, nt * kEpiChunks + c));
+      Tensor sE = make_tensor(make_smem_ptr(buf), SmemEChunk<T>{});
+      auto cta = tma_e.get_slice(Int<0>{});
+      copy(tma_e, cta.partition_S(sE), cta.partition_D(gE));
+      tma_store_arrive();
+    }
+  }
+}
+
 // Per (row, tile): max, sum of exp, the target's logit, sum of w x (kGeneral: soft cap and label smoothing).
-template <bool kGeneral, class Acc, class Crd>
-__device__ __forceinline__ void epilogue_stats(const FusedGemmParams& p, Acc& acc, const Crd& crd, int64_t m0,
-                                               int64_t n0, int nt) {
+// kFull: every row and column of the tile is in the problem (no masks; most tiles).
+template <bool kGeneral, bool kFull, class Acc, class Crd>
+__device__ __forceinline__ void epilogue_stats(const FusedGemmParams& p, const RowData& d, Acc& acc, const Crd& crd,
+                                               int64_t m0, int64_t n0, int nt) {
   const int64_t rows_left = p.m - m0, cols_left = p.n - n0;
   add_bias(p, acc, crd, n0, cols_left);
-  int row[2];
   int64_t tcol[2];  // the target's column within this tile (outside [0, kBN) when elsewhere)
   float mx[2] = {-INFINITY, -INFINITY};
   CUTE_UNROLL
-  for (int i = 0; i < 2; ++i) {
-    row[i] = get<0>(crd(2 * i));
-    tcol[i] = -1;
-    if (row[i] < rows_left) {
-      const int64_t t = p.target[m0 + row[i]];
-      if (ce::classify(p.ce, t) == ce::RowKind::kValid) tcol[i] = ce::target_column(p.ce, t) - p.col0 - n0;
-    }
-  }
+  for (int i = 0; i < 2; ++i) tcol[i] = d.kind[i] == ce::RowKind::kValid ? d.tcol[i] - n0 : -1;
   CUTE_UNROLL
   for (int e = 0; e < size(acc); ++e) {
     const int i = (e >> 1) & 1, c = get<1>(crd(e));
     float x = acc(e);
     if constexpr (kGeneral) x = ce::capped(p.ce, x);
-    x = c < cols_left ? x : -INFINITY;
+    if constexpr (!kFull) x = c < cols_left ? x : -INFINITY;
     acc(e) = x;
     mx[i] = fmaxf(mx[i], x);
   }
@@ -162,7 +233,8 @@ __device__ __forceinline__ void epilogue_stats(const FusedGemmParams& p, Acc& ac
     s[i] += ce::fast_exp2(fmaf(x, ce::kLog2e, -ml2[i]));
     if (c == tcol[i]) xt[i] = x;
     if constexpr (kGeneral) {
-      if (p.ce.eps != 0.f && c < cols_left) swx[i] = fmaf(ce::class_weight(p.ce, p.col0 + n0 + c), x, swx[i]);
+      if (p.ce.eps != 0.f && (kFull || c < cols_left))
+        swx[i] = fmaf(ce::class_weight(p.ce, p.col0 + n0 + c), x, swx[i]);
     }
   }
   const int lane = threadIdx.x & 31;
@@ -172,149 +244,113 @@ __device__ __forceinline__ void epilogue_stats(const FusedGemmParams& p, Acc& ac
     float mi = mx[i];
     // NaN anywhere in the tile's row (or +inf, whose exp(x - m) is NaN): the whole row is NaN.
     if (isnan(si)) mi = si = NAN;
-    if ((lane & 3) == 0 && row[i] < rows_left)
-      reinterpret_cast<float4*>(p.partials)[(m0 + row[i]) * ((p.n + kBN - 1) / kBN) + nt] =
+    if ((lane & 3) == 0 && d.row[i] < rows_left)
+      reinterpret_cast<float4*>(p.partials)[(m0 + d.row[i]) * ((p.n + kBN - 1) / kBN) + nt] =
           make_float4(mi, si, xti, swxi);
   }
 }
 
-// d(loss)/dZ of the tile from the rows' lse, into dlogits in T.
-template <typename T, bool kGeneral, class Acc, class Crd>
-__device__ __forceinline__ void epilogue_grad(const FusedGemmParams& p, Acc& acc, const Crd& crd, int64_t m0,
-                                              int64_t n0) {
-  const int64_t rows_left = p.m - m0, cols_left = p.n - n0;
+// d(loss)/dZ of the tile from the rows' lse, into dlogits in T (stage_and_store). kFull: as epilogue_stats.
+template <typename T, bool kGeneral, bool kFull, class Acc, class Crd, class TmaE>
+__device__ __forceinline__ void epilogue_grad(const FusedGemmParams& p, const RowData& d, Acc& acc, const Crd& crd,
+                                              int64_t m0, int64_t n0, int mt, int nt, const TmaE& tma_e, T* ebuf,
+                                              int wgl, int tw) {
+  const int64_t cols_left = p.n - n0;
   add_bias(p, acc, crd, n0, cols_left);
-  const float W = p.scalars->weight_sum, inv_denom = p.scalars->inv_denom;
-  int row[2];
-  ce::RowKind kind[2];
-  int64_t tcol[2];  // the target's column relative to this tile's first (the chunk's col0 + n0)
+  const float W = p.scalars->weight_sum;
+  int64_t tcol[2];  // the target's column relative to this tile's first
   ce::GradCoeffs g[2];
-  float lse_l2[2];
-  CUTE_UNROLL
-  for (int i = 0; i < 2; ++i) {
-    row[i] = get<0>(crd(2 * i));
-    kind[i] = ce::RowKind::kIgnored;
-    tcol[i] = -1;
-    g[i] = ce::GradCoeffs{0.f, 0.f, 0.f};
-    lse_l2[i] = 0.f;
-    if (row[i] < rows_left) {
-      const int64_t r = m0 + row[i], t = p.target[r];
-      kind[i] = ce::classify(p.ce, t);
-      if (kind[i] == ce::RowKind::kValid) {
-        const float lse = p.lse[r];
-        float scale = inv_denom;
-        if (p.upstream) scale *= p.upstream[p.upstream_per_row ? r : 0];
-        g[i] = ce::row_grad_coeffs(lse, ce::target_weight(p.ce, t), W, p.ce.eps, p.ce.inv_v, p.ce.z, scale);
-        lse_l2[i] = lse * ce::kLog2e;
-        tcol[i] = ce::target_column(p.ce, t) - p.col0 - n0;
-      }
-    }
-  }
-  CUTE_UNROLL
-  for (int e = 0; e < size(acc); ++e) {
-    const int i = (e >> 1) & 1, c = get<1>(crd(e));
-    float d;
-    if constexpr (kGeneral) {
-      // grad_elem compares columns of the shard: shift both by the tile's first column.
-      d = ce::grad_elem(p.ce, g[i], lse_l2[i], ce::capped(p.ce, acc(e)), p.col0 + n0 + c, p.col0 + n0 + tcol[i]);
-    } else {
-      d = g[i].a * ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -lse_l2[i]));
-      if (c == tcol[i]) d -= g[i].b;
-    }
-    if (kind[i] != ce::RowKind::kValid) d = kind[i] == ce::RowKind::kBad ? NAN : 0.f;
-    acc(e) = d;
-  }
-  T* out = static_cast<T*>(p.dlogits);
-  CUTE_UNROLL
-  for (int e = 0; e < size(acc); e += 2) {
-    const int r = get<0>(crd(e)), c = get<1>(crd(e));
-    if (r >= rows_left || c >= cols_left) continue;
-    store_pair(out + (m0 + r) * p.ld_dlogits + n0 + c, c + 1 < cols_left, acc(e), acc(e + 1));
-  }
-}
-
-// The gradient in forward (plain options, params.h's ExpGradParams): the statistics of epilogue_stats and
-// E = exp(z - shift) of every element in T (0 in ignored rows, NaN in rows with a bad target). One exponential per
-// element serves both: a tile's sum of exp(z - max) is the sum of E times exp(shift - max), except where the tile
-// maximum is more than 64 nats from shift, where the tile sums again relative to its maximum.
-template <typename T, class Acc, class Crd>
-__device__ __forceinline__ void epilogue_exp(const FusedGemmParams& p, Acc& acc, const Crd& crd, int64_t m0,
-                                             int64_t n0, int nt) {
-  const int64_t rows_left = p.m - m0, cols_left = p.n - n0;
-  add_bias(p, acc, crd, n0, cols_left);
-  int row[2];
-  int64_t tcol[2];
-  float fill[2], c_l2[2], mx[2] = {-INFINITY, -INFINITY}, xt[2] = {0.f, 0.f}, se[2] = {0.f, 0.f};
+  float lse_l2[2], fill[2];
   bool valid[2];
   CUTE_UNROLL
   for (int i = 0; i < 2; ++i) {
-    row[i] = get<0>(crd(2 * i));
-    tcol[i] = -1;
-    fill[i] = 0.f;
-    c_l2[i] = 0.f;
-    valid[i] = false;
-    if (row[i] < rows_left) {
-      const int64_t t = p.target[m0 + row[i]];
-      const ce::RowKind kind = ce::classify(p.ce, t);
-      valid[i] = kind == ce::RowKind::kValid;
-      if (valid[i]) {
-        tcol[i] = ce::target_column(p.ce, t) - p.col0 - n0;
-        c_l2[i] = p.shift[m0 + row[i]] * ce::kLog2e;
-      } else if (kind == ce::RowKind::kBad) {
-        fill[i] = NAN;
-      }
-    }
+    valid[i] = d.kind[i] == ce::RowKind::kValid;
+    fill[i] = d.kind[i] == ce::RowKind::kBad ? NAN : 0.f;
+    tcol[i] = d.tcol[i] - n0;
+    g[i] = valid[i] ? ce::row_grad_coeffs(d.v[i], d.wt[i], W, p.ce.eps, p.ce.inv_v, p.ce.z, d.scale[i])
+                    : ce::GradCoeffs{0.f, 0.f, 0.f};
+    lse_l2[i] = valid[i] ? d.v[i] * ce::kLog2e : 0.f;
   }
-  CUTE_UNROLL
-  for (int e = 0; e < size(acc); ++e) {
+  stage_and_store<T>(tma_e, ebuf, wgl, tw, mt, nt, static_cast<int>(p.m), static_cast<int>(p.n), [&](int e) {
     const int i = (e >> 1) & 1, c = get<1>(crd(e));
-    const float x = c < cols_left ? acc(e) : -INFINITY;
-    acc(e) = x;
-    mx[i] = fmaxf(mx[i], x);
-    if (c == tcol[i]) xt[i] = x;
-  }
-  T* out = static_cast<T*>(p.dlogits);
+    float v;
+    if constexpr (kGeneral) {
+      // grad_elem compares columns of the shard: shift both by the tile's first column.
+      v = ce::grad_elem(p.ce, g[i], lse_l2[i], ce::capped(p.ce, acc(e)), p.col0 + n0 + c, p.col0 + n0 + tcol[i]);
+    } else {
+      v = g[i].a * ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -lse_l2[i]));
+      if (c == tcol[i]) v -= g[i].b;
+    }
+    return valid[i] ? v : fill[i];
+  });
+}
+
+// The gradient in forward (plain options, params.h's ExpGradParams): E = exp(z - shift) of every element in T (0 in
+// ignored rows, NaN in rows with a bad target; stage_and_store) and, per (row, tile), the sum of E as the statistics
+// of a tile whose maximum is shift: (shift, sum of E, 0, 0). One exponential per element serves both, and no pass
+// takes the tile's maximum, except where the sum overflows (a logit more than about 80 nats above shift), where the
+// tile sums again relative to its maximum. A tile whose E all underflow is negligible beside the target's own E of
+// 1. The target's logit is shift itself (launch_finish_rows' target_logit). kFull: as epilogue_stats.
+template <typename T, bool kFull, class Acc, class Crd, class TmaE>
+__device__ __forceinline__ void epilogue_exp(const FusedGemmParams& p, const RowData& d, Acc& acc, const Crd& crd,
+                                             int64_t m0, int64_t n0, int mt, int nt, const TmaE& tma_e, T* ebuf,
+                                             int wgl, int tw) {
+  const int64_t rows_left = p.m - m0, cols_left = p.n - n0;
+  add_bias(p, acc, crd, n0, cols_left);
+  float shift[2], c_l2[2], fill[2], se[2] = {0.f, 0.f};
+  bool valid[2];
   CUTE_UNROLL
-  for (int e = 0; e < size(acc); e += 2) {
-    const int i = (e >> 1) & 1, r = get<0>(crd(e)), c = get<1>(crd(e));
-    const float e0 = ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -c_l2[i]));
-    const float e1 = ce::fast_exp2(fmaf(acc(e + 1), ce::kLog2e, -c_l2[i]));
-    se[i] += e0 + e1;
-    if (r >= rows_left || c >= cols_left) continue;
-    store_pair(out + (m0 + r) * p.ld_dlogits + n0 + c, c + 1 < cols_left, valid[i] ? e0 : fill[i],
-               valid[i] ? e1 : fill[i]);
+  for (int i = 0; i < 2; ++i) {
+    valid[i] = d.kind[i] == ce::RowKind::kValid;
+    shift[i] = valid[i] ? d.v[i] : 0.f;
+    c_l2[i] = valid[i] ? shift[i] * ce::kLog2e : INFINITY;  // rows without a target: E = 0 (stored as fill), sum 0
+    fill[i] = d.kind[i] == ce::RowKind::kBad ? NAN : 0.f;
   }
+  if constexpr (!kFull) {  // masked columns: exp(-inf) = 0 in the sum, and nothing in the maximum below
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); ++e)
+      if (get<1>(crd(e)) >= cols_left) acc(e) = -INFINITY;
+  }
+  stage_and_store<T>(tma_e, ebuf, wgl, tw, mt, nt, static_cast<int>(p.m), static_cast<int>(p.n), [&](int e) {
+    const int i = (e >> 1) & 1;
+    const float x = ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -c_l2[i]));
+    se[i] += x;
+    return valid[i] ? x : fill[i];
+  });
   const int lane = threadIdx.x & 31;
   CUTE_UNROLL
   for (int i = 0; i < 2; ++i) {
-    const float mi = quad_max(mx[i]);
-    const float ml2 = mi == -INFINITY ? 0.f : mi * ce::kLog2e;
-    float si = quad_sum(se[i]) * ce::fast_exp2(c_l2[i] - ml2);
-    // Far from shift either way (E of this tile overflows, or underflows while exp(shift - max) overflows): sum
-    // again. NaN compares false; the sum is NaN already.
-    const bool far = fabsf(ml2 - c_l2[i]) > 64.f * ce::kLog2e;
-    if (__any_sync(0xFFFFFFFFu, far)) {
+    float si = quad_sum(se[i]), m_out = shift[i];
+    // An overflowed sum (+inf: a logit far above shift, or +inf itself): the tile's statistics relative to its
+    // maximum, as epilogue_stats. NaN compares false; the sum is NaN already. So does a target logit of -inf (a
+    // class masked by its bias), where E = exp(z + inf) and exp(-inf + inf) is NaN.
+    const bool over = si == INFINITY || shift[i] == -INFINITY;
+    if (__any_sync(0xFFFFFFFFu, over)) {
+      float mx = -INFINITY;
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc); ++e)
+        if (((e >> 1) & 1) == i) mx = fmaxf(mx, acc(e));
+      mx = quad_max(mx);
+      const float ml2 = mx == -INFINITY ? 0.f : mx * ce::kLog2e;
       float s = 0.f;
       CUTE_UNROLL
       for (int e = 0; e < size(acc); ++e)
         if (((e >> 1) & 1) == i) s += ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -ml2));
       s = quad_sum(s);
-      if (far) si = s;
+      if (over) m_out = mx, si = s;
     }
-    if (mi == -INFINITY) si = 0.f;
-    const float xti = quad_sum(xt[i]);
-    float m_out = mi;
     if (isnan(si)) m_out = si = NAN;  // NaN or +inf in the tile's row, as epilogue_stats
-    if ((lane & 3) == 0 && row[i] < rows_left)
-      reinterpret_cast<float4*>(p.partials)[(m0 + row[i]) * ((p.n + kBN - 1) / kBN) + nt] =
-          make_float4(m_out, si, xti, 0.f);
+    if ((lane & 3) == 0 && d.row[i] < rows_left)
+      reinterpret_cast<float4*>(p.partials)[(m0 + d.row[i]) * ((p.n + kBN - 1) / kBN) + nt] =
+          make_float4(m_out, si, 0.f, 0.f);
   }
 }
 
-template <typename T, Epi kEpi, bool kGeneral, class TmaA, class TmaB>
+// TmaE: the TMA store of the output (kGrad, kExp); unused otherwise.
+template <typename T, Epi kEpi, bool kGeneral, class TmaA, class TmaB, class TmaE>
 __global__ void __launch_bounds__(kThreads, 1)
     fused_kernel(const __grid_constant__ FusedGemmParams p, const __grid_constant__ TmaA tma_a,
-                 const __grid_constant__ TmaB tma_b) {
+                 const __grid_constant__ TmaB tma_b, const __grid_constant__ TmaE tma_e) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = Config<T>;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -406,17 +442,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         prev = stage;
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
+      const int64_t m0 = static_cast<int64_t>(mt) * kBM, n0 = static_cast<int64_t>(nt) * kBN;
+      RowData d{};
+      if constexpr (kEpi != Epi::kNone) d = load_rows<kEpi>(p, crd, m0);  // while the last WGMMAs run
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
       if (prev >= 0) release(prev);
-      const int64_t m0 = static_cast<int64_t>(mt) * kBM, n0 = static_cast<int64_t>(nt) * kBN;
+      const bool full = m0 + kBM <= p.m && n0 + kBN <= p.n;  // uniform over the CTA
+      const int wgl = wg - 1, tw = ct & 127;
       if constexpr (kEpi == Epi::kGrad) {
-        epilogue_grad<T, kGeneral>(p, acc, crd, m0, n0);
+        full ? epilogue_grad<T, kGeneral, true>(p, d, acc, crd, m0, n0, mt, nt, tma_e, smem.e.data(), wgl, tw)
+             : epilogue_grad<T, kGeneral, false>(p, d, acc, crd, m0, n0, mt, nt, tma_e, smem.e.data(), wgl, tw);
       } else if constexpr (kEpi == Epi::kExp) {
-        epilogue_exp<T>(p, acc, crd, m0, n0, nt);
+        full ? epilogue_exp<T, true>(p, d, acc, crd, m0, n0, mt, nt, tma_e, smem.e.data(), wgl, tw)
+             : epilogue_exp<T, false>(p, d, acc, crd, m0, n0, mt, nt, tma_e, smem.e.data(), wgl, tw);
+      } else if constexpr (kEpi == Epi::kNone) {
+        if (acc(0) == 0x1p100f && p.partials) p.partials[0] = acc(1);  // keeps the accumulators live, never taken
       } else {
-        epilogue_stats<kGeneral>(p, acc, crd, m0, n0, nt);
+        full ? epilogue_stats<kGeneral, true>(p, d, acc, crd, m0, n0, nt)
+             : epilogue_stats<kGeneral, false>(p, d, acc, crd, m0, n0, nt);
       }
+    }
+    // The shared memory stays until the last stores have read it.
+    if constexpr (kEpi == Epi::kGrad || kEpi == Epi::kExp) {
+      if ((ct & 127) == 0) tma_store_wait<0>();
     }
   }
   // Neither CTA leaves while its peer may still multicast into its shared memory or arrive on its barriers.
@@ -425,15 +474,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <typename T, Epi kEpi, bool kGeneral>
-void launch_typed(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
-  using Cfg = Config<T>;
-  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-  Tensor mA = make_tensor(make_gmem_ptr(static_cast<const T*>(p.x)), make_shape(m, k), make_stride(p.ldx, Int<1>{}));
-  Tensor mB = make_tensor(make_gmem_ptr(static_cast<const T*>(p.w)), make_shape(n, k), make_stride(p.ldw, Int<1>{}));
-  auto tma_a = make_tma_copy(SM90_TMA_LOAD{}, mA, typename Cfg::SmemA{}(_, _, 0));
-  auto tma_b = make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, mB, typename Cfg::SmemB{}(_, _, 0), Int<kCluster>{});
-  auto* kernel = &fused_kernel<T, kEpi, kGeneral, decltype(tma_a), decltype(tma_b)>;
+template <typename T, Epi kEpi, bool kGeneral, class TmaA, class TmaB, class TmaE>
+void launch_kernel(const FusedGemmParams& p, int sm_count, cudaStream_t stream, const TmaA& tma_a, const TmaB& tma_b,
+                   const TmaE& tma_e) {
+  auto* kernel = &fused_kernel<T, kEpi, kGeneral, TmaA, TmaB, TmaE>;
   const int smem = static_cast<int>(kSmemBytes<T>);
   const int64_t pairs = ((p.m + kCluster * kBM - 1) / (kCluster * kBM)) * ((p.n + kBN - 1) / kBN);
   cudaLaunchConfig_t cfg = {};
@@ -469,8 +513,30 @@ void launch_typed(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
     resident = device < kMaxDevices ? resident_of[device] : resident;
   }
   cfg.gridDim = dim3(static_cast<unsigned>(kCluster * std::min<int64_t>(pairs, resident)));
-  LOGITLESS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tma_a, tma_b));
+  LOGITLESS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tma_a, tma_b, tma_e));
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy fused logits GEMM");
+}
+
+template <typename T, Epi kEpi, bool kGeneral>
+void launch_typed(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
+  using Cfg = Config<T>;
+  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  Tensor mA = make_tensor(make_gmem_ptr(static_cast<const T*>(p.x)), make_shape(m, k), make_stride(p.ldx, Int<1>{}));
+  Tensor mB = make_tensor(make_gmem_ptr(static_cast<const T*>(p.w)), make_shape(n, k), make_stride(p.ldw, Int<1>{}));
+  auto tma_a = make_tma_copy(SM90_TMA_LOAD{}, mA, typename Cfg::SmemA{}(_, _, 0));
+  auto tma_b = make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, mB, typename Cfg::SmemB{}(_, _, 0), Int<kCluster>{});
+  if constexpr (kEpi == Epi::kGrad || kEpi == Epi::kExp) {
+    // The output through TMA stores: 16-byte aligned rows (the plan's buffers are).
+    if (reinterpret_cast<uintptr_t>(p.dlogits) % 16 != 0 || p.ld_dlogits % 8 != 0)
+      throw_invalid("linear cross-entropy fused GEMM: expected a 16-byte aligned output with rows of a multiple of 8 "
+                    "elements (the workspace's alignment), got another");
+    Tensor mE = make_tensor(make_gmem_ptr(static_cast<T*>(p.dlogits)), make_shape(m, n),
+                            make_stride(p.ld_dlogits, Int<1>{}));
+    auto tma_e = make_tma_copy(SM90_TMA_STORE{}, mE, SmemEChunk<T>{});
+    launch_kernel<T, kEpi, kGeneral>(p, sm_count, stream, tma_a, tma_b, tma_e);
+  } else {
+    launch_kernel<T, kEpi, kGeneral>(p, sm_count, stream, tma_a, tma_b, tma_a);
+  }
 }
 
 template <Epi kEpi>
@@ -507,6 +573,11 @@ void launch_fused_grad(const FusedGemmParams& p, int sm_count, cudaStream_t stre
   launch<Epi::kGrad>(p, sm_count, stream);
 }
 
+void debug::launch_fused_mainloop(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
+  if (p.m <= 0 || p.n <= 0) return;
+  launch_typed<cutlass::bfloat16_t, Epi::kNone, false>(p, sm_count, stream);
+}
+
 void launch_fused_exp(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
   if (p.m <= 0 || p.n <= 0) return;
   if (p.dtype != DType::kBFloat16 || p.ce.softcap > 0.f || p.ce.eps != 0.f)
@@ -525,6 +596,9 @@ void launch_fused_grad(const FusedGemmParams&, int, cudaStream_t) {
   throw_runtime("linear cross-entropy: the fused Hopper kernels were not built (no CUTLASS headers)");
 }
 void launch_fused_exp(const FusedGemmParams&, int, cudaStream_t) {
+  throw_runtime("linear cross-entropy: the fused Hopper kernels were not built (no CUTLASS headers)");
+}
+void debug::launch_fused_mainloop(const FusedGemmParams&, int, cudaStream_t) {
   throw_runtime("linear cross-entropy: the fused Hopper kernels were not built (no CUTLASS headers)");
 }
 

@@ -67,6 +67,9 @@ void set_fused_kernels(bool enabled);
 void set_exp_fixup_all(bool enabled);
 bool fused_kernels_enabled();
 Kernel last_kernel();
+// The fused GEMM (bfloat16) without an epilogue: its accumulators are dropped. The mainloop's speed alone, for the
+// kernel micro-benchmark (bench/cpp/bench_lce_gemm.cu).
+void launch_fused_mainloop(const FusedGemmParams& p, int sm_count, cudaStream_t stream);
 }  // namespace debug
 
 void launch_fused_stats(const FusedGemmParams& p, int sm_count, cudaStream_t stream);

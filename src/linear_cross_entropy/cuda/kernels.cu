@@ -187,7 +187,8 @@ __global__ void copy_rows_kernel(const E* src, const RowLayout rows, int64_t n, 
 }
 
 __global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t tiles, const int64_t* target,
-                                   const ce::KernelParams p, const Scalars* scalars, float* loss, float* lse) {
+                                   const float* target_logit, const ce::KernelParams p, const Scalars* scalars,
+                                   float* loss, float* lse) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
@@ -212,7 +213,7 @@ __global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t
       swx += q.w;
     }
     s = ce::warp_sum(s);
-    xt = ce::warp_sum(xt);
+    xt = target_logit ? target_logit[r] : ce::warp_sum(xt);
     swx = ce::warp_sum(swx);
     if (lane == 0) {
       // NaN, +inf (an infinite logit) or -inf (every logit -inf) as the maximum: NaN, as the row kernels give.
@@ -314,13 +315,13 @@ void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t
 }
 
 void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
-                        const ce::KernelParams& ce, const Scalars* scalars, float* loss, float* lse, int sm_count,
-                        cudaStream_t stream) {
+                        const float* target_logit, const ce::KernelParams& ce, const Scalars* scalars, float* loss,
+                        float* lse, int sm_count, cudaStream_t stream) {
   if (rows <= 0) return;
   constexpr int kThreads = 256;
   const int64_t blocks = std::min<int64_t>((rows + kThreads / 32 - 1) / (kThreads / 32), int64_t{sm_count} * 8);
   finish_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(partials), rows, tiles, target, ce, scalars, loss, lse);
+      reinterpret_cast<const float4*>(partials), rows, tiles, target, target_logit, ce, scalars, loss, lse);
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy fused row statistics");
 }
 

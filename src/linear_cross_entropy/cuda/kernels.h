@@ -35,10 +35,11 @@ void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t
 
 // The rows' loss and lse from the fused forward's tile statistics partials [rows, tiles, 4] (hopper.h): one warp
 // per row combines its tiles as a vocabulary-parallel finalize combines shards (include/logitless/vocab_parallel.h)
-// and applies the cross-entropy's row loss. lse may be nullptr. ce: the row kinds, class weights and options.
+// and applies the cross-entropy's row loss. target_logit: the rows' target logits, or nullptr to take them from the
+// partials. lse may be nullptr. ce: the row kinds, class weights and options.
 void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
-                        const ce::KernelParams& ce, const Scalars* scalars, float* loss, float* lse, int sm_count,
-                        cudaStream_t stream);
+                        const float* target_logit, const ce::KernelParams& ce, const Scalars* scalars, float* loss,
+                        float* lse, int sm_count, cudaStream_t stream);
 
 // The gradient in forward's fused path (ExpGradParams, exp_grad.cu). Before the logits GEMM: shift[r] = the
 // target's logit (0 for rows without one). After it and launch_finish_rows: every row's scale, the target's

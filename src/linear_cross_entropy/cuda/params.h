@@ -49,12 +49,12 @@ struct GradParams {
 };
 
 // The gradient in forward on the fused Hopper path, one token group at a time. The logits GEMM (hopper.h, exp
-// epilogue) writes E[r, j] = exp(z[r, j] - shift[r]) in bfloat16 next to the tile statistics, with shift[r] about
-// the target's logit, so that d(loss)/dZ[r, j] = scale[r] * E[r, j] for every j but the target; exp_rows puts
+// epilogue) writes E[r, j] = exp(z[r, j] - shift[r]) in bfloat16 next to the tile statistics, with shift[r] the
+// target's logit (a dot product before the GEMM), so that d(loss)/dZ[r, j] = scale[r] * E[r, j] for every j but the target; exp_rows puts
 // (a p_t - b) / scale[r] in the target's place. Then grad_hidden = scale ⊙ (E W) and grad_weight = Eᵀ (scale ⊙ X):
-// the three GEMMs with no pass over the [rows, V] matrix between them. Rows where that form loses precision (a
-// maximum logit more than kExpRange above shift, or a row scale near 0 beside its target term) go to exp_fixup,
-// which recomputes their logits and writes their gradient over a scale of its own.
+// the three GEMMs with no pass over the [rows, V] matrix between them. Rows where that form loses range or precision
+// (lse more than kExpRange above shift, or a row scale near 0 beside its target term) go to exp_fixup, which
+// recomputes their logits and writes their gradient over a scale of its own.
 struct ExpGradParams {
   int64_t rows = 0, h = 0, v = 0;
   const void* x = nullptr;  // bfloat16 hidden rows [rows, h], row stride ldx
@@ -69,8 +69,6 @@ struct ExpGradParams {
   const Scalars* scalars = nullptr;
   const float* upstream = nullptr;  // nullptr (1), [1] or [rows] (upstream_per_row)
   int upstream_per_row = 0;
-  const float* partials = nullptr;  // [rows, tiles, 4]: the exp epilogue's tile statistics
-  int64_t tiles = 0;
   const float* lse = nullptr;  // [rows]
   float* shift = nullptr;      // [rows]
   float* scale = nullptr;      // [rows]: 0 for ignored rows, NaN for bad ones
@@ -81,8 +79,9 @@ struct ExpGradParams {
   int force_fixups = 0;   // tests: every valid row goes through exp_fixup
 };
 
-// Rows whose maximum logit exceeds shift by more than this many nats are rewritten by exp_fixup: below it E stays
-// under e^40 and scale above e^-53 times its row factor, far from bfloat16's range limits (e^±88).
+// Rows whose lse exceeds shift by more than this many nats are rewritten by exp_fixup: below it E stays under e^40
+// (the maximum logit is at most lse) and scale above e^-40 times its row factor, far from bfloat16's range limits
+// (e^±88).
 inline constexpr float kExpRange = 40.f;
 
 }  // namespace logitless::lce
