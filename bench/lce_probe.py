@@ -10,7 +10,8 @@ inputs (dX and dW included). Medians of 7 rounds after one warm-up, each round t
 schedule once in turn (so that all see the same clocks of a GPU under load). On an H100 the library's fused
 Hopper kernels run where they apply; LOGITLESS_LCE_KERNEL=generic in the environment measures the cuBLAS path
 instead.
---kernels adds, per line, the GPU time of each kernel of one more call (torch.profiler), largest first.
+--kernels adds a profile of 3 more rounds (torch.profiler): per function, the host time of a call, the GPU's busy
+time and span, and its largest kernels.
 """
 import argparse
 
@@ -41,27 +42,49 @@ def interleaved_medians(fns, rounds=7):
     return [sorted(t)[len(t) // 2] for t in times]
 
 
-def print_kernels(fn):
-    from torch.profiler import ProfilerActivity, profile
+def profile_rounds(names, fns, rounds=3):
+    """Per function, from `rounds` more interleaved rounds under torch.profiler: the call's time on the host clock
+    (launch to synchronize), the GPU's busy time and the span of its kernels, the idle time before the first
+    kernel, and the busiest kernels; medians over the rounds. Kernels belong to the call whose host range holds
+    their start (each call ends with a synchronize, so none runs into the next)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+        for r in range(rounds):
+            for i, fn in enumerate(fns):
+                with record_function(f"probe_call:{i}:{r}"):
+                    fn()
+                    torch.cuda.synchronize()
+    events = prof.events()
+    calls = sorted(((ev.time_range.start, ev.time_range.end, int(ev.name.split(":")[1])) for ev in events
+                    if ev.name.startswith("probe_call:") and ev.device_type == torch.autograd.DeviceType.CPU))
+    # The device-side copies of the record_function ranges are annotations, not kernels.
+    kernels = sorted((ev for ev in events
+                      if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("probe_call:")),
                      key=lambda ev: ev.time_range.start)
-    totals = {}
-    for ev in kernels:
-        calls, us = totals.get(ev.name, (0, 0.0))
-        totals[ev.name] = (calls + 1, us + ev.time_range.elapsed_us())
-    busy = sum(us for _, us in totals.values())
-    span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
-    print(f"    GPU busy {busy / 1000:.3f} ms over a span of {span / 1000:.3f} ms")
-    for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:12]:
-        print(f"    {us / 1000:8.3f} ms  {calls:4d}x  {name[:110]}")
-    gaps = sorted(((b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(kernels, kernels[1:])),
-                  reverse=True)[:4]
-    for gap, a, b in gaps:
-        print(f"    idle {gap / 1000:7.3f} ms between {a[:50]} and {b[:50]}")
+    per_fn = [[] for _ in fns]
+    for start, end, i in calls:
+        ks = [k for k in kernels if start <= k.time_range.start < end]
+        per_fn[i].append((end - start, ks, start))
+
+    def med(vals):
+        return sorted(vals)[len(vals) // 2]
+
+    for i, name in enumerate(names):
+        walls, busys, spans, leads, totals = [], [], [], [], {}
+        for wall, ks, start in per_fn[i]:
+            walls.append(wall)
+            busys.append(sum(k.time_range.elapsed_us() for k in ks))
+            spans.append(ks[-1].time_range.end - ks[0].time_range.start if ks else 0)
+            leads.append(ks[0].time_range.start - start if ks else 0)
+            for k in ks:
+                totals.setdefault(k.name, []).append(k.time_range.elapsed_us())
+        n = max(1, len(per_fn[i]))
+        print(f"  [{name}] host {med(walls) / 1000:.3f} ms, GPU busy {med(busys) / 1000:.3f} ms over a span of "
+              f"{med(spans) / 1000:.3f} ms, first kernel after {med(leads) / 1000:.3f} ms "
+              f"(medians of {len(per_fn[i])} calls)")
+        for kname, us in sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:8]:
+            print(f"    {sum(us) / n / 1000:8.3f} ms  {len(us) / n:5.1f}x  {kname[:110]}")
 
 
 def main():
@@ -70,7 +93,8 @@ def main():
     ap.add_argument("--budgets-mib", default="512", help="memory_budget values in MiB, comma-separated")
     ap.add_argument("--schedules", default="auto", help="schedule values, comma-separated")
     ap.add_argument("--tag", default="", help="a label printed at the start of each line")
-    ap.add_argument("--kernels", action="store_true", help="per-kernel GPU time of one call (torch.profiler)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="per-kernel GPU time of 3 more interleaved rounds, the GEMMs included (torch.profiler)")
     args = ap.parse_args()
     for shape in args.shapes.split(","):
         n, h, v = (int(s) for s in shape.split("x"))
@@ -90,8 +114,11 @@ def main():
             return run
 
         fns = [make_run(b, s) for b, s in runs]
-        gemms, *times = interleaved_medians([lambda: (torch.mm(xd, wd.t(), out=z), dz @ wd, dz.t() @ xd)] + fns)
-        del z, dz
+        all_fns = [lambda: (torch.mm(xd, wd.t(), out=z), dz @ wd, dz.t() @ xd)] + fns
+        gemms, *times = interleaved_medians(all_fns)
+        if args.kernels:
+            profile_rounds(["GEMMs"] + [f"{s} {b >> 20} MiB" for b, s in runs], all_fns)
+        del z, dz, all_fns
         for (budget, schedule), run, ms in zip(runs, fns, times):
             torch.cuda.synchronize()
             x.grad = w.grad = None
@@ -103,8 +130,6 @@ def main():
             print(f"{args.tag} N={n} H={h} V={v} budget {budget >> 20} MiB {schedule}: GEMMs {gemms:.2f} ms, "
                   f"linear_cross_entropy {ms:.2f} ms = {ms / gemms:.3f}x, peak extra {peak:.0f} MiB (dX, dW included)",
                   flush=True)
-            if args.kernels:
-                print_kernels(run)
 
 
 if __name__ == "__main__":
