@@ -86,6 +86,8 @@ step_cppbench() {
   note "kernel bench: rc=$?"
   timeout 120 "$BUILD/bench_rms_norm" >> "$OUT/cppbench.txt" 2>&1
   note "rms_norm kernel bench: rc=$?"
+  timeout 120 "$BUILD/bench_lce_gemm" >> "$OUT/cppbench.txt" 2>&1
+  note "linear cross-entropy GEMM bench: rc=$?"
   cat "$OUT/cppbench.txt"
 }
 
