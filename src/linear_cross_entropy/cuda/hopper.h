@@ -49,6 +49,8 @@ struct FusedGemmParams {
   const Scalars* scalars = nullptr;
   void* dlogits = nullptr;          // [m, ld_dlogits] in dtype
   int64_t ld_dlogits = 0;
+
+  int64_t debug_spin = 0;  // debug::launch_fused_mainloop only: cycles each tile's (empty) epilogue waits
 };
 
 // Whether this build has the fused kernels and the device and operands suit them: compute capability 9.0, 16-bit
