@@ -11,6 +11,7 @@
 
 #include "cross_entropy/cuda/kernels.h"
 #include "logitless/logitless.h"
+#include "bench_util.cuh"
 
 using namespace logitless;
 
@@ -42,23 +43,10 @@ static void describe(const char* what) {
               (long long)r.plan.slice, r.plan.pipelined ? 1 : 0, r.clusters, ce::debug::row_resident_max_clusters());
 }
 
-#define CK(x)                                                                      \
-  do {                                                                             \
-    cudaError_t e = (x);                                                           \
-    if (e != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e));          \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
 
 __global__ void fill_random(__nv_bfloat16* x, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const float u = (z >> 40) * (1.0f / 16777216.0f);  // [0,1)
-    x[i] = __float2bfloat16(6.f * u - 3.f);
+    x[i] = __float2bfloat16(6.f * hash_uniform(i, seed) - 3.f);
   }
 }
 

@@ -27,18 +27,11 @@
 
 #include "linear_cross_entropy/cuda/hopper.h"
 #include "linear_cross_entropy/cuda/kernels.h"
+#include "bench_util.cuh"
 
 using namespace logitless;
 using namespace logitless::lce;
 
-#define CK(x)                                                             \
-  do {                                                                    \
-    cudaError_t e = (x);                                                  \
-    if (e != cudaSuccess) {                                               \
-      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                       \
-    }                                                                     \
-  } while (0)
 #define CB(x)                                                   \
   do {                                                          \
     cublasStatus_t s = (x);                                     \
@@ -52,13 +45,7 @@ using namespace logitless::lce;
 __global__ void fill_normalish(__nv_bfloat16* x, int64_t n, float sd, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float s = 0.f;
-    for (int k = 0; k < 4; ++k) {
-      uint64_t z = (4 * i + k + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-      z ^= z >> 31;
-      s += (z >> 40) * (1.0f / 16777216.0f) - 0.5f;
-    }
+    for (int k = 0; k < 4; ++k) s += hash_uniform(4 * i + k, seed) - 0.5f;
     x[i] = __float2bfloat16(s * sd * 1.7320508f);  // the sum of 4 uniforms on [-1/2, 1/2) has variance 1/3
   }
 }

@@ -26,26 +26,14 @@
 
 #include "logitless/logitless.h"
 #include "rms_norm/cuda/plan.h"
+#include "bench_util.cuh"
 
 using namespace logitless;
 
-#define CK(x)                                                             \
-  do {                                                                    \
-    cudaError_t e = (x);                                                  \
-    if (e != cudaSuccess) {                                               \
-      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                       \
-    }                                                                     \
-  } while (0)
 
 __global__ void fill_random(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale, float shift) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    const float u = (z >> 40) * (1.0f / 16777216.0f);  // [0,1)
-    x[i] = __float2bfloat16(scale * u + shift);
+    x[i] = __float2bfloat16(scale * hash_uniform(i, seed) + shift);
   }
 }
 
