@@ -12,7 +12,10 @@
 // class tiles inner, so a wave of clusters shares a few token and class tiles in L2.
 //
 // Epilogue, per thread: two rows (r and r + 8 of its warp's 16) and 64 columns (pairs at 8-column steps): the
-// accumulator layout of WGMMA. Row statistics reduce over the 4 lanes that share a row.
+// accumulator layout of WGMMA. Row statistics reduce over the 4 lanes that share a row. An output tile (E, the
+// gradient) goes through two 8 KB chunk buffers per consumer warpgroup and TMA stores that drain while the next
+// tile's WGMMAs run (stage_and_store). The tensor cores wait for the epilogue: it costs its own length per tile, so
+// it is kept short (no masks in interior tiles, independent chains, row data loaded during the last k block).
 #include "linear_cross_entropy/cuda/hopper.h"
 
 #include <algorithm>
