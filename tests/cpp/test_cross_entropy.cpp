@@ -637,6 +637,35 @@ TEST(CrossEntropyCudaErrors, BadTargetNamesFirstRowOnGpu) {
   EXPECT_NE(msg.find("got 9"), std::string::npos) << msg;
 }
 
+#if defined(LOGITLESS_WITH_CUDA)
+// A launch set-up the runtime refuses (here: more shared memory than a block may have) throws, and the error it
+// leaves behind must not make the next, valid call fail in its own launch checks.
+void oversized_stage_hook(ce::Plan& p) {
+  if (p.algo == CrossEntropyAlgo::kRowResident) p.smem_bytes = size_t(1) << 20;
+}
+
+TEST(CrossEntropyCudaErrors, RefusedLaunchDoesNotFailTheNextCall) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  CeCase c{4, 128256, DType::kBFloat16, DType::kInt64, Layout::kContiguous, Preset::kPlain, Reduction::kMean};
+  CeInputs in(c, 21);
+  in.opt.algo = CrossEntropyAlgo::kRowResident;
+  const std::vector<double> up(1, 1.0);
+  ce::debug::set_plan_hook(oversized_stage_hook);
+  std::string msg;
+  try {
+    run_backend(in, Entry::kForwardBackward, true, up, nullptr);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  ce::debug::set_plan_hook(nullptr);
+  if (msg.find("algo:") != std::string::npos) GTEST_SKIP() << msg;  // not Hopper: no row-resident kernel
+  EXPECT_NE(msg.find("cudaFuncSetAttribute"), std::string::npos) << msg;
+  const Outputs got = run_backend(in, Entry::kForwardBackward, true, up, nullptr);
+  const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+  expect_outputs(in, Entry::kForwardBackward, got, want, "cuda after a refused launch", up);
+}
+#endif
+
 TEST(CrossEntropyNumerics, NanAndInfStayInTheirRow) {
   for (bool dev : {false, true}) {
     if (dev && !has_gpu()) continue;

@@ -12,10 +12,15 @@ namespace logitless {
                         file, ":", line));
 }
 
+// A failed call also leaves its error as the runtime's "last error": it is read back here (a sticky error stays
+// anyway), so that the next launch check does not blame an unrelated launch.
 #define LOGITLESS_CUDA_CHECK(expr)                                        \
   do {                                                                    \
     const cudaError_t err_ = (expr);                                      \
-    if (err_ != cudaSuccess) ::logitless::throw_cuda(err_, #expr, __FILE__, __LINE__); \
+    if (err_ != cudaSuccess) {                                            \
+      cudaGetLastError();                                                 \
+      ::logitless::throw_cuda(err_, #expr, __FILE__, __LINE__);           \
+    }                                                                     \
   } while (0)
 
 // After a launch: catches bad configurations at once (asynchronous faults surface at the next sync).
