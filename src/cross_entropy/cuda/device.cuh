@@ -70,10 +70,12 @@ __device__ __forceinline__ float target_weight(const KernelParams& p, int64_t t)
 }
 
 // The upstream factor of a row's gradient: 1/denominator for mean, times the incoming gradient if given.
+// `inv_denom` is p.scalars->inv_denom, which a kernel may load once.
+__device__ __forceinline__ float row_grad_scale(const KernelParams& p, int64_t row, float inv_denom) {
+  return p.grad_scale ? inv_denom * p.grad_scale[p.grad_scale_per_row ? row : 0] : inv_denom;
+}
 __device__ __forceinline__ float row_grad_scale(const KernelParams& p, int64_t row) {
-  float s = p.scalars->inv_denom;
-  if (p.grad_scale) s *= p.grad_scale[p.grad_scale_per_row ? row : 0];
-  return s;
+  return row_grad_scale(p, row, p.scalars->inv_denom);
 }
 
 // Writes the forward outputs of a row whose statistics are known (rank 0 / thread 0 only).

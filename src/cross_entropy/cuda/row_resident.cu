@@ -4,8 +4,9 @@
 // the row's log-sum-exp before its first element can be written. A thread-block cluster of C CTAs therefore
 // shares a row: CTA r bulk-copies its 1/C slice into shared memory (TMA, completing on an mbarrier), reduces
 // it to a partial (max, sum of exp, sum of w*x), and the partials are exchanged through distributed shared
-// memory. Every CTA then finishes the row's statistics itself and writes the gradient of its slice straight
-// from shared memory. HBM traffic is one read of the logits and one write of the gradient, in place or not.
+// memory (common/cuda/cluster_exchange.cuh: st.async and an mbarrier, no cluster barrier). Every CTA then finishes
+// the row's statistics itself and writes the gradient of its slice straight from shared memory. HBM traffic is
+// one read of the logits and one write of the gradient, in place or not.
 //
 // Each CTA keeps `stages` slices in flight: while row k is reduced, rows k+1..k+stages-1 are landing. Rows
 // whose target is ignore_index (or out of range) are never loaded.
@@ -13,6 +14,7 @@
 #include <cuda/ptx>
 
 #include "common/cuda/check.cuh"
+#include "common/cuda/cluster_exchange.cuh"
 #include "cross_entropy/cuda/device.cuh"
 #include "cross_entropy/cuda/kernels.h"
 
@@ -36,15 +38,13 @@ struct RowState {
   int64_t row = 0, t = 0;
   RowKind kind = RowKind::kIgnored;
   int stage = 0;
-  int parity = 0;  // exchange buffer its partials went to
-  float x_t = 0.f;
-  float4 partial;  // this CTA's (max, sum of exp, sum of w x) over its slice
+  float w_t = 1.f, gscale = 1.f;  // the target's class weight and the gradient's upstream factor
+  float4 partial;  // this CTA's (max, sum of exp, sum of w x, the target's logit on rank 0) over its slice
 };
 
-// Pipelined mode splits the cluster barrier that exchanges a row's partials: a CTA arrives after
-// publishing row k's partials and waits for its peers only after computing the statistics of row k+1
-// (published once row k's barrier completed: one barrier phase is outstanding at a time). It hides the
-// barrier but holds a second stage while it does, which leaves one fewer row in flight; measured on H100
+// Pipelined mode publishes row k's partials and waits for its peers' only after computing the statistics of
+// row k+1 (which it publishes once row k's exchange completed: one exchange is outstanding at a time). It hides
+// the exchange but holds a second stage while it does, which leaves one fewer row in flight; measured on H100
 // it lost at 3 stages (see plan.h), so it is a plan option.
 template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
   constexpr int64_t kEs = sizeof(T);
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t bars[kMaxStages];
-  __shared__ float4 xchg[2][kMaxCluster];  // partials of every CTA of the cluster, double-buffered by row
+  __shared__ ClusterExchange<kMaxCluster> xchg;  // partials of every CTA of the cluster, double-buffered by row
   __shared__ float4 red[32];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) cuda::ptx::mbarrier_init(&bars[s], 1);
-    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+    xchg.init();  // fences every initialization at cluster scope
   }
   // Also guarantees every CTA of the cluster runs before anyone writes into a peer's shared memory.
   cluster.sync();
@@ -101,20 +101,33 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
     for (int k = 0; k < S; ++k) issue(k);
 
   uint32_t phase_bits = 0;  // expected parity of each stage's barrier
-  int next_parity = 0;      // exchange buffer of the next row that exchanges
-  const float W = p.scalars->weight_sum;
+  typename ClusterExchange<kMaxCluster>::Cursor xcur;
+  const float W = p.scalars->weight_sum, inv_denom = p.scalars->inv_denom;
+  // Targets are loaded one row ahead: a row's classification decides whether to wait for its slice.
+  auto target_of = [&](int64_t k) -> int64_t {
+    const int64_t row = row_of(k);
+    return row < p.n_rows ? load_target(p, row) : 0;
+  };
+  int64_t t_ahead = target_of(0);
 
   // Statistics of iteration k's row: waits for its slice and reduces it. Returns false past the last row.
+  // Called for k = 0, 1, 2, ... in turn.
   auto begin_row = [&](int64_t k, RowState& r) -> bool {
     r.row = row_of(k);
     if (r.row >= p.n_rows) return false;
     r.stage = static_cast<int>(k % S);
-    r.t = load_target(p, r.row);
+    r.t = t_ahead;
+    t_ahead = target_of(k + 1);
     r.kind = classify(p, r.t);
     if (r.kind != RowKind::kValid) return true;
+    // Loaded before the wait, used after the exchange: their latency hides behind the slice's.
+    r.w_t = target_weight(p, r.t);
+    r.gscale = row_grad_scale(p, r.row, inv_denom);
     const ChunkSpan<T> span(slice_src(r.row), len);
-    // Read before this row's arrive: peers can overwrite the row (in place) only after their wait.
-    if (rank == 0 && tid == 0) r.x_t = capped(p, Vec<T>::load1(p.logits + (p.logits_rows.offset(r.row) + r.t) * kEs));
+    // Read before this row's partials go out, and sent with them (the data dependency orders the load before the
+    // stores): peers overwrite the row (in place) only once they hold every partial.
+    float x_t = 0.f;
+    if (rank == 0 && tid == 0) x_t = capped(p, Vec<T>::load1(p.logits + (p.logits_rows.offset(r.row) + r.t) * kEs));
     while (!cuda::ptx::mbarrier_try_wait_parity(&bars[r.stage], (phase_bits >> r.stage) & 1u)) {
     }
     phase_bits ^= 1u << r.stage;
@@ -137,18 +150,14 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
       online_add<kVec>(m, se, v);
     }
     block_online(m, se, swx, red);
-    r.partial = make_float4(m, se, swx, 0.f);
+    r.partial = make_float4(m, se, swx, x_t);
     return true;
   };
 
-  // Sends row r's partial to every peer (into the exchange buffer of its parity) and arrives.
-  auto publish = [&](RowState& r) {
-    if (r.kind != RowKind::kValid) return;
-    r.parity = next_parity;
-    next_parity ^= 1;
-    if (tid == 0)
-      for (int dst = 0; dst < csize; ++dst) *cluster.map_shared_rank(&xchg[r.parity][rank], dst) = r.partial;
-    cuda::ptx::barrier_cluster_arrive(cuda::ptx::sem_release);
+  // Sends row r's partial to every CTA of the cluster. It follows the block reduction's __syncthreads(), which
+  // follows every thread's read of the previous exchange, as ClusterExchange requires.
+  auto publish = [&](const RowState& r) {
+    if (r.kind == RowKind::kValid) xchg.publish(xcur, rank, csize, r.partial);
   };
 
   // Waits for the peers' partials of row r, writes its outputs and the gradient of this CTA's slice.
@@ -166,20 +175,21 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
       }
       return;
     }
-    cuda::ptx::barrier_cluster_wait(cuda::ptx::sem_acquire);
-    float M = -INFINITY, S_sum = 0.f, SWX = 0.f;
+    const float4* parts = xchg.wait(xcur);
+    float M = -INFINITY, S_sum = 0.f, SWX = 0.f, X_T = 0.f;
     for (int c = 0; c < csize; ++c) {
-      const float4 pr = xchg[r.parity][c];
+      const float4 pr = parts[c];
       online_merge(M, S_sum, pr.x, pr.y);
       SWX += pr.z;
+      X_T += pr.w;  // rank 0's only
     }
     const float lse = M == -INFINITY ? NAN : M + logf(S_sum);
-    if (rank == 0 && tid == 0) write_row_outputs(p, r.row, r.kind, RowStats{lse, r.x_t, SWX}, r.t);
+    if (rank == 0 && tid == 0) write_row_outputs(p, r.row, r.kind, RowStats{lse, X_T, SWX}, r.t);
     if (!gdst) return;
     const ChunkSpan<T> span(slice_src(r.row), len);
     const int q_lo = span.mis ? 1 : 0, q_hi = static_cast<int>(span.end / 16);
     const int64_t j0 = slice_begin - span.mis / kEs;
-    const GradCoeffs g = row_grad_coeffs(lse, class_weight(p, r.t), W, p.eps, p.inv_v, p.z, row_grad_scale(p, r.row));
+    const GradCoeffs g = row_grad_coeffs(lse, r.w_t, W, p.eps, p.inv_v, p.z, r.gscale);
     const float lse_l2 = lse * kLog2e;
     const int64_t t_local = r.t - slice_begin;
     int q_t = -1, slot_t = 0;

@@ -51,13 +51,14 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_const
   const int tid = threadIdx.x;
   int rank = 0, csize = 1;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ float4 xchg[2][kMaxCluster];  // every CTA's state of the row, double-buffered by row
+  __shared__ ClusterExchange<kMaxCluster> xchg;  // every CTA's state of the row, double-buffered by row
   cg::cluster_group cluster = cg::this_cluster();
   rank = static_cast<int>(cluster.block_rank());
   csize = static_cast<int>(cluster.num_blocks());
-  // Every CTA of the cluster runs before anyone writes into a peer's shared memory.
+  if (csize > 1 && tid == 0) xchg.init();
+  // Every CTA of the cluster runs (and its exchange is initialized) before anyone writes into a peer's shared memory.
   if (csize > 1) cluster.sync();
-  int parity = 0;
+  typename ClusterExchange<kMaxCluster>::Cursor xcur;
 #endif
   const int64_t group = blockIdx.x / csize, groups = gridDim.x / csize;
   const int64_t slice_begin = rank * p.slice;
@@ -109,14 +110,14 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_const
         for (int i = 0; i < kVec; ++i) v[i] = (mask >> i) & 1u ? v[i] : -INFINITY;
         loops.elem.template add<kVec>(acc, v);
       }
-      // The chosen logit is read before the reduction's barriers (and, in a cluster, before the arrive), hence
-      // before any thread of the cluster can overwrite the row in place. It travels as the plain sum.
+      // The chosen logit is read before the reduction's barriers, hence before any thread of this CTA (the only
+      // one that writes this slice) can overwrite it in place. It travels as the plain sum.
       float xt = 0.f;
       if (tid == 0 && owns_t) xt = Vec<T>::load1(src + t_local * kEs);
       block_online_scaled<kEntropy>(acc.m, acc.s, acc.u, xt, p.scale_l2, red);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if (csize > 1)
-        cluster_merge<kEntropy>(cluster, xchg, parity, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
+        cluster_merge<kEntropy>(xchg, xcur, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
 #endif
       lse = acc.m == -INFINITY ? NAN : fmaf(acc.m, p.inv_temp, logf(acc.s));
       const float logp = fmaf(xt, p.inv_temp, -lse);

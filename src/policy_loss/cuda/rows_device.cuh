@@ -10,6 +10,7 @@
 #include <cfloat>
 
 #include "common/cuda/chunk_loops.cuh"
+#include "common/cuda/cluster_exchange.cuh"
 #include "common/cuda/online_softmax.cuh"
 #include "logitless/tensor.h"
 #include "policy_loss/cuda/params.h"
@@ -158,23 +159,19 @@ __device__ __forceinline__ float backward_coeff(const KernelParams& p, const Tok
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-// Every CTA of a cluster publishes its partial state (m, s, u, sum of the chosen logit) of a row to every peer's
-// `xchg[parity]`, waits for all of them and merges them in rank order, so that every CTA agrees on lse and c to the
-// bit. Double-buffered by row: a peer may publish its next row's state before this CTA has read this row's (it
-// cannot publish the row after: that needs this CTA's arrive of the next row, which follows the merge here).
+// Every CTA of a cluster publishes its partial state (m, s, u, sum of the chosen logit) of a row to every peer
+// (common/cuda/cluster_exchange.cuh), waits for all of them and merges them in rank order, so that every CTA agrees
+// on lse and c to the bit. The block reduction before each call is the CTA barrier the exchange needs between one
+// row's reads and the next row's publish.
 template <bool kEntropy>
-__device__ __forceinline__ void cluster_merge(cooperative_groups::cluster_group& cluster, float4 (*xchg)[kMaxCluster],
-                                              int& parity, int rank, int csize, float c, float& m, float& s,
-                                              float& u, float& xt) {
-  if (threadIdx.x == 0) {
-    const float4 mine = make_float4(m, s, u, xt);
-    for (int dst = 0; dst < csize; ++dst) *cluster.map_shared_rank(&xchg[parity][rank], dst) = mine;
-  }
-  cuda::ptx::barrier_cluster_arrive(cuda::ptx::sem_release);
-  cuda::ptx::barrier_cluster_wait(cuda::ptx::sem_acquire);
+__device__ __forceinline__ void cluster_merge(ClusterExchange<kMaxCluster>& xchg,
+                                              typename ClusterExchange<kMaxCluster>::Cursor& cur, int rank, int csize,
+                                              float c, float& m, float& s, float& u, float& xt) {
+  xchg.publish(cur, rank, csize, make_float4(m, s, u, xt));
+  const float4* parts = xchg.wait(cur);
   float M = -INFINITY, S = 0.f, U = 0.f, X = 0.f;
   for (int r = 0; r < csize; ++r) {
-    const float4 v = xchg[parity][r];
+    const float4 v = parts[r];
     if constexpr (kEntropy) {
       online_merge_entropy(M, S, U, v.x, v.y, v.z, c);
     } else {
@@ -183,7 +180,6 @@ __device__ __forceinline__ void cluster_merge(cooperative_groups::cluster_group&
     X += v.w;
   }
   m = M, s = S, u = U, xt = X;
-  parity ^= 1;
 }
 #endif
 

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kResidentMaxThreads, 2)
   constexpr int64_t kEs = sizeof(T);
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t bars[kResidentMaxStages];
-  __shared__ float4 xchg[2][kMaxCluster];  // every CTA's state of the row, double-buffered by row
+  __shared__ ClusterExchange<kMaxCluster> xchg;  // every CTA's state of the row, double-buffered by row
   __shared__ float4 red[32];
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kResidentMaxThreads, 2)
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) cuda::ptx::mbarrier_init(&bars[s], 1);
-    cuda::ptx::fence_mbarrier_init(cuda::ptx::sem_release, cuda::ptx::scope_cluster);
+    xchg.init();  // fences every initialization at cluster scope
   }
   // Also guarantees every CTA of the cluster runs before anyone writes into a peer's shared memory.
   cluster.sync();
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kResidentMaxThreads, 2)
     for (int k = 0; k < S; ++k) issue(k, token_of(k));
 
   uint32_t phase_bits = 0;  // expected parity of each stage's barrier
-  int parity = 0;           // exchange buffer of the next row that exchanges
+  typename ClusterExchange<kMaxCluster>::Cursor xcur;
   for (int64_t k = 0;; ++k) {
     const int64_t row = row_of(k);
     if (row >= p.n_rows) break;
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kResidentMaxThreads, 2)
       }
       block_online_scaled<kEntropy>(acc.m, acc.s, acc.u, xt, p.scale_l2, red);
       if (csize > 1)
-        cluster_merge<kEntropy>(cluster, xchg, parity, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
+        cluster_merge<kEntropy>(xchg, xcur, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
       const float lse = acc.m == -INFINITY ? NAN : fmaf(acc.m, p.inv_temp, logf(acc.s));
       const float logp = fmaf(xt, p.inv_temp, -lse);
       const float entropy = kEntropy ? online_entropy(acc.s, acc.u) : 0.f;
