@@ -754,25 +754,33 @@ ce::PlanInputs hopper(int64_t V, int elem_bytes) {
   return in;
 }
 
-TEST(CrossEntropyPlan, LongRowsTwoOneStageCtasPerSm) {
+TEST(CrossEntropyPlan, LongRowsTwoStagesPerSm) {
+  // Split rows: one CTA of two stages per SM.
   const ce::Plan a = ce::plan_cross_entropy(hopper(128256, 2));
   EXPECT_EQ(a.algo, CrossEntropyAlgo::kRowResident);
   EXPECT_EQ(a.cluster, 3);
-  EXPECT_EQ(a.stages, 1);
+  EXPECT_EQ(a.stages, 2);
   EXPECT_EQ(a.threads, 256);
   EXPECT_GE(a.slice * a.cluster, 128256);
   EXPECT_LT(a.slice * (a.cluster - 1), 128256);  // the smallest such cluster
   EXPECT_EQ(a.slice % 8, 0);
-  EXPECT_LE(2 * (a.smem_bytes + ce::kPerCtaReserve), static_cast<size_t>(228 * 1024));
+  EXPECT_EQ(a.smem_bytes, 2 * a.stage_bytes);
+  EXPECT_LE(a.smem_bytes + ce::kPerCtaReserve, static_cast<size_t>(228 * 1024));
   const ce::Plan b = ce::plan_cross_entropy(hopper(256000, 2));
-  EXPECT_EQ(b.stages, 1);
-  EXPECT_LE(2 * (b.smem_bytes + ce::kPerCtaReserve), static_cast<size_t>(228 * 1024));
-  // One CTA fewer would not fit two per SM.
+  EXPECT_EQ(b.stages, 2);
+  EXPECT_LE(b.smem_bytes + ce::kPerCtaReserve, static_cast<size_t>(228 * 1024));
+  // One CTA fewer would not fit two stages per SM.
   const int64_t fewer = (256000 + b.cluster - 2) / (b.cluster - 1) * 2;
   EXPECT_GT(2 * (fewer + ce::kPerCtaReserve), 228 * 1024);
   const ce::Plan f32 = ce::plan_cross_entropy(hopper(128256, 4));
-  EXPECT_EQ(f32.stages, 1);
+  EXPECT_EQ(f32.stages, 2);
   EXPECT_EQ(f32.cluster, 5);  // 513 KB rows: 103 KB slices
+  // Rows one CTA holds: two CTAs of one stage per SM.
+  const ce::Plan one = ce::plan_cross_entropy(hopper(32000, 2));
+  EXPECT_EQ(one.algo, CrossEntropyAlgo::kRowResident);
+  EXPECT_EQ(one.cluster, 1);
+  EXPECT_EQ(one.stages, 1);
+  EXPECT_LE(2 * (one.smem_bytes + ce::kPerCtaReserve), static_cast<size_t>(228 * 1024));
   // Short rows keep several stages in one CTA.
   const ce::Plan mid = ce::plan_cross_entropy(hopper(8192, 2));
   EXPECT_EQ(mid.cluster, 1);

@@ -28,12 +28,14 @@ Plan plan_cross_entropy(const PlanInputs& in) {
   auto slice_of = [&](int c) { return round_up(ceil_div(in.vocab, c), vec); };
   // +16: the slice lands at the row's misalignment inside the stage (at most 15 bytes of lead-in).
   auto stage_of = [&](int64_t slice) { return round_up(slice * in.elem_bytes + 16, 128); };
-  // First choice for long rows: the smallest cluster whose slices let two CTAs of one stage each share an SM.
-  // The row-resident kernel is latency-bound with one CTA of 2 stages per SM (Nsight Compute on H200: 4 warps
-  // per scheduler, 1 eligible); two independent CTAs overlap one's loads with the other's math and cluster
-  // barriers. Measured on H100, fused in place, bf16: 16384 x 128256 87.8% of copy bandwidth with 3-CTA
-  // clusters of one 85 KB stage and 256 threads, against 76.6% with 3 CTAs of two stages (one per SM);
-  // 4096 x 256000 96.5% with 6-CTA clusters of one stage, against 86.4% with 5 CTAs of two.
+  // First choice for long rows: the smallest cluster whose slices let two stages share an SM, as one CTA of two
+  // stages where the row is split (a cluster of 2 or more), as two CTAs of one stage otherwise. Measured on H100,
+  // fused in place, bf16, with the partials exchanged through st.async and an mbarrier: 16384 x 128256 93.1% of
+  // copy bandwidth with 3-CTA clusters of two 85 KB stages, against 90.7% with two one-stage CTAs per SM; 4096 x
+  // 256000 92.3% with 5-CTA clusters of two stages, against 90.7%; 65536 x 32000 (one CTA a row) 90.4% with two
+  // one-stage CTAs, against 80.5% with 3-CTA clusters of two stages. (While the exchange was a cluster barrier,
+  // whose release fenced every warp's outstanding stores, two one-stage CTAs were ahead: 87.8% against 76.6%
+  // at 16384 x 128256; see bench/RESULTS.md.)
   if (in.smem_per_sm > 0) {
     for (int c = 1; c <= kMaxCluster; ++c) {
       const int64_t stage = stage_of(slice_of(c));
@@ -44,8 +46,8 @@ Plan plan_cross_entropy(const PlanInputs& in) {
       p.cluster = c;
       p.slice = slice_of(c);
       p.stage_bytes = static_cast<size_t>(stage);
-      p.stages = 1;
-      p.smem_bytes = p.stage_bytes;
+      p.stages = c >= 2 && 2 * stage <= in.smem_per_block ? 2 : 1;
+      p.smem_bytes = p.stage_bytes * p.stages;
       p.threads = kMaxThreads;
       return p;
     }
