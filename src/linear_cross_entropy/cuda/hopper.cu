@@ -318,8 +318,11 @@ __device__ __forceinline__ void epilogue_grad(const FusedGemmParams& p, const Ro
     const int i = (e >> 1) & 1, c = get<1>(crd(e));
     float v;
     if constexpr (kGeneral) {
-      // grad_elem compares columns of the shard: shift both by the tile's first column.
-      v = ce::grad_elem(p.ce, g[i], lse_l2[i], ce::capped(p.ce, acc(e)), p.col0 + n0 + c, p.col0 + n0 + tcol[i]);
+      // grad_elem compares columns of the shard: shift both by the tile's first column. Columns past the end of
+      // an edge tile have no class weight to read (and the TMA store clips them).
+      v = kFull || c < cols_left
+              ? ce::grad_elem(p.ce, g[i], lse_l2[i], ce::capped(p.ce, acc(e)), p.col0 + n0 + c, p.col0 + n0 + tcol[i])
+              : 0.f;
     } else {
       v = g[i].a * ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -lse_l2[i]));
       if (c - c0 == trel[i]) v -= g[i].b;
