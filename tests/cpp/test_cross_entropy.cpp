@@ -637,6 +637,49 @@ TEST(CrossEntropyCudaErrors, BadTargetNamesFirstRowOnGpu) {
   EXPECT_NE(msg.find("got 9"), std::string::npos) << msg;
 }
 
+// The eager check throws after the kernels are queued (they are told to write nothing): the in-place gradient
+// must leave the logits as they were, and the loss must not be written, on every plan.
+TEST(CrossEntropyCudaErrors, BadTargetInPlaceWritesNothing) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  for (CrossEntropyAlgo algo : {CrossEntropyAlgo::kAuto, CrossEntropyAlgo::kStreaming}) {
+    for (const int64_t V : {int64_t{1000}, int64_t{128256}}) {
+      SCOPED_TRACE(V);
+      const int64_t N = 6;
+      TestTensor logits(DType::kBFloat16, {N, V}), target(DType::kInt64, {N}), loss(DType::kFloat32, {});
+      for (int64_t i = 0; i < N * V; ++i) logits.set(i, 0.25f * static_cast<float>(i % 13) - 1.f);
+      for (int64_t i = 0; i < N; ++i) target.set_index(i, (i * 7) % V);
+      target.set_index(4, V + 3);
+      loss.set(0, 42.f);
+      const std::vector<float> before = logits.gather_float();
+      logits.to_device();
+      target.to_device();
+      loss.to_device();
+      CrossEntropyOptions o;
+      o.algo = algo;
+      DeviceScratch ws(cross_entropy_workspace_bytes(logits.view(true), target.view(true), {}, o));
+      const std::string msg = error_of([&] {
+        cross_entropy_forward_backward(logits.view(true), target.view(true), {}, o, loss.view(true), {}, {},
+                                       logits.view(true), {}, ws.ws(), nullptr);
+      });
+      EXPECT_NE(msg.find("row 4"), std::string::npos) << msg;
+      logits.to_host();
+      loss.to_host();
+      EXPECT_EQ(loss.get(0), 42.f);
+      const std::vector<float> after = logits.gather_float();
+      ASSERT_EQ(after.size(), before.size());
+      for (size_t i = 0; i < before.size(); ++i) ASSERT_EQ(after[i], before[i]) << i;
+      // The next call, with good targets, runs normally.
+      target.set_index(4, 1);
+      target.to_device();
+      cross_entropy_forward_backward(logits.view(true), target.view(true), {}, o, loss.view(true), {}, {},
+                                     logits.view(true), {}, ws.ws(), nullptr);
+      loss.to_host();
+      EXPECT_TRUE(std::isfinite(loss.get(0)));
+      EXPECT_NE(loss.get(0), 42.f);
+    }
+  }
+}
+
 #if defined(LOGITLESS_WITH_CUDA)
 // A launch set-up the runtime refuses (here: more shared memory than a block may have) throws, and the error it
 // leaves behind must not make the next, valid call fail in its own launch checks.

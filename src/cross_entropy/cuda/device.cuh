@@ -42,6 +42,11 @@ __device__ __forceinline__ int64_t load_target(const KernelParams& p, int64_t ro
                        : static_cast<int64_t>(static_cast<const int32_t*>(p.target)[off]);
 }
 
+// True in a kernel that must write nothing (KernelParams::abort_on_bad): the same answer in every thread.
+__device__ __forceinline__ bool aborted(const KernelParams& p) {
+  return p.abort_on_bad && p.scalars->first_bad < p.n_rows;
+}
+
 // Targets are classes of the whole vocabulary (a vocabulary shard sees every row's target, in or out of it).
 enum class RowKind { kValid, kIgnored, kBad };
 __device__ __forceinline__ RowKind classify(const KernelParams& p, int64_t t) {

@@ -1,9 +1,12 @@
 // Cross-entropy on CUDA: the per-call sequence
 //   1. prepass (one CTA): mean denominator, sum of class weights, first out-of-range target;
-//   2. in eager mode, read back the first bad target and throw before anything is written;
+//   2. in eager mode, start copying the first bad row back to the host;
 //   3. the row kernel (row-resident on Hopper, streaming elsewhere, streaming for the backward);
-//   4. for sum/mean, a deterministic one-CTA reduction of the per-row losses.
-// Nothing synchronizes with the host except step 2, which is skipped while a CUDA graph is being captured.
+//   4. for sum/mean, a deterministic one-CTA reduction of the per-row losses;
+//   5. in eager mode, wait for the copy of step 2 and throw if a target is bad. The kernels of steps 3 and 4 were
+//      told so (KernelParams::abort_on_bad): they write nothing, so the call fails with every output untouched,
+//      the logits included when the gradient goes in place, and the GPU never waits for the host.
+// Nothing synchronizes with the host except step 5, which is skipped while a CUDA graph is being captured.
 #include <algorithm>
 
 #include "common/cuda/check.cuh"
@@ -66,8 +69,9 @@ __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const KernelPar
 }
 
 __global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const float* row_loss, int64_t n_rows,
-                                                                  const Scalars* scalars, float* loss) {
+                                                                  const Scalars* scalars, float* loss, int abort_on_bad) {
   __shared__ double sh[kReduceThreads / 32];
+  if (abort_on_bad && scalars->first_bad < n_rows) return;  // as the row kernels (KernelParams::abort_on_bad)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   double s = 0;
   for (int64_t i = tid; i < n_rows; i += blockDim.x) s += row_loss[i];
@@ -85,6 +89,7 @@ __global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const float* r
 // Every shard's partials of each row [n_shards, N] combined in rank order (include/logitless/vocab_parallel.h),
 // then the row's outputs as the row kernels write them. One thread per row: R float4 reads each.
 __global__ void combine_partials_kernel(const KernelParams p, const float4* partials, int64_t n_shards) {
+  if (aborted(p)) return;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.n_rows;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = load_target(p, i);
@@ -138,12 +143,35 @@ KernelParams make_params(const Problem& pr, Scalars* scalars, float* row_loss) {
   return k;
 }
 
-// Reads the first bad row back and throws; called only when it is safe to synchronize.
-void throw_if_bad_target(const Problem& pr, const Scalars* scalars, cudaStream_t stream) {
-  long long first_bad = 0;
-  LOGITLESS_CUDA_CHECK(cudaMemcpyAsync(&first_bad, &scalars->first_bad, sizeof(first_bad), cudaMemcpyDeviceToHost,
-                                       stream));
-  LOGITLESS_CUDA_CHECK(cudaStreamSynchronize(stream));
+// The eager target check's read-back: a pinned slot and an event per thread (a call waits for its own slot before
+// it returns, so one per thread suffices), kept for the thread's lifetime.
+struct BadTargetReadback {
+  long long* slot = nullptr;
+  cudaEvent_t copied = nullptr;
+  BadTargetReadback() {
+    LOGITLESS_CUDA_CHECK(cudaHostAlloc(&slot, sizeof(long long), cudaHostAllocDefault));
+    LOGITLESS_CUDA_CHECK(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming));
+  }
+  ~BadTargetReadback() {  // errors ignored: the runtime may already be shutting down
+    if (copied) cudaEventDestroy(copied);
+    if (slot) cudaFreeHost(slot);
+  }
+};
+
+// Starts copying the prepass's first bad row to the host; the row kernels are queued behind it.
+BadTargetReadback& start_bad_target_readback(const Scalars* scalars, cudaStream_t stream) {
+  thread_local BadTargetReadback rb;
+  // A call that threw before its wait may have left a copy in flight (on another stream, perhaps): let it land.
+  LOGITLESS_CUDA_CHECK(cudaEventSynchronize(rb.copied));
+  LOGITLESS_CUDA_CHECK(cudaMemcpyAsync(rb.slot, &scalars->first_bad, sizeof(long long), cudaMemcpyDeviceToHost, stream));
+  LOGITLESS_CUDA_CHECK(cudaEventRecord(rb.copied, stream));
+  return rb;
+}
+
+// Waits for the read-back and throws if a row's target is bad (the kernels queued since then write nothing).
+void throw_if_bad_target(const Problem& pr, BadTargetReadback& rb) {
+  LOGITLESS_CUDA_CHECK(cudaEventSynchronize(rb.copied));
+  const long long first_bad = *rb.slot;
   if (first_bad >= pr.n_rows) return;
   const int64_t es = dtype_size(pr.target_dtype);
   int64_t value = 0;
@@ -171,13 +199,19 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
   float* partials = reinterpret_cast<float*>(static_cast<char*>(ws.data) + kScalarsBytes);
   const bool loss_out = pr.mode != Mode::kBackward && pr.mode != Mode::kPartials;
   float* row_loss = loss_out ? (pr.reduction == Reduction::kNone ? pr.loss : partials) : nullptr;
-  const KernelParams kp = make_params(pr, scalars, row_loss);
+  KernelParams kp = make_params(pr, scalars, row_loss);
+  BadTargetReadback* readback = nullptr;
 
   if (pr.n_rows > 0) {
     prepass_kernel<<<1, kReduceThreads, 0, stream>>>(kp, pr.reduction, scalars);
     LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy prepass");
     const bool checks = pr.mode != Mode::kBackward;  // the backward trusts the forward's check
-    if (checks && pr.check_targets && !stream_is_capturing(stream)) throw_if_bad_target(pr, scalars, stream);
+    // Eager mode reads the first bad row back without stalling the GPU: the kernels are queued right behind the
+    // copy and write nothing if there is one; the host waits for the copy (not the kernels) and throws.
+    if (checks && pr.check_targets && !stream_is_capturing(stream)) {
+      kp.abort_on_bad = 1;
+      readback = &start_bad_target_readback(scalars, stream);
+    }
 
     const DeviceInfo& info = device_info(pr.device.index);
     if (pr.mode == Mode::kFinalize) {
@@ -217,9 +251,10 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
     }
   }
   if (loss_out && pr.reduction != Reduction::kNone) {
-    finalize_kernel<<<1, kReduceThreads, 0, stream>>>(partials, pr.n_rows, scalars, pr.loss);
+    finalize_kernel<<<1, kReduceThreads, 0, stream>>>(partials, pr.n_rows, scalars, pr.loss, kp.abort_on_bad);
     LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy finalize");
   }
+  if (readback) throw_if_bad_target(pr, *readback);
 }
 
 namespace debug {

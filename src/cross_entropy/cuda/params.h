@@ -45,6 +45,9 @@ struct KernelParams {
   float inv_v = 0.f;    // 1 / V
   float z = 0.f;        // z-loss scale
   float softcap = 0.f;  // 0: off
+  // Eager target checks: the prepass's first bad row is read back while the row kernels are already queued, so
+  // a kernel that finds one (scalars->first_bad < n_rows) writes nothing and the host throws.
+  int abort_on_bad = 0;
 };
 
 }  // namespace logitless::ce

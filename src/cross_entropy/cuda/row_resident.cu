@@ -57,6 +57,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
   __shared__ ClusterExchange<kMaxCluster> xchg;  // partials of every CTA of the cluster, double-buffered by row
   __shared__ float4 red[32];
 
+  if (aborted(p)) return;  // every CTA of every cluster, before any exchange
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int csize = static_cast<int>(cluster.num_blocks());

@@ -14,6 +14,7 @@ __global__ void __launch_bounds__(kStreamingThreads) streaming_kernel(const __gr
   constexpr int kVec = Vec<T>::kN;
   constexpr int64_t kEs = sizeof(T);
   __shared__ float4 red[32];
+  if (aborted(p)) return;
   const int tid = threadIdx.x;
   const float W = p.scalars->weight_sum;
   const ChunkLoops<T, kGeneral> loops{p};
