@@ -8,6 +8,8 @@
 //      the logits included when the gradient goes in place, and the GPU never waits for the host.
 // Nothing synchronizes with the host except step 5, which is skipped while a CUDA graph is being captured.
 #include <algorithm>
+#include <memory>
+#include <vector>
 
 #include "common/cuda/check.cuh"
 #include "cross_entropy/cuda/device.cuh"
@@ -143,13 +145,14 @@ KernelParams make_params(const Problem& pr, Scalars* scalars, float* row_loss) {
   return k;
 }
 
-// The eager target check's read-back: a pinned slot and an event per thread (a call waits for its own slot before
-// it returns, so one per thread suffices), kept for the thread's lifetime.
+// The eager target check's read-back: a pinned slot and an event per thread and device (a call waits for its own
+// slot before it returns, so one per thread suffices; an event belongs to the device current at its creation), kept
+// for the thread's lifetime.
 struct BadTargetReadback {
   long long* slot = nullptr;
   cudaEvent_t copied = nullptr;
   BadTargetReadback() {
-    LOGITLESS_CUDA_CHECK(cudaHostAlloc(&slot, sizeof(long long), cudaHostAllocDefault));
+    LOGITLESS_CUDA_CHECK(cudaHostAlloc(&slot, sizeof(long long), cudaHostAllocPortable));
     LOGITLESS_CUDA_CHECK(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming));
   }
   ~BadTargetReadback() {  // errors ignored: the runtime may already be shutting down
@@ -158,9 +161,12 @@ struct BadTargetReadback {
   }
 };
 
-// Starts copying the prepass's first bad row to the host; the row kernels are queued behind it.
-BadTargetReadback& start_bad_target_readback(const Scalars* scalars, cudaStream_t stream) {
-  thread_local BadTargetReadback rb;
+// Starts copying the prepass's first bad row to the host; the row kernels are queued behind it. `device` is current.
+BadTargetReadback& start_bad_target_readback(int device, const Scalars* scalars, cudaStream_t stream) {
+  thread_local std::vector<std::unique_ptr<BadTargetReadback>> per_device;
+  if (per_device.size() <= static_cast<size_t>(device)) per_device.resize(device + 1);
+  if (!per_device[device]) per_device[device] = std::make_unique<BadTargetReadback>();
+  BadTargetReadback& rb = *per_device[device];
   // A call that threw before its wait may have left a copy in flight (on another stream, perhaps): let it land.
   LOGITLESS_CUDA_CHECK(cudaEventSynchronize(rb.copied));
   LOGITLESS_CUDA_CHECK(cudaMemcpyAsync(rb.slot, &scalars->first_bad, sizeof(long long), cudaMemcpyDeviceToHost, stream));
@@ -210,7 +216,7 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
     // copy and write nothing if there is one; the host waits for the copy (not the kernels) and throws.
     if (checks && pr.check_targets && !stream_is_capturing(stream)) {
       kp.abort_on_bad = 1;
-      readback = &start_bad_target_readback(scalars, stream);
+      readback = &start_bad_target_readback(pr.device.index, scalars, stream);
     }
 
     const DeviceInfo& info = device_info(pr.device.index);
