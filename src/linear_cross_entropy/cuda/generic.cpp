@@ -243,6 +243,15 @@ struct Run {
       launch_finish_rows(f.partials, rows, tiles, targets + g0, e.shift, f.ce, scalars, loss_rows(g0), lse + g0,
                          sm_count, stream);
       launch_exp_rows(e, sm_count, stream);
+      // grad_weight first: the scaled hidden rows it reads share their region with the float32 grad_hidden
+      // rows (plan.cpp), which the grad_hidden GEMM then writes.
+      if (p.grad_weight.data) {  // dW (+)= E_gᵀ (s ⊙ X_g)
+        void* dw = dw_acc ? static_cast<void*>(dw_acc) : p.grad_weight.data;
+        const int64_t ldw = dw_acc ? H : p.grad_weight.ld;
+        const DType dwt = dw_acc ? DType::kFloat32 : p.grad_weight.dtype;
+        gemm_row_major(blas, true, false, V, H, rows, e.e, e.ld_e, e.xs, H, p.dtype, dw, ldw, dwt,
+                       /*accumulate=*/g0 > 0);
+      }
       if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W): float32 rows, scaled on the way out (in place if float32)
         char* dx = static_cast<char*>(p.grad_hidden.data) + g0 * p.grad_hidden.ld * dtype_size(p.grad_hidden.dtype);
         float* y = p.grad_hidden.dtype == DType::kFloat32 ? reinterpret_cast<float*>(dx) : at<float>(plan.off_dx_rows);
@@ -250,13 +259,6 @@ struct Run {
         gemm_row_major(blas, false, false, rows, H, V, e.e, e.ld_e, p.weight.data, p.weight.ld, p.dtype, y, ldy,
                        DType::kFloat32, false);
         launch_cast(y, ldy, rows, H, dx, p.grad_hidden.dtype, p.grad_hidden.ld, 1, sm_count, stream, e.scale);
-      }
-      if (p.grad_weight.data) {  // dW (+)= E_gᵀ (s ⊙ X_g)
-        void* dw = dw_acc ? static_cast<void*>(dw_acc) : p.grad_weight.data;
-        const int64_t ldw = dw_acc ? H : p.grad_weight.ld;
-        const DType dwt = dw_acc ? DType::kFloat32 : p.grad_weight.dtype;
-        gemm_row_major(blas, true, false, V, H, rows, e.e, e.ld_e, e.xs, H, p.dtype, dw, ldw, dwt,
-                       /*accumulate=*/g0 > 0);
       }
     }
     if (dw_acc)

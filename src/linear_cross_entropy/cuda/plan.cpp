@@ -65,11 +65,15 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   const bool fused = p.kernel == Kernel::kHopperFused;
   // The fused forward's statistics: 16 bytes per token and 256-column tile.
   const int64_t stats_row = fused && in.pass != Pass::kBackward ? 16 * ceil_div(V, kFusedTileCols) : 0;
-  // The exponential form's other per-token bytes: shift, scale and a rewrite slot; hidden scaled by row; the
-  // unscaled float32 grad_hidden row.
-  const int64_t exp_row = !fused || in.pass != Pass::kForwardBackward
-                              ? 0
-                              : 12 + (in.need_dw ? es * H : 0) + (in.need_dx && !in.grad_hidden_f32 ? 4 * H : 0);
+  // The exponential form's other per-token bytes: shift, scale and a rewrite slot, and one region that serves,
+  // one after the other, the tile statistics (read by finish_rows), hidden scaled by row (written by exp_rows,
+  // read by the grad_weight GEMM) and the unscaled float32 grad_hidden row (written by the grad_hidden GEMM,
+  // which runs after the grad_weight one).
+  const bool exp_form = fused && in.pass == Pass::kForwardBackward;
+  const int64_t exp_shared_row =
+      exp_form ? std::max({stats_row, in.need_dw ? es * H : int64_t{0}, in.need_dx && !in.grad_hidden_f32 ? 4 * H : int64_t{0}})
+               : 0;
+  const int64_t exp_row = exp_form ? 12 + exp_shared_row : 0;
 
   if (in.steps) {
     // Chunks of exactly chunk_tokens (every rank's exchange pairs them up). float32 inputs form the gradient in
@@ -102,7 +106,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       // Groups of whole rows, each one GEMM of exponentials (16-bit, the buffer the grad_hidden / grad_weight
       // GEMMs read) and statistics, with no float32 logits: the budget holds the group, or every token when that
       // costs no more than the float32 grad_weight accumulator it saves (as below).
-      const int64_t row = es * p.ld_logits + stats_row + exp_row;
+      const int64_t row = es * p.ld_logits + exp_row;
       const int64_t max_rows = std::max<int64_t>(N, 1);
       p.group_rows = std::min(in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, row), max_rows);
       const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
@@ -190,7 +194,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       if (p.dx_accumulator) p.off_dx = L.add(static_cast<size_t>(N * H * 4));
       if (in.need_db) p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
     } else {
-      if (fused) p.off_partials = L.add(static_cast<size_t>(p.chunk_rows * stats_row));
+      if (fused && !exp_form) p.off_partials = L.add(static_cast<size_t>(p.chunk_rows * stats_row));
       p.slot_bytes = static_cast<size_t>(p.chunk_rows * p.ld_logits * 4);
       if (!fused) p.off_logits = L.add(p.slot_bytes);
       if (in.steps) {
@@ -204,8 +208,10 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
           p.off_shift = L.add(G * 4);
           p.off_row_scale = L.add(G * 4);
           p.off_fixups = L.add((G + 1) * 4);
-          if (in.need_dw) p.off_scaled_hidden = L.add(G * static_cast<size_t>(H * es));
-          if (in.need_dx && !in.grad_hidden_f32) p.off_dx_rows = L.add(G * static_cast<size_t>(H) * 4);
+          const size_t shared = L.add(G * static_cast<size_t>(exp_shared_row));
+          p.off_partials = shared;
+          if (in.need_dw) p.off_scaled_hidden = shared;
+          if (in.need_dx && !in.grad_hidden_f32) p.off_dx_rows = shared;
         }
         if (p.dw_accumulator) p.off_dw = L.add(static_cast<size_t>(V * H * 4));
         if (in.need_db) {
