@@ -209,6 +209,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                                           gh if need_hidden else None, gw if need_weight else None,
                                           gb if need_bias else None)
         ctx.mark_non_differentiable(lse)
+        # lse takes no gradient: no zeros materialized for it in the backward.
+        ctx.set_materialize_grads(False)
         ctx.needs = (need_hidden, need_weight, need_bias)
         # Saved after they were written: a later write to them (or a second backward over a retained graph,
         # after the in-place scaling below) fails autograd's version check instead of reusing them.
@@ -219,6 +221,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse):
         _no_double_backward()
         grads = ctx.saved_tensors
+        if grad_loss is None:  # no gradient reached the loss: nothing flows to the inputs
+            return (None,) * 6
         scale = grad_loss.to(torch.float32).contiguous()
         out = []
         for g, need in zip(grads, ctx.needs):
