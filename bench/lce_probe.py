@@ -3,6 +3,7 @@ plan's chunking (memory_budget, chunk_tokens) that skips the peers of bench/benc
 
     python3 bench/lce_probe.py [--shapes 8192x4096x128256,4096x4096x128256] [--budgets-mib 512]
                                [--schedules auto,gradient_in_forward,recompute] [--tag NAME] [--kernels]
+                               [--inputs probe|bench]
 
 Prints, per shape and budget: the GEMMs' time (X·Wᵀ, dZ·W, dZᵀ·X in bf16), the time of
 linear_cross_entropy(x, w, t).backward() (bf16, default options), their ratio, and the peak memory beyond the
@@ -12,6 +13,8 @@ Hopper kernels run where they apply; LOGITLESS_LCE_KERNEL=generic in the environ
 instead.
 --kernels adds a profile of 3 more rounds (torch.profiler): per function, the host time of a call, the GPU's busy
 time and span, and its largest kernels.
+--inputs bench draws hidden ~ N(0, 1) and weight ~ N(0, 4 / H) as bench.py does (logits of standard deviation 2)
+instead of hidden × 0.5 and weight × 0.02 (about 0.6): an H100's GEMMs run several percent slower on the former.
 """
 import argparse
 
@@ -93,14 +96,17 @@ def main():
     ap.add_argument("--budgets-mib", default="512", help="memory_budget values in MiB, comma-separated")
     ap.add_argument("--schedules", default="auto", help="schedule values, comma-separated")
     ap.add_argument("--tag", default="", help="a label printed at the start of each line")
+    ap.add_argument("--inputs", default="probe", choices=("probe", "bench"),
+                    help="input scaling: the probe's (small logits) or bench.py's (logits of standard deviation 2)")
     ap.add_argument("--kernels", action="store_true",
                     help="per-kernel GPU time of 3 more interleaved rounds, the GEMMs included (torch.profiler)")
     args = ap.parse_args()
     for shape in args.shapes.split(","):
         n, h, v = (int(s) for s in shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)
-        x = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_(True)
-        w = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_(True)
+        x_scale, w_scale = (0.5, 0.02) if args.inputs == "probe" else (1.0, 2.0 / h ** 0.5)
+        x = (torch.randn(n, h, device="cuda", generator=g) * x_scale).bfloat16().requires_grad_(True)
+        w = (torch.randn(v, h, device="cuda", generator=g) * w_scale).bfloat16().requires_grad_(True)
         t = torch.randint(0, v, (n,), device="cuda", generator=g)
         z = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
         dz = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
