@@ -70,9 +70,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   // read by the grad_weight GEMM) and the unscaled float32 grad_hidden row (written by the grad_hidden GEMM,
   // which runs after the grad_weight one).
   const bool exp_form = fused && in.pass == Pass::kForwardBackward;
-  const int64_t exp_shared_row =
-      exp_form ? std::max({stats_row, in.need_dw ? es * H : int64_t{0}, in.need_dx && !in.grad_hidden_f32 ? 4 * H : int64_t{0}})
-               : 0;
+  const int64_t xs_row = in.need_dw ? es * H : 0, dx_row = in.need_dx && !in.grad_hidden_f32 ? 4 * H : 0;
+  const int64_t exp_shared_row = exp_form ? std::max({stats_row, xs_row, dx_row}) : 0;
   const int64_t exp_row = exp_form ? 12 + exp_shared_row : 0;
 
   if (in.steps) {
