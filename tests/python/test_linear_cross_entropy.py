@@ -490,8 +490,10 @@ def test_cuda_precision_against_torch_bf16(schedule):
     target = torch.randint(0, V, (N,), device="cuda", generator=g)
 
     def grads(fn, dtype):
-        h = hidden.to(dtype).requires_grad_(True)
-        w = weight.to(dtype).requires_grad_(True)
+        # Fresh leaves per call: hidden.to(bfloat16) would be hidden itself, and a second backward into it would
+        # add to (and alias) the first call's .grad, so both errors below would be the same tensor's.
+        h = hidden.to(dtype, copy=True).requires_grad_(True)
+        w = weight.to(dtype, copy=True).requires_grad_(True)
         loss = fn(h, w)
         loss.backward()
         return loss.detach().double(), h.grad, w.grad
