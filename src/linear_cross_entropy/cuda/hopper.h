@@ -67,6 +67,9 @@ void set_fused_kernels(bool enabled);
 // The gradient in forward's fused path sends every valid row through its rewrite (params.h, ExpGradParams), the
 // path of rows the scaled form does not suit, which real inputs seldom reach.
 void set_exp_fixup_all(bool enabled);
+// The gradient in forward's exponential form on or off for later calls (off by default: see generic.cpp; on from
+// the start with LOGITLESS_LCE_EXP_FORM=1).
+void set_exp_form(bool enabled);
 bool fused_kernels_enabled();
 Kernel last_kernel();
 // The fused GEMM (bfloat16) without an epilogue: its accumulators are dropped. The mainloop's speed alone, for the
