@@ -10,7 +10,7 @@ linear_cross_entropy(x, w, t).backward() (bf16, default options), their ratio, a
 inputs (dX and dW included). Medians of 7 rounds after one warm-up, each round timing the GEMMs and every
 schedule once in turn (so that all see the same clocks of a GPU under load). On an H100 the library's fused
 Hopper kernels run where they apply; LOGITLESS_LCE_KERNEL=generic in the environment measures the cuBLAS path
-instead.
+instead, and LOGITLESS_LCE_EXP_FORM=1 the gradient in forward's exponential form (off by default).
 --kernels adds a profile of 3 more rounds (torch.profiler): per function, the host time of a call, the GPU's busy
 time and span, and its largest kernels.
 --inputs bench draws hidden ~ N(0, 1) and weight ~ N(0, 4 / H) as bench.py does (logits of standard deviation 2)

@@ -13,8 +13,9 @@ namespace logitless::lce {
 //    reads them for the statistics, this family's gradient kernel for the gradient.
 //  * kHopperFused (sm_90a, 16-bit inputs; cuda/hopper.h): the logits GEMM computes the statistics (forward) or
 //    the gradient (recompute backward) in its epilogue: the forward keeps no logits, the backward writes the
-//    16-bit gradient straight from the accumulators. The gradient in forward takes it for bfloat16 inputs
-//    without soft cap or label smoothing (PlanInputs::fused_exp): the GEMM writes the statistics and the
+//    16-bit gradient straight from the accumulators. The gradient in forward takes it when PlanInputs::fused_exp
+//    is set (bfloat16 inputs without soft cap or label smoothing, and the exponential form switched on: it is off
+//    by default, see generic.cpp): the GEMM writes the statistics and the
 //    exponentials of params.h's ExpGradParams, token groups of whole rows. Not for a bias gradient. The
 //    grad_hidden / grad_weight GEMMs are cuBLAS's either way.
 enum class Kernel : int32_t { kCublasChunked = 0, kHopperFused = 1 };
