@@ -15,7 +15,9 @@ What `patch(model)` changes, on that instance only (the model classes and other 
   (default -100), the mean over counted tokens, or with ``num_items_in_batch`` the sum divided by it
   (gradient accumulation's normalization); Gemma's ``final_logit_softcapping`` caps the logits inside the
   kernel. The output's ``logits`` is None. Called without labels, it is the original forward: logits as
-  before (generation, evaluation without labels).
+  before (generation, evaluation without labels). The loss runs inside a call of ``lm_head`` (see
+  `logitless.heads`), so a head wrapped on its own by FSDP2's ``fully_shard`` or partitioned by ZeRO-3 has its
+  weight gathered for it and its gradient reduced as when the original forward calls it.
 
 The fused loss is float32, like the original's (which upcasts the logits); it differs from it by the rounding
 of the logits to the model's dtype that the original does before its upcast, i.e. within the dtype's noise.
@@ -35,6 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .heads import through_module
 from .linear_cross_entropy import linear_cross_entropy
 from .nn import RMSNorm
 
@@ -64,7 +67,8 @@ SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(_ARCHITECTURES)
 _REQUIRED_PARAMETERS = ("input_ids", "attention_mask", "labels", "logits_to_keep")
 
 # Options of linear_cross_entropy that patch() passes through; the others are fixed by the model's loss.
-_LOSS_OPTIONS = ("z_loss", "schedule", "chunk_tokens", "chunk_vocab", "memory_budget", "check_targets")
+_LOSS_OPTIONS = ("z_loss", "schedule", "chunk_tokens", "chunk_vocab", "memory_budget", "check_targets",
+                 "vocab_parallel")
 
 _STATE = "_logitless_patch"
 
@@ -103,7 +107,9 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
         rms_norm: replace the RMSNorm modules by ``logitless.nn.RMSNorm``.
         cross_entropy: compute the loss with ``logitless.linear_cross_entropy`` when labels are given.
         **loss_options: passed on to ``linear_cross_entropy``: z_loss, schedule, chunk_tokens, chunk_vocab,
-            memory_budget, check_targets (z_loss adds a term the original loss does not have).
+            memory_budget, check_targets, vocab_parallel (z_loss adds a term the original loss does not have;
+            vocab_parallel=True for an lm_head whose weight is a tensor-parallel DTensor sharded along the
+            vocabulary).
 
     A patched model is first unpatched, so patching again with other options replaces the earlier patch.
 
@@ -306,8 +312,6 @@ def _patched_forward(self, *args, **kwargs):
 def _causal_lm_loss(self, state: _PatchState, hidden: Tensor, labels: Tensor, num_items_in_batch, ignore_index: int,
                     shift_labels: Optional[Tensor]) -> Tensor:
     """ForCausalLMLoss(lm_head(hidden) (softcapped), labels, ...) without the logits."""
-    head = self.lm_head
-    weight, bias = head.weight, head.bias
     if shift_labels is not None:
         h, target = hidden, shift_labels
     elif labels.shape == hidden.shape[:-1] and hidden.dim() >= 2:
@@ -324,17 +328,24 @@ def _causal_lm_loss(self, state: _PatchState, hidden: Tensor, labels: Tensor, nu
             raise ValueError(f"labels: expected {h.numel() // max(h.shape[-1], 1)} labels for the hidden states "
                              f"{tuple(h.shape)} (after logits_to_keep), got shape {tuple(target.shape)}")
         h, target = h.reshape(-1, h.shape[-1]), target.reshape(-1)
-    # lm_head runs in the autocast dtype under autocast; the fused op gets its operands already cast.
-    device_type = h.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        h, weight = h.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    elif h.dtype != weight.dtype:
-        h = h.to(weight.dtype)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = linear_cross_entropy(h, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
-                                softcap=state.softcap, **state.loss_options)
+
+    def head_loss(h: Tensor, target: Tensor) -> Tensor:
+        # The head's parameters are read here, inside its call: a wrapper that shards them (FSDP2, ZeRO-3) has
+        # gathered them, and reduces their gradients after the backward.
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        # lm_head runs in the autocast dtype under autocast; the fused op gets its operands already cast.
+        device_type = h.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            h, weight = h.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        elif h.dtype != weight.dtype:
+            h = h.to(weight.dtype)
+        return linear_cross_entropy(h, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
+                                    softcap=state.softcap, **state.loss_options)
+
+    loss = through_module(self.lm_head, head_loss, h, target)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

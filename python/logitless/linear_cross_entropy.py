@@ -31,6 +31,7 @@ from torch import Tensor
 from . import _C
 from ._tensor import DEVICE_CODES, DTYPE_CODES, descriptor, stream, workspace
 from .cross_entropy import REDUCTIONS, _enum, _scale_saved
+from .heads import refuse_sharded_weight
 
 __all__ = ["linear_cross_entropy", "SCHEDULES", "DEFAULT_MEMORY_BUDGET"]
 
@@ -258,6 +259,7 @@ def linear_cross_entropy(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     check_targets: bool = True,
     process_group=None,
+    vocab_parallel: bool = False,
     sequence_parallel: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Cross-entropy of the logits ``hidden @ weight.T + bias`` against class indices `target`, without
@@ -296,9 +298,12 @@ def linear_cross_entropy(
             whole vocabulary's [V]. The result is the unsharded loss: the logits are never gathered, the forward
             exchanges 4 floats per token and rank (per token chunk with gradient_in_forward, overlapped with the
             next chunk's GEMM), grad_hidden is summed over the ranks (one all_reduce, in float32) and
-            grad_weight / grad_bias are each rank's own. A DTensor `weight` sharded along the vocabulary
-            (``Shard(0)``, with `bias` likewise) does the same over its mesh. Works under FSDP2 (see
-            logitless.vocab_parallel for how each schedule treats a weight regathered for the backward).
+            grad_weight / grad_bias are each rank's own. Works under FSDP2 (see logitless.vocab_parallel for how
+            each schedule treats a weight regathered for the backward).
+        vocab_parallel: `weight` (and `bias`) are DTensors sharded along the vocabulary (``Shard(0)``) over a
+            mesh dimension, tensor parallelism as above over that dimension's group. Without it a DTensor weight
+            is refused: an FSDP2 parameter shard has the same placement and must be gathered, not split over
+            (`logitless.linear_head_loss` runs the loss inside the head's call, where FSDP2 gathers it).
         sequence_parallel: with vocabulary parallelism, `hidden` [*, H] and `target` [*] are this rank's tokens
             only (the same count on every rank, in rank order); they are all_gathered here, grad_hidden is
             reduce_scattered back to them, and per-token outputs (reduction none, lse) are this rank's tokens'.
@@ -332,18 +337,23 @@ def linear_cross_entropy(
                bool(check_targets), int(chunk_tokens or 0), int(chunk_vocab or 0), int(memory_budget))
 
     recompute = schedule == "recompute" or (schedule == "auto" and (red == _NONE or hidden.dtype == torch.float16))
-    from . import vocab_parallel
-    sharded = process_group is not None or vocab_parallel.is_dtensor(weight)
+    from . import vocab_parallel as vp
+    sharded = process_group is not None or bool(vocab_parallel)
+    if not sharded:
+        refuse_sharded_weight(weight, bias, vocab_parallel_remedy=True)
+    elif vocab_parallel and process_group is None and not vp.is_dtensor(weight):
+        raise ValueError("vocab_parallel: expected a DTensor weight sharded along the vocabulary (or pass "
+                         "process_group= with this rank's rows of the weight), got a plain tensor")
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                               (bias is not None and bias.requires_grad))
     if schedule == "auto" and not recompute and needs_grad and not sharded:
         recompute = _recompute_is_faster(hidden, weight, bias, options)
     if sharded:
-        loss, lse = vocab_parallel.linear_cross_entropy(hidden, weight, target, bias, class_weight, options, recompute,
-                                                        process_group, bool(sequence_parallel))
+        loss, lse = vp.linear_cross_entropy(hidden, weight, target, bias, class_weight, options, recompute,
+                                            process_group, bool(sequence_parallel))
         return (loss, lse) if return_lse else loss
     if sequence_parallel:
-        raise ValueError("sequence_parallel: expected a process_group or a DTensor weight (vocabulary parallelism)")
+        raise ValueError("sequence_parallel: expected a process_group or vocab_parallel=True (vocabulary parallelism)")
     if not needs_grad or recompute:
         loss, lse = _forward(hidden, weight, bias, target, class_weight, *options)
     else:

@@ -28,6 +28,7 @@ from torch import Tensor
 from . import _C
 from ._tensor import descriptor, stream, workspace
 from .cross_entropy import _scale_saved
+from .heads import refuse_sharded_weight
 from .linear_cross_entropy import DEFAULT_MEMORY_BUDGET, SCHEDULES, _rows_ready
 from .policy_loss import _MASK_DTYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, PolicyLossOutputs, _as, _enum
 
@@ -298,6 +299,7 @@ def linear_grpo_loss(
     level = _enum(IMPORTANCE_SAMPLING_LEVELS, importance_sampling_level, "importance_sampling_level")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
+    refuse_sharded_weight(weight, bias, vocab_parallel_remedy=False)
     _check_chunking(chunk_tokens, memory_budget)
     ids = completion_ids if completion_ids.dtype in (torch.int32, torch.int64) else completion_ids.long()
     adv = advantages.detach().to(torch.float32)
@@ -427,6 +429,7 @@ def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, ids: Tensor, bi
         logp [*] float32, differentiable w.r.t. hidden, weight and bias (the backward recomputes the logits), or
         ``(logp, entropy)``.
     """
+    refuse_sharded_weight(weight, bias, vocab_parallel_remedy=False)
     _check_chunking(chunk_tokens, memory_budget)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()

@@ -93,10 +93,12 @@ def _assert_close_grads(got, want, tol):
         assert err <= tol * scale, f"{name}: max error {err:.3g} above {tol} x {scale:.3g}"
 
 
-def _count_calls(module):
-    calls = []
-    handle = module.register_forward_hook(lambda *args: calls.append(1))
-    return calls, handle
+def _head_outputs(module):
+    """The shapes lm_head's calls return. The patched forward calls it once with labels (so that hooks of a
+    sharding wrapper run), and what comes out must be the loss, never the logits."""
+    shapes = []
+    handle = module.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    return shapes, handle
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -111,9 +113,9 @@ def test_loss_and_gradients_match_unpatched(arch, dtype):
     want, want_grads = _loss_and_grads(ref, input_ids=ids, attention_mask=mask, labels=labels)
 
     model = logitless.patch(_model(arch, dtype))
-    calls, _ = _count_calls(model.lm_head)
+    calls, _ = _head_outputs(model.lm_head)
     got, got_grads = _loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
-    assert calls == [], "lm_head ran: the logits were formed"
+    assert calls == [()], f"lm_head returned {calls}: the logits were formed"
     assert got.logits is None
     assert got.loss.dtype == torch.float32
     rtol, gtol = TOL[dtype]
@@ -214,11 +216,11 @@ def test_all_labels_ignored_gives_zero():
 def test_without_labels_the_original_forward_runs(arch):
     ids, mask, _ = _batch()
     ref, model = _model(arch).eval(), logitless.patch(_model(arch)).eval()
-    calls, _ = _count_calls(model.lm_head)
+    calls, _ = _head_outputs(model.lm_head)
     with torch.no_grad():
         want = ref(input_ids=ids, attention_mask=mask)
         got = model(input_ids=ids, attention_mask=mask)
-        assert calls == [1] and got.loss is None
+        assert calls == [tuple(want.logits.shape)] and got.loss is None
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
         if arch == "gemma2":  # the softcap applies to the logits returned
             assert got.logits.abs().max() <= 5.0
@@ -414,12 +416,12 @@ def test_torch_compile(backend):
     want, want_grads = _loss_and_grads(eager, input_ids=ids, attention_mask=mask, labels=labels)
     model = logitless.patch(_model("llama"))
     compiled = torch.compile(model, backend=backend)
-    calls, _ = _count_calls(model.lm_head)
+    calls, _ = _head_outputs(model.lm_head)
     for _ in range(2):  # the second call runs the compiled code
         got, got_grads = _loss_and_grads(compiled, input_ids=ids, attention_mask=mask, labels=labels)
         torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0)
         _assert_close_grads(got_grads, want_grads, 2e-5)
-    assert calls == []
+    assert calls == [(), ()]
     assert logitless.hf.is_patched(compiled)
     assert logitless.patch(compiled) is compiled  # patching (again) through the wrapper returns the wrapper
     if backend == "inductor":

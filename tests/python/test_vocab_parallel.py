@@ -9,107 +9,29 @@ global inputs on every rank from a seed, computes the unsharded reference locall
 """
 from __future__ import annotations
 
-import datetime
 import math
-import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import spawn
 
 import logitless
-
-_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, backend, tasks, results):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    # A collective that a failed rank never joins times out instead of hanging the run.
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    while True:
-        item = tasks.get()
-        if item is None:
-            break
-        name, args = item
-        try:
-            results.put((rank, "ok", globals()[name](rank, world, *args)))
-        except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
-            results.put((rank, "err", traceback.format_exc()))
-    dist.destroy_process_group()
-
-
-class _Ranks:
-    """`world` spawned ranks that run the module's case functions on request."""
-
-    def __init__(self, world: int, backend: str):
-        ctx = mp.get_context("spawn")
-        self.world, self.device = world, "cuda" if backend == "nccl" else "cpu"
-        self.tasks = [ctx.Queue() for _ in range(world)]
-        self.results = ctx.Queue()
-        port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, backend, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world)]
-        for p in self.procs:
-            p.start()
-
-    def run(self, name, *args):
-        for q in self.tasks:
-            q.put((name, args))
-        out, errors = {}, []
-        for _ in range(self.world):
-            rank, status, value = self.results.get(timeout=_TIMEOUT_S)
-            if status == "err":
-                errors.append(f"rank {rank}:\n{value}")
-            out[rank] = value
-        if errors:
-            pytest.fail("\n".join(errors), pytrace=False)
-        return [out[r] for r in range(self.world)]
-
-    def close(self):
-        for q in self.tasks:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
 
 
 @pytest.fixture(scope="module")
 def gloo2():
-    r = _Ranks(2, "gloo")
-    yield r
-    r.close()
+    yield from spawn(2, "gloo", __name__)
 
 
 @pytest.fixture(scope="module")
 def gloo3():
-    r = _Ranks(3, "gloo")
-    yield r
-    r.close()
+    yield from spawn(3, "gloo", __name__)
 
 
 @pytest.fixture(scope="module")
 def nccl2():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available():
-        pytest.skip("needs two CUDA devices and NCCL")
-    if not logitless._C.built_with_cuda():
-        pytest.skip("logitless was built without its CUDA backend")
-    r = _Ranks(2, "nccl")
-    yield r
-    r.close()
+    yield from spawn(2, "nccl", __name__)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -273,7 +195,8 @@ def _lce_case(rank, world, dev, widths, dtype_name, preset, reduction, schedule,
         mesh = _mesh(device, world)
         wl = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_(True)
         bl = distribute_tensor(b.clone(), mesh, [Shard(0)]).requires_grad_(True) if bias else None
-        got = logitless.linear_cross_entropy(hl, wl, target[rows], bl, sequence_parallel=sequence_parallel, **kw)
+        got = logitless.linear_cross_entropy(hl, wl, target[rows], bl, vocab_parallel=True,
+                                             sequence_parallel=sequence_parallel, **kw)
     else:
         wl = weight[off:off + width].clone().requires_grad_(True)
         bl = b[off:off + width].clone().requires_grad_(True) if bias else None
