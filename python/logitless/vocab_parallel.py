@@ -1,8 +1,8 @@
 """Vocabulary-parallel (tensor-parallel) cross-entropy and linear cross-entropy over torch.distributed.
 
 Reached through ``logitless.cross_entropy(..., process_group=pg)`` and ``logitless.linear_cross_entropy(...,
-process_group=pg)``, or by passing a DTensor sharded along the vocabulary (logits ``Shard(-1)``, an LM head's
-weight ``Shard(0)``). Every rank holds a slice of the vocabulary, in rank order, and sees every token: the logits
+process_group=pg)``, or by passing a DTensor sharded along the vocabulary (logits ``Shard(-1)``; an LM head's
+weight ``Shard(0)`` with ``vocab_parallel=True``, since an FSDP2 parameter shard has that placement too). Every rank holds a slice of the vocabulary, in rank order, and sees every token: the logits
 are never gathered. The C++ core (include/logitless/vocab_parallel.h) computes per-shard partial statistics and
 the gradients; this module does the communication, with torch.distributed only:
 
