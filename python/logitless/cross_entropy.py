@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._checks import check_int64, check_process_group, check_rows, check_tensors, is_dtensor, register_fake
 from ._tensor import descriptor, stream, workspace
 
 __all__ = ["cross_entropy"]
@@ -86,7 +87,7 @@ def _forward(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_in
     return loss, lse, z
 
 
-@_forward.register_fake
+@register_fake(_forward)
 def _(logits, target, weight, ignore_index, reduction, *options):
     return _new_outputs(logits, target, reduction)
 
@@ -102,7 +103,7 @@ def _forward_backward_out(logits: Tensor, target: Tensor, weight: Optional[Tenso
     return _run_forward_backward(logits, target, weight, opts, grad_logits)
 
 
-@_forward_backward_out.register_fake
+@register_fake(_forward_backward_out)
 def _(logits, target, weight, ignore_index, reduction, *options_and_grad):
     return _new_outputs(logits, target, reduction)
 
@@ -117,7 +118,7 @@ def _forward_backward_inplace(logits: Tensor, target: Tensor, weight: Optional[T
     return _run_forward_backward(logits, target, weight, opts, logits)
 
 
-@_forward_backward_inplace.register_fake
+@register_fake(_forward_backward_inplace)
 def _(logits, target, weight, ignore_index, reduction, *options):
     return _new_outputs(logits, target, reduction)
 
@@ -138,7 +139,7 @@ def _backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], lse: Ten
     return grad
 
 
-@_backward.register_fake
+@register_fake(_backward)
 def _(logits, *rest):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
@@ -150,7 +151,7 @@ def _scale_rows(grad: Tensor, scale: Tensor) -> None:
     _C.scale_rows(descriptor(grad, "grad"), descriptor(scale, "scale"), stream(grad.device))
 
 
-@_scale_rows.register_fake
+@register_fake(_scale_rows)
 def _(grad, scale):
     return None
 
@@ -329,15 +330,22 @@ def cross_entropy(
     """
     red = _enum(REDUCTIONS, reduction, "reduction")
     algo_code = _enum(ALGOS, algo, "algo")
+    check_process_group(process_group)
+    # The vocabulary-parallel path takes DTensors (logits sharded; target and weight made local there).
+    sharded = process_group is not None or is_dtensor(logits)
+    check_tensors((("logits", logits), ("target", target), ("weight", weight)), optional=("weight",),
+                  dtensor_ok=("logits", "target", "weight") if sharded else ())
+    if not sharded:
+        check_rows(logits.dim() - 1, (("logits", logits), ("target", target)))
     if softcap is None:
         softcap = 0.0
     if weight is not None:
         weight = weight.detach().to(torch.float32)
-    params = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap), bool(check_targets),
-              algo_code)
+    params = (check_int64(ignore_index, "ignore_index"), red, float(label_smoothing), float(z_loss), float(softcap),
+              bool(check_targets), algo_code)
 
-    from . import vocab_parallel
-    if process_group is not None or vocab_parallel.is_dtensor(logits):
+    if sharded:
+        from . import vocab_parallel
         loss, lse, z = vocab_parallel.cross_entropy(logits, target, weight, params, inplace_backward, process_group)
         if not (return_lse or return_z_loss):
             return loss

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._checks import check_bias, check_int64, check_process_group, check_rows, check_tensors, register_fake
 from ._tensor import DEVICE_CODES, DTYPE_CODES, descriptor, stream, workspace
 from .cross_entropy import REDUCTIONS, _enum, _scale_saved
 from .heads import refuse_sharded_weight
@@ -109,7 +110,7 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
     return loss, lse
 
 
-@_forward.register_fake
+@register_fake(_forward)
 def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *options):
     return _new_outputs(hidden, target, reduction)
 
@@ -129,7 +130,7 @@ def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                                  grad_bias)
 
 
-@_forward_backward_out.register_fake
+@register_fake(_forward_backward_out)
 def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest):
     return _new_outputs(hidden, target, reduction)
 
@@ -157,7 +158,7 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
     return gh, gw, gb
 
 
-@_backward.register_fake
+@register_fake(_backward)
 def _(hidden, weight, bias, target, class_weight, lse, grad_loss, *rest):
     need_hidden, need_weight, need_bias = rest[-3:]
     return _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
@@ -330,11 +331,17 @@ def linear_cross_entropy(
             raise ValueError(f"{name}: expected a count >= 1 (or None: from memory_budget), got {value!r}")
     if not isinstance(memory_budget, int) or memory_budget < 1:
         raise ValueError(f"memory_budget: expected a number of bytes >= 1, got {memory_budget!r}")
+    check_process_group(process_group)
+    # DTensors are sorted out below (vocabulary parallelism, or refused on the local path).
+    check_tensors((("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias),
+                   ("class_weight", class_weight)), optional=("bias", "class_weight"),
+                  dtensor_ok=("hidden", "weight", "target", "bias", "class_weight"))
     if class_weight is not None:
         class_weight = class_weight.detach().to(torch.float32)
     hidden, weight = _rows_ready(hidden), _rows_ready(weight)
-    options = (int(ignore_index), red, float(label_smoothing), float(z_loss), float(softcap or 0.0),
-               bool(check_targets), int(chunk_tokens or 0), int(chunk_vocab or 0), int(memory_budget))
+    options = (check_int64(ignore_index, "ignore_index"), red, float(label_smoothing), float(z_loss),
+               float(softcap or 0.0), bool(check_targets), check_int64(chunk_tokens or 0, "chunk_tokens"),
+               check_int64(chunk_vocab or 0, "chunk_vocab"), check_int64(memory_budget, "memory_budget"))
 
     recompute = schedule == "recompute" or (schedule == "auto" and (red == _NONE or hidden.dtype == torch.float16))
     from . import vocab_parallel as vp
@@ -354,6 +361,10 @@ def linear_cross_entropy(
         return (loss, lse) if return_lse else loss
     if sequence_parallel:
         raise ValueError("sequence_parallel: expected a process_group or vocab_parallel=True (vocabulary parallelism)")
+    check_tensors((("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias),
+                   ("class_weight", class_weight)), optional=("bias", "class_weight"))
+    check_bias(bias, weight, hidden)
+    check_rows(hidden.dim() - 1, (("hidden", hidden), ("target", target)))
     if not needs_grad or recompute:
         loss, lse = _forward(hidden, weight, bias, target, class_weight, *options)
     else:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._checks import check_bias, check_int64, check_rows, check_tensors, register_fake
 from ._tensor import descriptor, stream, workspace
 from .cross_entropy import _scale_saved
 from .heads import refuse_sharded_weight
@@ -114,7 +115,7 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], completion_
                 want_per_token, want_entropy, None)
 
 
-@_forward.register_fake
+@register_fake(_forward)
 def _(hidden, weight, bias, completion_ids, *rest):
     return _outputs(hidden, completion_ids, rest[-2], rest[-1])
 
@@ -136,7 +137,7 @@ def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                 want_per_token, want_entropy, (grad_hidden, grad_weight, grad_bias))
 
 
-@_forward_backward_out.register_fake
+@register_fake(_forward_backward_out)
 def _(hidden, weight, bias, completion_ids, *rest):
     return _outputs(hidden, completion_ids, rest[-5], rest[-4])
 
@@ -164,7 +165,7 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], completion
     return gh, gw, gb
 
 
-@_backward.register_fake
+@register_fake(_backward)
 def _(hidden, weight, bias, *rest):
     return _grad_outputs(hidden, weight, bias, *rest[-3:])
 
@@ -231,6 +232,9 @@ def _check_chunking(chunk_tokens, memory_budget):
         raise ValueError(f"chunk_tokens: expected a count >= 1 (or None: from memory_budget), got {chunk_tokens!r}")
     if not isinstance(memory_budget, int) or memory_budget < 1:
         raise ValueError(f"memory_budget: expected a number of bytes >= 1, got {memory_budget!r}")
+    if chunk_tokens is not None:
+        check_int64(chunk_tokens, "chunk_tokens")
+    check_int64(memory_budget, "memory_budget")
 
 
 def linear_grpo_loss(
@@ -301,6 +305,13 @@ def linear_grpo_loss(
         raise ValueError(f"schedule: expected one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
     refuse_sharded_weight(weight, bias, vocab_parallel_remedy=False)
     _check_chunking(chunk_tokens, memory_budget)
+    check_tensors((("hidden", hidden), ("weight", weight), ("completion_ids", completion_ids),
+                   ("advantages", advantages), ("bias", bias), ("completion_mask", completion_mask),
+                   ("old_logp", old_logp), ("ref_logp", ref_logp)),
+                  optional=("bias", "completion_mask", "old_logp", "ref_logp"))
+    check_bias(bias, weight, hidden)
+    if max_completion_length is not None:
+        max_completion_length = check_int64(max_completion_length, "max_completion_length")
     ids = completion_ids if completion_ids.dtype in (torch.int32, torch.int64) else completion_ids.long()
     adv = advantages.detach().to(torch.float32)
     mask = completion_mask
@@ -356,7 +367,7 @@ def _sel_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Te
     return logp, entropy, lse
 
 
-@_sel_forward.register_fake
+@register_fake(_sel_forward)
 def _(hidden, weight, bias, ids, temperature, check_ids, chunk_tokens, memory_budget, want_entropy):
     return _sel_outputs(hidden, ids, want_entropy)
 
@@ -382,7 +393,7 @@ def _sel_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: T
     return gh, gw, gb
 
 
-@_sel_backward.register_fake
+@register_fake(_sel_backward)
 def _(hidden, weight, bias, *rest):
     return _grad_outputs(hidden, weight, bias, *rest[-3:])
 
@@ -431,9 +442,12 @@ def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, ids: Tensor, bi
     """
     refuse_sharded_weight(weight, bias, vocab_parallel_remedy=False)
     _check_chunking(chunk_tokens, memory_budget)
+    check_tensors((("hidden", hidden), ("weight", weight), ("ids", ids), ("bias", bias)), optional=("bias",))
+    check_bias(bias, weight, hidden)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
     hidden, weight = _rows_ready(hidden), _rows_ready(weight)
+    check_rows(hidden.dim() - 1, (("hidden", hidden), ("ids", ids)))
     logp, entropy, _ = _sel_forward(hidden, weight, bias, ids, float(temperature), bool(check_ids),
                                     int(chunk_tokens or 0), int(memory_budget), bool(return_entropy))
     return (logp, entropy) if return_entropy else logp

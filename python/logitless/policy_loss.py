@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._checks import check_int64, check_rows, check_tensors, register_fake
 from ._tensor import descriptor, stream, workspace
 from .cross_entropy import _scale_saved
 
@@ -108,7 +109,7 @@ def _policy_forward(logits: Tensor, completion_ids: Tensor, advantages: Tensor, 
                        want_per_token, want_entropy, None)
 
 
-@_policy_forward.register_fake
+@register_fake(_policy_forward)
 def _(logits, completion_ids, *rest):
     return _policy_outputs(logits, completion_ids, rest[-2], rest[-1])
 
@@ -130,7 +131,7 @@ def _policy_forward_backward_out(logits: Tensor, completion_ids: Tensor, advanta
                        want_per_token, want_entropy, grad_logits)
 
 
-@_policy_forward_backward_out.register_fake
+@register_fake(_policy_forward_backward_out)
 def _(logits, completion_ids, *rest):
     return _policy_outputs(logits, completion_ids, rest[-3], rest[-2])
 
@@ -152,7 +153,7 @@ def _policy_forward_backward_inplace(logits: Tensor, completion_ids: Tensor, adv
                        want_per_token, want_entropy, logits)
 
 
-@_policy_forward_backward_inplace.register_fake
+@register_fake(_policy_forward_backward_inplace)
 def _(logits, completion_ids, *rest):
     return _policy_outputs(logits, completion_ids, rest[-2], rest[-1])
 
@@ -298,6 +299,11 @@ def grpo_loss(
     ltype = _enum(LOSS_TYPES, loss_type, "loss_type")
     level = _enum(IMPORTANCE_SAMPLING_LEVELS, importance_sampling_level, "importance_sampling_level")
     algo_code = _enum(ALGOS, algo, "algo")
+    check_tensors((("logits", logits), ("completion_ids", completion_ids), ("advantages", advantages),
+                   ("completion_mask", completion_mask), ("old_logp", old_logp), ("ref_logp", ref_logp)),
+                  optional=("completion_mask", "old_logp", "ref_logp"))
+    if max_completion_length is not None:
+        max_completion_length = check_int64(max_completion_length, "max_completion_length")
     ids = completion_ids if completion_ids.dtype in (torch.int32, torch.int64) else completion_ids.long()
     adv = advantages.detach().to(torch.float32)
     mask = completion_mask
@@ -351,7 +357,7 @@ def _selective_forward(logits: Tensor, ids: Tensor, temperature: float, check_id
     return logp, entropy, lse
 
 
-@_selective_forward.register_fake
+@register_fake(_selective_forward)
 def _(logits, ids, temperature, check_ids, want_entropy):
     return _selective_outputs(logits, ids, want_entropy)
 
@@ -368,7 +374,7 @@ def _selective_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Ten
     return grad
 
 
-@_selective_backward.register_fake
+@register_fake(_selective_backward)
 def _(logits, ids, lse, grad_logp, temperature):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
@@ -410,6 +416,8 @@ def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0,
         logp [*] float32 (differentiable w.r.t. logits: the backward reads the logits once and writes the
         gradient once, from the saved log-sum-exp), or ``(logp, entropy)``.
     """
+    check_tensors((("logits", logits), ("ids", ids)))
+    check_rows(logits.dim() - 1, (("logits", logits), ("ids", ids)))
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
     logp, entropy, _ = _selective_forward(logits, ids, float(temperature), bool(check_ids), bool(return_entropy))
