@@ -145,7 +145,7 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
             weight.grad = None  # dW is written, not accumulated into an older one
             return (_Source.apply(xs[i % k]), dys[i % k])
 
-        def source_fresh_dy(i):  # for the callers that overwrite dy
+        def source_fresh_dy(i):  # for the callers that overwrite dy (Liger's backward writes dx over it)
             weight.grad = None
             return (_Source.apply(xs[i % k]), dys[i % k].clone())
 
@@ -194,8 +194,6 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
                  plain, fwd, check),
             Impl("logitless backward only", backward_only, backward_setup(lambda x: ln(x, weight, EPS)), bwd),
             Impl("logitless fwd+bwd", fwd_bwd(lambda x: ln(x, weight, EPS)), source, both, check),
-            Impl("logitless fwd+bwd, in place", fwd_bwd(lambda x: ln(x, weight, EPS, inplace_backward=True)),
-                 source_fresh_dy, both, check),
             Impl("logitless fwd+bwd (vpt 8)", fwd_bwd(lambda x: ln(x, weight, EPS, vectors_per_thread=8)), source,
                  both, check),
             Impl("logitless fwd+bwd +residual",

@@ -136,22 +136,21 @@ class RMSNorm(torch.nn.Module):
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting_mode: str = "llama",
-                 inplace_backward: bool = False, device=None, dtype=None) -> None:
+                 device=None, dtype=None) -> None:
         super().__init__()
         init = torch.zeros if offset != 0 else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, device=device, dtype=dtype))
         self.eps = eps
         self.offset = offset
         self.casting_mode = casting_mode
-        self.inplace_backward = inplace_backward
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None):
         return rms_norm(x, self.weight, eps=self.eps, offset=self.offset, casting_mode=self.casting_mode,
-                        residual=residual, inplace_backward=self.inplace_backward)
+                        residual=residual)
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, *, offset: Optional[float] = None,
-                    casting_mode: Optional[str] = None, inplace_backward: bool = False) -> "RMSNorm":
+                    casting_mode: Optional[str] = None) -> "RMSNorm":
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
             raise ValueError(f"module: expected an RMSNorm module with a 1-d weight Parameter, got "
@@ -180,7 +179,6 @@ class RMSNorm(torch.nn.Module):
         norm.eps = eps
         norm.offset = det_offset if offset is None else float(offset)
         norm.casting_mode = det_casting if casting_mode is None else casting_mode
-        norm.inplace_backward = inplace_backward
         return norm
 
     def extra_repr(self) -> str:
@@ -188,6 +186,4 @@ class RMSNorm(torch.nn.Module):
         if self.offset != 0:
             parts.append(f"offset={self.offset}")
         parts.append(f"casting_mode={self.casting_mode!r}")
-        if self.inplace_backward:
-            parts.append("inplace_backward=True")
         return ", ".join(parts)

@@ -6,9 +6,12 @@ Ops (namespace ``logitless``):
   residual, residual_out is an empty tensor (a custom op cannot return None).
 * ``rms_norm_backward``: (grad_x, grad_weight) in one read of x, grad_y (and grad_residual_out) and one
   write of grad_x; grad_weight is reduced in float32 through a workspace, deterministically.
-* ``rms_norm_backward_``: the same, with grad_x written into grad_y's storage (``inplace_backward=True``).
-  It declares that mutation (``mutates_args``), so torch bumps grad_y's version counter and any other
-  autograd node that saved that tensor raises "modified by an inplace operation" instead of reading dx.
+
+grad_x always goes to a fresh buffer, never over the incoming grad_y: autograd hands the same gradient tensor to
+every consumer of a value (in ``h + rms_norm(x, w)`` h's gradient is that very tensor), so writing into it would
+corrupt another tensor's gradient, and no version counter catches that (nothing saved it). Autograd gives no way
+to learn that an incoming gradient is ours alone, so there is no in-place variant here (the C++ API keeps one for
+callers that own their buffers).
 
 The forward's registered autograd saves what the forward normalized (x, or residual_out) and rstd.
 
@@ -27,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._checks import check_int64, check_rows, check_tensors, register_fake, rows_collapse
 from ._tensor import descriptor, stream, workspace
 
 __all__ = ["rms_norm", "CASTING_MODES"]
@@ -62,7 +66,7 @@ def _run_forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], options:
 
 def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
                   options: tuple, grad_x: Tensor, need_weight_grad: bool) -> Tensor:
-    """The C++ backward into grad_x (which may be grad_y itself); returns grad_weight (empty unless needed)."""
+    """The C++ backward into grad_x (a fresh buffer); returns grad_weight (empty unless needed)."""
     grad_weight = _weight_grad_output(weight, need_weight_grad)
     xd, wd = descriptor(x, "x"), descriptor(weight, "weight")
     owner, ws = None, None
@@ -82,9 +86,8 @@ def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor
 
 @torch.library.custom_op("logitless::rms_norm_forward", mutates_args=(), device_types=("cpu", "cuda"))
 def _forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float, offset: float, casting: int,
-             algo: int, vectors_per_thread: int, inplace_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """(y, residual_out, rstd); residual_out = x + residual (empty without a residual). inplace_backward only
-    tells the registered backward where to write grad_x."""
+             algo: int, vectors_per_thread: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """(y, residual_out, rstd); residual_out = x + residual (empty without a residual)."""
     x, weight = _rows_ready(x), weight.contiguous()
     residual = None if residual is None else _rows_ready(residual)
     y, s, rstd = _forward_outputs(x, residual is not None)
@@ -93,7 +96,7 @@ def _forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float, 
     return y, s, rstd
 
 
-@_forward.register_fake
+@register_fake(_forward)
 def _(x, weight, residual, *options):
     return _forward_outputs(x, residual is not None)
 
@@ -113,38 +116,15 @@ def _backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, we
     return grad_x, grad_weight
 
 
-@_backward.register_fake
+@register_fake(_backward)
 def _(grad_y, grad_residual_out, x, weight, rstd, eps, offset, casting, algo, vectors_per_thread, need_weight_grad):
     return torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device), _weight_grad_output(weight,
                                                                                                    need_weight_grad)
 
 
-@torch.library.custom_op("logitless::rms_norm_backward_", mutates_args=("grad_y",), device_types=("cpu", "cuda"))
-def _backward_inplace(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
-                      eps: float, offset: float, casting: int, algo: int, vectors_per_thread: int,
-                      need_weight_grad: bool) -> Tensor:
-    """grad_x written over grad_y (last dimension contiguous, rows that do not overlap); returns grad_weight
-    (empty unless need_weight_grad)."""
-    x, weight = _rows_ready(x), weight.contiguous()
-    grad_residual_out = None if grad_residual_out is None else _rows_ready(grad_residual_out)
-    options = (eps, offset, casting, algo, vectors_per_thread)
-    return _run_backward(grad_y, grad_residual_out, x, weight, rstd.contiguous(), options, grad_y, need_weight_grad)
-
-
-@_backward_inplace.register_fake
-def _(grad_y, grad_residual_out, x, weight, rstd, eps, offset, casting, algo, vectors_per_thread, need_weight_grad):
-    return _weight_grad_output(weight, need_weight_grad)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Autograd: one backward for both paths (`use_ops`: through the custom ops, as torch.compile traces them;
 # otherwise straight into C++, as eager calls run).
-
-
-def _writable(t: Tensor) -> bool:
-    # In place needs rows the kernel can write without two rows sharing memory: a dense tensor with its last
-    # dimension contiguous. Anything else (e.g. the stride-0 gradient of y.sum()) takes the out-of-place op.
-    return t.is_contiguous() and not t.requires_grad
 
 
 def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], use_ops: bool):
@@ -162,19 +142,17 @@ def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], use_ops: boo
         grad_y = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
     grad_s = grad_s if ctx.has_residual else None
     opts = ctx.options
-    if ctx.inplace and _writable(grad_y):
-        if use_ops:
-            grad_w = _backward_inplace(grad_y, grad_s, xs, weight, rstd, *opts, need_w)
-        else:
-            grad_s = None if grad_s is None else _rows_ready(grad_s)
-            grad_w = _run_backward(grad_y, grad_s, xs, weight, rstd, opts, grad_y, need_w)
-            torch.autograd.graph.increment_version(grad_y)  # what the op's mutates_args declares
-        grad_x = grad_y
-    elif use_ops:
+    grad_y = _rows_ready(grad_y)
+    grad_s = None if grad_s is None else _rows_ready(grad_s)
+    # Incoming gradients have whatever layout autograd produced (e.g. a permuted view's gradient). Where their rows
+    # and those of what was normalized do not collapse jointly to the strided dimensions the kernels index, they are
+    # copied: they are not the caller's arguments to fix (contiguous ones merge wherever xs merges).
+    if not rows_collapse(xs.dim() - 1, xs, grad_y, *(() if grad_s is None else (grad_s,))):
+        grad_y = grad_y.contiguous()
+        grad_s = None if grad_s is None else grad_s.contiguous()
+    if use_ops:
         grad_x, grad_w = _backward(grad_y, grad_s, xs, weight, rstd, *opts, need_w)
     else:
-        grad_y = _rows_ready(grad_y)
-        grad_s = None if grad_s is None else _rows_ready(grad_s)
         grad_x = torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device)
         grad_w = _run_backward(grad_y, grad_s, xs, weight, rstd, opts, grad_x, need_w)
     grad_x = grad_x if need_x else None
@@ -182,21 +160,20 @@ def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], use_ops: boo
 
 
 def _forward_setup(ctx, inputs, output):
-    x, weight, residual, eps, offset, casting, algo, vpt, inplace = inputs
+    x, weight, residual, eps, offset, casting, algo, vpt = inputs
     _, s, rstd = output
     ctx.mark_non_differentiable(rstd)
     # The backward needs what was normalized: x itself, or x + residual (already in memory as an output).
     ctx.save_for_backward(s if residual is not None else x, weight, rstd)
     ctx.has_residual = residual is not None
     ctx.options = (eps, offset, casting, algo, vpt)
-    ctx.inplace = inplace
     # An output nobody used arrives as None instead of a materialized tensor of zeros (a wasted N x H read).
     ctx.set_materialize_grads(False)
 
 
 def _forward_grad(ctx, grad_y, grad_s, grad_rstd):
     grad_x, grad_w, grad_res = _grads(ctx, grad_y, grad_s, use_ops=True)
-    return (grad_x, grad_w, grad_res) + (None,) * 6
+    return (grad_x, grad_w, grad_res) + (None,) * 5
 
 
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
@@ -207,7 +184,7 @@ class _RMSNorm(torch.autograd.Function):
     docstring). Returns y, or (y, residual_out)."""
 
     @staticmethod
-    def forward(ctx, x, weight, residual, options, inplace):
+    def forward(ctx, x, weight, residual, options):
         x, weight = _rows_ready(x), weight.contiguous()
         residual = None if residual is None else _rows_ready(residual)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -217,14 +194,13 @@ class _RMSNorm(torch.autograd.Function):
         ctx.save_for_backward(x if s is None else s, weight, rstd)
         ctx.has_residual = s is not None
         ctx.options = options
-        ctx.inplace = inplace
         ctx.set_materialize_grads(False)
         return y if s is None else (y, s)
 
     @staticmethod
     def backward(ctx, grad_y, grad_s=None):
         grad_x, grad_w, grad_res = _grads(ctx, grad_y, grad_s, use_ops=False)
-        return grad_x, grad_w, grad_res, None, None
+        return grad_x, grad_w, grad_res, None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -245,7 +221,6 @@ def rms_norm(
     offset: float = 0.0,
     casting_mode: str = "llama",
     residual: Optional[Tensor] = None,
-    inplace_backward: bool = False,
     *,
     algo: str = "auto",
     vectors_per_thread: int = 0,
@@ -277,10 +252,6 @@ def rms_norm(
             ``s = x + residual`` (rounded to x's dtype, what a model carries on as its residual stream) and
             ``y = rms_norm(s)``. Gradients flowing into both outputs are handled; x and residual get the same
             gradient.
-        inplace_backward: write grad_x into the storage of the incoming gradient of y (saves an [*, H]
-            allocation in backward). The op declares the mutation: if another autograd node saved that
-            gradient tensor, torch raises "modified by an inplace operation" instead of computing garbage.
-            An incoming gradient that is not a dense contiguous tensor is left alone (out of place).
         algo: CUDA kernel, for tests and benchmarks: "auto", "registers" (row in registers, 16-byte accesses)
             or "generic" (any H and alignment).
         vectors_per_thread: with the register kernel, 16-byte vectors per thread (0 = auto, 4 or 8).
@@ -295,13 +266,17 @@ def rms_norm(
     every run. Double backward is not supported.
     """
     options = (float(eps), float(offset), _enum(CASTING_MODES, casting_mode, "casting_mode"),
-               _enum(ALGOS, algo, "algo"), int(vectors_per_thread))
+               _enum(ALGOS, algo, "algo"), check_int64(vectors_per_thread, "vectors_per_thread"))
+    check_tensors((("x", x), ("weight", weight), ("residual", residual)), optional=("residual",))
+    if x.dim() > 4:  # (rows of fewer dimensions always collapse) judged as the C++ side will see them
+        res = None if residual is None else _rows_ready(residual)
+        check_rows(x.dim() - 1, (("x", _rows_ready(x)), ("residual", res)))
     if torch.compiler.is_compiling():
-        y, s, _ = _forward(x, weight, residual, *options, bool(inplace_backward))
+        y, s, _ = _forward(x, weight, residual, *options)
         return y if residual is None else (y, s)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                     (residual is not None and residual.requires_grad)):
-        return _RMSNorm.apply(x, weight, residual, options, bool(inplace_backward))
+        return _RMSNorm.apply(x, weight, residual, options)
     # Nothing to differentiate: no graph node, and no rstd to keep.
     x, weight = _rows_ready(x), weight.contiguous()
     residual = None if residual is None else _rows_ready(residual)

@@ -163,13 +163,13 @@ def run_and_grads(fn, x, w, res, dy, ds):
     return y.detach(), (None if s is None else s.detach()), x.grad, w.grad, (None if res is None else res.grad)
 
 
-def check_against_reference(x, w, res, casting, offset=0.0, eps=1e-6, inplace_backward=False, **kw):
+def check_against_reference(x, w, res, casting, offset=0.0, eps=1e-6, **kw):
     dt = x.dtype
     g = torch.Generator().manual_seed(1)
     dy = torch.randn(x.shape, generator=g).to(dt).to(x.device)
     ds = torch.randn(x.shape, generator=g).to(dt).to(x.device)
     got = run_and_grads(lambda a, b, c: rms_norm(a, b, eps=eps, offset=offset, casting_mode=casting, residual=c,
-                                                 inplace_backward=inplace_backward, **kw), x, w, res, dy, ds)
+                                                 **kw), x, w, res, dy, ds)
     want = run_and_grads(lambda a, b, c: reference(a, b, eps, offset, casting, c) if c is not None
                          else reference(a, b, eps, offset, casting)[0], x.cpu(), w.cpu(), None if res is None
                          else res.cpu(), dy.cpu(), ds.cpu())
@@ -232,13 +232,12 @@ def test_shapes(shape, casting):
         check_against_reference(x, w, res, casting, offset=offset)
 
 
-@pytest.mark.parametrize("inplace_backward", [False, True])
-def test_strided_rows_go_in_without_copy(inplace_backward):
+def test_strided_rows_go_in_without_copy():
     # The causal-LM shift h[:, :-1] has rows H apart inside a [B, T+1, H] buffer.
     full, w, _ = make_inputs((2, 9, 64), torch.bfloat16)
     x = full[:, :-1]
     assert not x.is_contiguous()
-    check_against_reference(x, w, None, "llama", inplace_backward=inplace_backward)
+    check_against_reference(x, w, None, "llama")
     # Padded rows (row stride H + 3): misaligned for 16-byte vectors, the generic path.
     buf = torch.randn(6, 67).to(torch.bfloat16)
     check_against_reference(buf[:, 1:65], w, None, "gemma", offset=1.0)
@@ -293,66 +292,45 @@ def test_gradient_flows_into_both_outputs_and_only_where_needed():
         assert rms_norm(x2, w).grad_fn is None
 
 
-def test_inplace_backward_writes_into_the_incoming_gradient_and_declares_it():
-    x, w, _ = make_inputs((6, 32), torch.float32)
-    g = torch.randn(6, 32)
-    g0 = g.clone()
-    xa = x.clone().requires_grad_(True)
-    y = rms_norm(xa, w, inplace_backward=True)
-    v0 = g._version
-    y.backward(g)
-    assert g._version > v0  # the mutation is declared: torch bumped the version counter
-    assert g.data_ptr() != xa.grad.data_ptr() or torch.equal(g, xa.grad)
-    xb = x.clone().requires_grad_(True)
-    rms_norm(xb, w).backward(g0)
-    torch.testing.assert_close(g, xb.grad, rtol=0, atol=0)  # g's storage now holds grad_x
-
-
-def test_inplace_backward_matches_out_of_place_and_version_counter_catches_misuse():
+def test_the_incoming_gradient_is_never_written():
+    # Autograd hands one gradient tensor to every consumer of a value: in h + rms_norm(x, w) the add's backward
+    # passes the same tensor on to h and to rms_norm, so a write into it would change h's gradient. The gradient
+    # of x goes to a fresh buffer, whatever the layout of the incoming one.
     x, w, res = make_inputs((6, 32), torch.float32, residual=True)
-    g_y = torch.randn(6, 32)
-    outs = []
-    for inplace in (False, True):
-        xa, wa, ra = (t.clone().requires_grad_(True) for t in (x, w, res))
-        y, s = rms_norm(xa, wa, residual=ra, inplace_backward=inplace)
-        gy = g_y.clone()
-        torch.autograd.backward([y, s], [gy, torch.ones_like(s)])
-        outs.append((xa.grad, wa.grad, ra.grad, gy))
-    for a, b in zip(outs[0][:3], outs[1][:3]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(outs[0][3], g_y)  # out of place: the incoming gradient is untouched
-    torch.testing.assert_close(outs[1][3], outs[1][0])  # in place: it now holds grad_x
+    for residual in (None, res):
+        for g in (torch.randn(6, 32), torch.randn(6, 64)[:, ::2], torch.randn(32).expand(6, 32)):
+            g0 = g.clone()
+            xa = x.clone().requires_grad_(True)
+            out = rms_norm(xa, w, residual=residual)
+            v0 = g._version
+            if residual is None:
+                out.backward(g)
+            else:
+                torch.autograd.backward(list(out), [g, g])
+            assert g._version == v0 and torch.equal(g, g0)
+            assert xa.grad.data_ptr() != g.data_ptr()
 
-    # A node that saved the tensor which becomes rms_norm's incoming gradient: its own backward must raise
-    # rather than read grad_x. Here a function whose backward hands out a tensor it keeps (and needs again on a
-    # second backward over the retained graph).
-    class Keep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            keep = torch.ones_like(t)
-            ctx.save_for_backward(keep)
-            return t.clone()
 
-        @staticmethod
-        def backward(ctx, grad):
-            (keep,) = ctx.saved_tensors
-            return keep
-
+def test_a_gradient_shared_with_another_consumer_stays_right():
+    # Gemma 2/3's post-norms: the norm's output is added to the residual stream, whose gradient is the same tensor.
+    x, w, _ = make_inputs((6, 32), torch.float32)
+    upstream = torch.randn(6, 32)
+    h = torch.randn(6, 32, requires_grad=True)
     xa = x.clone().requires_grad_(True)
-    out = rms_norm(Keep.apply(xa), w, inplace_backward=True)
-    out = Keep.apply(out)
-    out.sum().backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        out.sum().backward()
+    (h + rms_norm(xa, w)).backward(upstream)
+    torch.testing.assert_close(h.grad, upstream, rtol=0, atol=0)
+    xr = x.double().requires_grad_(True)
+    reference(xr, w.double(), 1e-6, 0.0, "llama")[0].backward(upstream.double())
+    torch.testing.assert_close(xa.grad, xr.grad.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_inplace_backward_leaves_an_expanded_gradient_alone():
-    x, w, _ = make_inputs((5, 16), torch.float32)
-    xa = x.clone().requires_grad_(True)
-    rms_norm(xa, w, inplace_backward=True).sum().backward()  # the gradient of sum() is a stride-0 expand
-    xb = x.clone().requires_grad_(True)
-    rms_norm(xb, w).sum().backward()
-    torch.testing.assert_close(xa.grad, xb.grad, rtol=0, atol=0)
+def test_inplace_backward_is_gone():
+    x, w, _ = make_inputs((2, 8), torch.float32)
+    with pytest.raises(TypeError):
+        rms_norm(x, w, inplace_backward=True)
+    with pytest.raises(TypeError):
+        RMSNorm(8, inplace_backward=True)
+    assert not hasattr(torch.ops.logitless, "rms_norm_backward_")
 
 
 def test_double_backward_raises():
@@ -364,9 +342,8 @@ def test_double_backward_raises():
         torch.autograd.grad(rms_norm(x, w).pow(2).sum(), x, create_graph=True)
 
 
-@pytest.mark.parametrize("inplace_backward", [False, True])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-def test_eager_path_and_custom_op_path_agree_bitwise(residual, inplace_backward):
+def test_eager_path_and_custom_op_path_agree_bitwise(residual):
     # Eager calls skip the custom-op dispatch (rms_norm.py says why); torch.compile and direct callers use the
     # ops. Both must be the same computation.
     x, w, res = make_inputs((5, 3, 48), torch.bfloat16, torch.float32, residual=residual)
@@ -376,9 +353,9 @@ def test_eager_path_and_custom_op_path_agree_bitwise(residual, inplace_backward)
         xa, wa = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         ra = None if res is None else res.clone().requires_grad_(True)
         if via_op:
-            y, s, _ = torch.ops.logitless.rms_norm_forward(xa, wa, ra, 1e-6, 0.0, 0, 0, 0, inplace_backward)
+            y, s, _ = torch.ops.logitless.rms_norm_forward(xa, wa, ra, 1e-6, 0.0, 0, 0, 0)
         else:
-            out = rms_norm(xa, wa, residual=ra, inplace_backward=inplace_backward)
+            out = rms_norm(xa, wa, residual=ra)
             y, s = out if residual else (out, None)
         if residual:
             torch.autograd.backward([y, s], [dy.clone(), ds.clone()])
@@ -478,8 +455,8 @@ def test_from_module_detection_and_overrides():
 
     oth = RMSNorm.from_module(OtherNorm())
     assert (oth.offset, oth.casting_mode) == (1.0, "gemma")
-    ovr = RMSNorm.from_module(LlamaStyleRMSNorm(16), casting_mode="gemma", offset=0.0, inplace_backward=True)
-    assert (ovr.offset, ovr.casting_mode, ovr.inplace_backward) == (0.0, "gemma", True)
+    ovr = RMSNorm.from_module(LlamaStyleRMSNorm(16), casting_mode="gemma", offset=0.0)
+    assert (ovr.offset, ovr.casting_mode) == (0.0, "gemma")
     # The weight is shared: a state dict round trip and an optimizer step see one parameter.
     hf = LlamaStyleRMSNorm(16)
     ours = RMSNorm.from_module(hf)
@@ -539,45 +516,42 @@ def _op_samples(device="cpu"):
     x, w, res = make_inputs((4, 24), torch.float32, residual=True, device=device)
     opts = (1e-6, 0.0, 0, 0, 0)
     ops = torch.ops.logitless
-    y, s, rstd = ops.rms_norm_forward(x, w, res, *opts, False)
-    _, _, rstd_x = ops.rms_norm_forward(x, w, None, *opts, False)
+    y, s, rstd = ops.rms_norm_forward(x, w, res, *opts)
+    _, _, rstd_x = ops.rms_norm_forward(x, w, None, *opts)
     dy = torch.randn_like(x)
     return [
-        (ops.rms_norm_forward, (x, w, None) + opts + (False,)),
+        (ops.rms_norm_forward, (x, w, None) + opts),
         (ops.rms_norm_forward, (x.clone().requires_grad_(True), w.clone().requires_grad_(True), None, 1e-5, 1.0, 1,
-                                0, 0, False)),
+                                0, 0)),
         (ops.rms_norm_forward, (x.clone().requires_grad_(True), w.clone().requires_grad_(True),
-                                res.clone().requires_grad_(True)) + opts + (True,)),
+                                res.clone().requires_grad_(True)) + opts),
         (ops.rms_norm_backward, (dy, None, x, w, rstd_x) + opts + (True,)),
         (ops.rms_norm_backward, (dy, torch.randn_like(x), s, w, rstd) + opts + (False,)),
-        (ops.rms_norm_backward_, (dy.clone(), None, x, w, rstd_x) + opts + (True,)),
-        (ops.rms_norm_backward_, (dy.clone(), torch.randn_like(x), s, w, rstd) + opts + (True,)),
     ]
 
 
-@pytest.mark.parametrize("index", range(7))
+@pytest.mark.parametrize("index", range(5))
 def test_opcheck(index):
     op, args = _op_samples()[index]
     torch.library.opcheck(op, args)
 
 
-def _block(x, res, w1, w2, inplace_backward):
+def _block(x, res, w1, w2):
     # A pre-norm block's shape: add the residual, normalize, and feed the next layer.
-    y, s = rms_norm(x, w1, residual=res, inplace_backward=inplace_backward)
-    z = rms_norm(torch.tanh(y) + s, w2, casting_mode="gemma", offset=1.0, inplace_backward=inplace_backward)
+    y, s = rms_norm(x, w1, residual=res)
+    z = rms_norm(torch.tanh(y) + s, w2, casting_mode="gemma", offset=1.0)
     return z.float().pow(2).sum()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("inplace_backward", [False, True])
-def test_compile_fullgraph_matches_eager(inplace_backward, dtype):
+def test_compile_fullgraph_matches_eager(dtype):
     torch._dynamo.reset()
     x, w1, res = make_inputs((2, 5, 32), dtype, residual=True)
     w2 = 0.1 * torch.randn(32).to(dtype)
     results = []
     for fn in (_block, torch.compile(_block, fullgraph=True)):
         args = [t.clone().requires_grad_(True) for t in (x, res, w1, w2)]
-        loss = fn(*args, inplace_backward)
+        loss = fn(*args)
         loss.backward()
         results.append([loss.detach()] + [a.grad for a in args])
     # Inductor fuses the tanh and add between the two norms without rounding the intermediate to bf16 (eager
@@ -589,12 +563,12 @@ def test_compile_fullgraph_matches_eager(inplace_backward, dtype):
 
 
 def _assert_compiled_alone_is_bit_exact(x, w, res):
-    """rms_norm with a residual, in place, compiled alone with fullgraph=True: the same outputs and gradients, bit
+    """rms_norm with a residual, compiled alone with fullgraph=True: the same outputs and gradients, bit
     for bit."""
     torch._dynamo.reset()
 
     def f(a, b, c):
-        return rms_norm(a, b, residual=c, inplace_backward=True)
+        return rms_norm(a, b, residual=c)
 
     outs = []
     for fn in (f, torch.compile(f, fullgraph=True)):
@@ -641,8 +615,7 @@ def test_cuda_matches_reference(H, dtype, casting, residual, algo):
     offset = 1.0 if casting == "gemma" else 0.0
     x, w, res = make_inputs((37, H), dtype, torch.float32 if casting == "gemma" else dtype, offset, residual,
                             device="cuda")
-    for inplace in (False, True):
-        check_against_reference(x, w, res, casting, offset=offset, inplace_backward=inplace, algo=algo)
+    check_against_reference(x, w, res, casting, offset=offset, algo=algo)
 
 
 @needs_cuda
@@ -699,7 +672,7 @@ def test_cuda_runs_on_the_current_stream():
     def run():
         xa = (x + 0).requires_grad_(True)
         wa = w.clone().requires_grad_(True)
-        got = rms_norm(xa, wa, inplace_backward=True)
+        got = rms_norm(xa, wa)
         got.backward(torch.ones_like(got))
         return got, xa, wa
 
@@ -712,13 +685,12 @@ def test_cuda_runs_on_the_current_stream():
 
 
 @needs_cuda
-@pytest.mark.parametrize("inplace_backward", [False, True])
-def test_cuda_graph_capture(inplace_backward):
+def test_cuda_graph_capture():
     x, w, res = make_inputs((64, 2048), torch.bfloat16, residual=True, device="cuda")
     xa, wa, ra = (t.clone().requires_grad_(True) for t in (x, w, res))
 
     def step():
-        y, s = rms_norm(xa, wa, residual=ra, inplace_backward=inplace_backward)
+        y, s = rms_norm(xa, wa, residual=ra)
         (y.float().pow(2).sum() + s.float().sum()).backward()
         return y.detach()
 
