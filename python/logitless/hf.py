@@ -158,6 +158,8 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `patch`: the original RMSNorm modules back in their places and the instance's forward as it was.
     Returns `model`; one that is not patched is left unchanged."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     given, model = model, _unwrap(model)
     state: Optional[_PatchState] = model.__dict__.get(_STATE)
     if state is None:
@@ -175,6 +177,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether `patch` was applied to this model (and not undone)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     return _STATE in _unwrap(model).__dict__
 
 
