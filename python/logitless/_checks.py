@@ -113,11 +113,12 @@ def _collapsed_dims(sizes: Sequence[int], strides_list: Sequence[Sequence[int]])
     return count
 
 
-def check_rows(nd: int, named: Sequence[Tuple[str, Optional[Tensor]]]) -> None:
+def check_rows(nd: int, named: Sequence[Tuple[str, Optional[Tensor]]], jointly: bool = True) -> None:
     """The `nd` leading dimensions that the tensors in `named` (None skipped) share, as the kernels index them:
     at most MAX_ROW_DIMS strided dimensions once size-1 dimensions are dropped and dimensions that are contiguous
-    with each other in every tensor are merged. Names the tensor whose own layout exceeds that, or every tensor
-    when only their combination does. Free for nd <= MAX_ROW_DIMS (nothing to check)."""
+    with each other are merged (`jointly`: only where they are so in every tensor, as the kernels that walk those
+    tensors' rows together collapse them). Names the tensor whose own layout exceeds that, or every tensor when
+    only their combination does. Free for nd <= MAX_ROW_DIMS (nothing to check)."""
     if nd <= MAX_ROW_DIMS:
         return
     sizes = tuple(named[0][1].shape[:nd])
@@ -129,7 +130,7 @@ def check_rows(nd: int, named: Sequence[Tuple[str, Optional[Tensor]]]) -> None:
             raise ValueError(f"{name}: expected its first {nd} dimensions (the rows) to collapse to at most "
                              f"{MAX_ROW_DIMS} strided dimensions, got {got} (sizes {list(sizes)}, strides "
                              f"{list(t.stride()[:nd])}); make it contiguous first")
-    got = _collapsed_dims(sizes, [t.stride()[:nd] for _, t in named])
+    got = _collapsed_dims(sizes, [t.stride()[:nd] for _, t in named]) if jointly else 0
     if got > MAX_ROW_DIMS:
         names = " and ".join(n for n, _ in named)
         raise ValueError(f"{names}: expected their first {nd} dimensions (the rows) to collapse jointly (merged only "

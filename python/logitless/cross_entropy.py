@@ -279,10 +279,13 @@ def cross_entropy(
         loss_i = (1 - eps) * w_t * (lse_i - x_t) + eps / V * sum_j w_j * (lse_i - x_j) + z_loss * lse_i**2
 
     Args:
-        logits: [*, V] float32, float16 or bfloat16 on the CPU or a CUDA device. The last dimension must be
-            contiguous; the leading ones may have any strides, so a shifted view such as
-            ``logits[:, :-1, :]`` goes in without a copy.
-        target: [*] int32 or int64 class indices, the leading shape of `logits`, any strides.
+        logits: [*, V] float32, float16 or bfloat16 on the CPU or a CUDA device, at most 8 dimensions. The last
+            dimension must be contiguous (stride 1). The leading ones (the rows) may have any strides, 0 included,
+            as long as they collapse, jointly with target's, to at most 3 strided dimensions: size-1 dimensions
+            are dropped and two neighbours merge where they are contiguous with each other in both tensors. Any
+            view of a tensor of up to 4 dimensions qualifies, so a shifted view such as ``logits[:, :-1, :]`` goes
+            in without a copy; otherwise a ValueError names the tensor to make contiguous.
+        target: [*] int32 or int64 class indices, the leading shape of `logits`, strides as above.
         weight: optional [V] per-class weights of any float dtype (used as float32; no gradient flows to it).
         ignore_index: rows with this target get loss 0 and gradient 0 and are not read.
         reduction: "mean" (sum divided by the summed weights of the targets not ignored, as torch does),

@@ -268,10 +268,14 @@ def linear_cross_entropy(
     (with z-loss and softcap as in `logitless.cross_entropy`), computed a chunk of logits at a time.
 
     Args:
-        hidden: [*, H] float32, float16 or bfloat16 on the CPU or a CUDA device. Leading dimensions may have
-            any strides: ``h[:, :-1, :]`` goes in without a copy by the caller.
+        hidden: [*, H] float32, float16 or bfloat16 on the CPU or a CUDA device, at most 8 dimensions (a last
+            dimension that is not contiguous is copied). Leading dimensions may have any strides as long as they
+            collapse to at most 3 strided dimensions (size-1 dimensions dropped, neighbours merged where
+            contiguous with each other; any view of a tensor of up to 4 dimensions qualifies):
+            ``h[:, :-1, :]`` goes in without a copy by the caller. Otherwise a ValueError names the tensor.
         weight: [V, H], hidden's dtype (an lm_head's ``weight`` or a tied embedding).
-        target: [*] int32 or int64 class indices, the leading shape of `hidden`, any strides.
+        target: [*] int32 or int64 class indices, the leading shape of `hidden`, strides as hidden's (on their
+            own: the two need not merge alike).
         bias: optional [V], hidden's dtype or float32.
         ignore_index, reduction, label_smoothing, z_loss, softcap: as in `logitless.cross_entropy` (torch's
             names and meaning; z_loss adds ``z_loss * lse**2`` per token; softcap caps the logits as
@@ -364,7 +368,7 @@ def linear_cross_entropy(
     check_tensors((("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias),
                    ("class_weight", class_weight)), optional=("bias", "class_weight"))
     check_bias(bias, weight, hidden)
-    check_rows(hidden.dim() - 1, (("hidden", hidden), ("target", target)))
+    check_rows(hidden.dim() - 1, (("hidden", hidden), ("target", target)), jointly=False)
     if not needs_grad or recompute:
         loss, lse = _forward(hidden, weight, bias, target, class_weight, *options)
     else:

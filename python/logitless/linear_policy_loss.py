@@ -429,8 +429,10 @@ def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, ids: Tensor, bi
     hidden states.
 
     Args:
-        hidden: [*, H] float32/float16/bfloat16, last dimension contiguous; no shift is applied (pass
-            ``h[:, :-1]`` with ``ids[:, 1:]``-style aligned views).
+        hidden: [*, H] float32/float16/bfloat16, at most 8 dimensions (a last dimension that is not contiguous
+            is copied); no shift is applied (pass ``h[:, :-1]`` with ``ids[:, 1:]``-style aligned views). hidden's
+            and ids' leading dimensions may each have any strides that collapse to at most 3 strided dimensions
+            (as in `logitless.linear_cross_entropy`).
         weight: [V, H], hidden's dtype. bias: optional [V], hidden's dtype or float32.
         ids: [*] int32/int64, hidden's leading shape, every id in [0, V) (a ValueError names the first bad row).
         temperature: > 0. return_entropy: also return the entropy per row (not differentiated).
@@ -447,7 +449,7 @@ def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, ids: Tensor, bi
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
     hidden, weight = _rows_ready(hidden), _rows_ready(weight)
-    check_rows(hidden.dim() - 1, (("hidden", hidden), ("ids", ids)))
+    check_rows(hidden.dim() - 1, (("hidden", hidden), ("ids", ids)), jointly=False)
     logp, entropy, _ = _sel_forward(hidden, weight, bias, ids, float(temperature), bool(check_ids),
                                     int(chunk_tokens or 0), int(memory_budget), bool(return_entropy))
     return (logp, entropy) if return_entropy else logp

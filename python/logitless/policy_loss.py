@@ -406,9 +406,12 @@ def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0,
     log-softmax: the old-policy and reference log-probs of GRPO (one read of the logits, float32 result).
 
     Args:
-        logits: [*, V] float32/float16/bfloat16, last dimension contiguous, leading dimensions any strides (no
-            shift is applied: pass ``logits[:, :-1]`` with ``ids[:, 1:]``-style aligned views, no copy needed).
-        ids: [*] int32/int64, every id in [0, V) (a ValueError names the first bad row).
+        logits: [*, V] float32/float16/bfloat16, at most 8 dimensions, last dimension contiguous; no shift is
+            applied: pass ``logits[:, :-1]`` with ``ids[:, 1:]``-style aligned views, no copy needed. The leading
+            dimensions may have any strides as long as they collapse, jointly with ids', to at most 3 strided
+            dimensions (size-1 dimensions dropped, neighbours merged where contiguous in both; any view of a tensor
+            of up to 4 dimensions qualifies; otherwise a ValueError names the tensor to make contiguous).
+        ids: [*] int32/int64, every id in [0, V) (a ValueError names the first bad row), strides as above.
         temperature: > 0.
         return_entropy: also return the entropy of softmax(logits / temperature) per row (not differentiated).
 

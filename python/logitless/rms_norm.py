@@ -242,8 +242,11 @@ def rms_norm(
     Llama module would promote it to float32).
 
     Args:
-        x: [*, H] float32, float16 or bfloat16, CPU or CUDA. Rows may be strided (a view such as
-            ``h[:, :-1]`` needs no copy); the last dimension is made contiguous if it is not.
+        x: [*, H] float32, float16 or bfloat16, CPU or CUDA, at most 8 dimensions. Rows may be strided (a view
+            such as ``h[:, :-1]`` needs no copy); the last dimension is made contiguous if it is not. The leading
+            dimensions must collapse, jointly with residual's, to at most 3 strided dimensions (size-1 dimensions
+            dropped, neighbours merged where contiguous in both; any view of a tensor of up to 4 dimensions
+            qualifies); otherwise a ValueError names the tensor to make contiguous.
         weight: [H], x's dtype or float32 (the model's dtype or float32 master weights).
         eps: > 0, added to the mean of squares.
         offset: added to the weight (1.0 for Gemma).

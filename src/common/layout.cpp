@@ -7,6 +7,25 @@
 
 namespace logitless {
 
+namespace {
+// How many strided dimensions one tensor's leading dimensions collapse to on their own (as below, for k = 1).
+int collapsed_alone(const int64_t* sizes, int nd, const int64_t* strides) {
+  int count = 0;
+  int64_t size = 0, stride = 0;
+  for (int d = nd - 1; d >= 0; --d) {
+    if (sizes[d] == 1) continue;
+    if (count > 0 && strides[d] == stride * size) {
+      size *= sizes[d];
+    } else {
+      ++count;
+      size = sizes[d];
+      stride = strides[d];
+    }
+  }
+  return count;
+}
+}  // namespace
+
 std::vector<RowLayout> collapse_rows(const int64_t* sizes, int nd, const std::vector<const int64_t*>& strides,
                                      const char* what) {
   const size_t k = strides.size();
@@ -25,6 +44,14 @@ std::vector<RowLayout> collapse_rows(const int64_t* sizes, int nd, const std::ve
     }
   }
   if (static_cast<int>(sz.size()) > kMaxRowDims) {
+    // The tensors of one call collapse jointly, and only `what` has a name here: say so when its own layout is
+    // not the one at fault, rather than send its caller to copy the wrong tensor.
+    if (k > 1 && collapsed_alone(sizes, nd, strides[0]) <= kMaxRowDims) {
+      throw_invalid(str_cat(what, ": expected leading dimensions that collapse to at most ", kMaxRowDims,
+                            " strided dimensions jointly with the tensors indexed by the same rows, got ", sz.size(),
+                            " (", what, " alone collapses far enough: another of them, e.g. the target, ids, residual"
+                            " or gradient, is laid out differently; make that one contiguous first)"));
+    }
     throw_invalid(str_cat(what, ": expected leading dimensions that collapse to at most ", kMaxRowDims,
                           " strided dimensions, got ", sz.size(), " (make the tensor contiguous first)"));
   }
