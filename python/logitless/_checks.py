@@ -85,6 +85,38 @@ def check_int64(value: Any, name: str) -> int:
     return int(value)
 
 
+def check_float(value: Any, name: str) -> float:
+    """`value` as a float, or TypeError naming `name` (float() alone names nothing: "could not convert string")."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+
+
+def check_index_dtype(t: Tensor, name: str) -> None:
+    """Ids converted to int64 where they are not int32/int64 already: refused for a dtype whose conversion would
+    invent ids (floats truncate, bool and complex are no ids at all)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an integer dtype (int32 or int64), got {t.dtype}")
+
+
+def check_writable_rows(t: Tensor, name: str, why: str) -> None:
+    """`t` [*, V] will be written row by row (an in-place gradient): no two of its rows may share memory. The
+    C++ side checks it too, but under the name of the gradient it writes."""
+    if t.numel() == 0:
+        return
+    extent = t.shape[-1] if t.dim() else 1
+    dims = sorted((t.stride(d), t.shape[d]) for d in range(t.dim() - 1) if t.shape[d] > 1)
+    for stride, size in dims:  # src/common/layout.cpp's rows_disjoint
+        if stride < extent:
+            raise ValueError(f"{name}: {why} needs rows that do not share memory (the gradient is written over "
+                             f"them), got a broadcast or overlapping view (strides {list(t.stride())}); pass a "
+                             f"tensor of its own (e.g. .contiguous()) or do without the in-place option")
+        extent = stride * (size - 1) + extent
+
+
 def check_process_group(group: Any) -> None:
     """None or a torch.distributed ProcessGroup; anything else fails here rather than as an AttributeError deep in
     the collectives."""

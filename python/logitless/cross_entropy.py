@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import check_int64, check_process_group, check_rows, check_tensors, is_dtensor, register_fake
+from ._checks import (check_float, check_int64, check_process_group, check_rows, check_tensors, check_writable_rows,
+                      is_dtensor, register_fake)
 from ._tensor import descriptor, stream, workspace
 
 __all__ = ["cross_entropy"]
@@ -342,10 +343,13 @@ def cross_entropy(
         check_rows(logits.dim() - 1, (("logits", logits), ("target", target)))
     if softcap is None:
         softcap = 0.0
+    inplace_backward = bool(inplace_backward)
     if weight is not None:
-        weight = weight.detach().to(torch.float32)
-    params = (check_int64(ignore_index, "ignore_index"), red, float(label_smoothing), float(z_loss), float(softcap),
-              bool(check_targets), algo_code)
+        # A copy where the gradient overwrites the logits: a weight that shares their memory (a view of them, or a
+        # float32 weight that .to() hands back as is) would be read while it is overwritten.
+        weight = weight.detach().to(torch.float32, copy=inplace_backward)
+    params = (check_int64(ignore_index, "ignore_index"), red, check_float(label_smoothing, "label_smoothing"),
+              check_float(z_loss, "z_loss"), check_float(softcap, "softcap"), bool(check_targets), algo_code)
 
     if sharded:
         from . import vocab_parallel
@@ -365,7 +369,9 @@ def cross_entropy(
             raise ValueError("logits: inplace_backward=True needs logits computed by an op (e.g. a matmul); "
                              "got a leaf tensor that requires grad (or a view of one), whose values it would "
                              "overwrite")
-        loss, lse, z = _FusedCrossEntropy.apply(logits, target, weight, bool(inplace_backward), *params)
+        if inplace_backward:
+            check_writable_rows(logits, "logits", "inplace_backward=True")
+        loss, lse, z = _FusedCrossEntropy.apply(logits, target, weight, inplace_backward, *params)
 
     if not (return_lse or return_z_loss):
         return loss

@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import check_bias, check_int64, check_process_group, check_rows, check_tensors, register_fake
+from ._checks import (check_bias, check_float, check_int64, check_process_group, check_rows, check_tensors,
+                      register_fake)
 from ._tensor import DEVICE_CODES, DTYPE_CODES, descriptor, stream, workspace
 from .cross_entropy import REDUCTIONS, _enum, _scale_saved
 from .heads import refuse_sharded_weight
@@ -343,9 +344,10 @@ def linear_cross_entropy(
     if class_weight is not None:
         class_weight = class_weight.detach().to(torch.float32)
     hidden, weight = _rows_ready(hidden), _rows_ready(weight)
-    options = (check_int64(ignore_index, "ignore_index"), red, float(label_smoothing), float(z_loss),
-               float(softcap or 0.0), bool(check_targets), check_int64(chunk_tokens or 0, "chunk_tokens"),
-               check_int64(chunk_vocab or 0, "chunk_vocab"), check_int64(memory_budget, "memory_budget"))
+    options = (check_int64(ignore_index, "ignore_index"), red, check_float(label_smoothing, "label_smoothing"),
+               check_float(z_loss, "z_loss"), check_float(softcap or 0.0, "softcap"), bool(check_targets),
+               check_int64(chunk_tokens or 0, "chunk_tokens"), check_int64(chunk_vocab or 0, "chunk_vocab"),
+               check_int64(memory_budget, "memory_budget"))
 
     recompute = schedule == "recompute" or (schedule == "auto" and (red == _NONE or hidden.dtype == torch.float16))
     from . import vocab_parallel as vp

@@ -26,12 +26,13 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import check_bias, check_int64, check_rows, check_tensors, register_fake
+from ._checks import check_bias, check_float, check_index_dtype, check_int64, check_rows, check_tensors, register_fake
 from ._tensor import descriptor, stream, workspace
 from .cross_entropy import _scale_saved
 from .heads import refuse_sharded_weight
 from .linear_cross_entropy import DEFAULT_MEMORY_BUDGET, SCHEDULES, _rows_ready
-from .policy_loss import _MASK_DTYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, PolicyLossOutputs, _as, _enum
+from .policy_loss import (_MASK_DTYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, PolicyLossOutputs, _as,
+                          _check_mask_dtype, _enum)
 
 __all__ = ["linear_grpo_loss", "linear_selective_log_softmax"]
 
@@ -312,6 +313,8 @@ def linear_grpo_loss(
     check_bias(bias, weight, hidden)
     if max_completion_length is not None:
         max_completion_length = check_int64(max_completion_length, "max_completion_length")
+    check_index_dtype(completion_ids, "completion_ids")
+    _check_mask_dtype(completion_mask)
     ids = completion_ids if completion_ids.dtype in (torch.int32, torch.int64) else completion_ids.long()
     adv = advantages.detach().to(torch.float32)
     mask = completion_mask
@@ -321,9 +324,11 @@ def linear_grpo_loss(
             mask = mask.to(torch.float32)
     old, ref = _as(old_logp, torch.float32), _as(ref_logp, torch.float32)
     hidden, weight = _rows_ready(hidden), _rows_ready(weight)
-    options = (ltype, level, float(beta), float(eps_low), float(eps_high), float(temperature),
-               int(max_completion_length or 0), float(num_items_in_batch or 0.0), bool(check_ids),
-               int(chunk_tokens or 0), int(memory_budget), bool(return_per_token), bool(return_per_token))
+    options = (ltype, level, check_float(beta, "beta"), check_float(eps_low, "eps_low"),
+               check_float(eps_high, "eps_high"), check_float(temperature, "temperature"),
+               int(max_completion_length or 0), check_float(num_items_in_batch or 0.0, "num_items_in_batch"),
+               bool(check_ids), int(chunk_tokens or 0), int(memory_budget), bool(return_per_token),
+               bool(return_per_token))
 
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                               (bias is not None and bias.requires_grad))
@@ -446,10 +451,11 @@ def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, ids: Tensor, bi
     _check_chunking(chunk_tokens, memory_budget)
     check_tensors((("hidden", hidden), ("weight", weight), ("ids", ids), ("bias", bias)), optional=("bias",))
     check_bias(bias, weight, hidden)
+    check_index_dtype(ids, "ids")
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
     hidden, weight = _rows_ready(hidden), _rows_ready(weight)
     check_rows(hidden.dim() - 1, (("hidden", hidden), ("ids", ids)), jointly=False)
-    logp, entropy, _ = _sel_forward(hidden, weight, bias, ids, float(temperature), bool(check_ids),
+    logp, entropy, _ = _sel_forward(hidden, weight, bias, ids, check_float(temperature, "temperature"), bool(check_ids),
                                     int(chunk_tokens or 0), int(memory_budget), bool(return_entropy))
     return (logp, entropy) if return_entropy else logp

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import check_int64, check_rows, check_tensors, register_fake
+from ._checks import (check_float, check_index_dtype, check_int64, check_rows, check_tensors, check_writable_rows,
+                      register_fake)
 from ._tensor import descriptor, stream, workspace
 from .cross_entropy import _scale_saved
 
@@ -203,8 +204,14 @@ def _enum(table: dict, value, name: str) -> int:
     return code
 
 
-def _as(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    return None if t is None else t.detach().to(dtype)
+def _as(t: Optional[Tensor], dtype: torch.dtype, copy: bool = False) -> Optional[Tensor]:
+    return None if t is None else t.detach().to(dtype, copy=copy)
+
+
+def _check_mask_dtype(mask: Optional[Tensor]) -> None:
+    # Other dtypes are converted to float32 weights; a complex one would lose its imaginary part silently.
+    if mask is not None and mask.dtype.is_complex:
+        raise ValueError(f"completion_mask: expected bool, integer or real float token weights, got {mask.dtype}")
 
 
 def grpo_loss(
@@ -304,19 +311,26 @@ def grpo_loss(
                   optional=("completion_mask", "old_logp", "ref_logp"))
     if max_completion_length is not None:
         max_completion_length = check_int64(max_completion_length, "max_completion_length")
+    check_index_dtype(completion_ids, "completion_ids")
+    _check_mask_dtype(completion_mask)
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    # Where the gradient overwrites the logits, every other input is read from a copy: one that shares their memory
+    # (a view of them, or a float32 tensor that .to() hands back as is) would be read while it is overwritten.
+    # They are [B, L] or [B]: nothing next to the [B, L, V] logits.
+    copy = bool(inplace_backward) and needs_grad
     ids = completion_ids if completion_ids.dtype in (torch.int32, torch.int64) else completion_ids.long()
-    adv = advantages.detach().to(torch.float32)
+    ids = ids.clone() if copy else ids
+    adv = advantages.detach().to(torch.float32, copy=copy)
     mask = completion_mask
     if mask is not None:
         mask = mask.detach()
-        if mask.dtype not in _MASK_DTYPES:
-            mask = mask.to(torch.float32)
-    old, ref = _as(old_logp, torch.float32), _as(ref_logp, torch.float32)
-    opts = (ltype, level, float(beta), float(eps_low), float(eps_high), float(temperature),
-            int(max_completion_length or 0), float(num_items_in_batch or 0.0), bool(check_ids), algo_code, 0, 0,
-            bool(return_per_token), bool(return_per_token))
+        mask = mask.to(mask.dtype if mask.dtype in _MASK_DTYPES else torch.float32, copy=copy)
+    old, ref = _as(old_logp, torch.float32, copy), _as(ref_logp, torch.float32, copy)
+    opts = (ltype, level, check_float(beta, "beta"), check_float(eps_low, "eps_low"),
+            check_float(eps_high, "eps_high"), check_float(temperature, "temperature"),
+            int(max_completion_length or 0), check_float(num_items_in_batch or 0.0, "num_items_in_batch"),
+            bool(check_ids), algo_code, 0, 0, bool(return_per_token), bool(return_per_token))
 
-    needs_grad = torch.is_grad_enabled() and logits.requires_grad
     if not needs_grad:
         outs = _policy_forward(logits, ids, adv, mask, old, ref, *opts)
     else:
@@ -326,6 +340,8 @@ def grpo_loss(
         if inplace_backward and owner.is_leaf and owner.requires_grad:
             raise ValueError("logits: inplace_backward=True needs logits computed by an op (e.g. a matmul); got a "
                              "leaf tensor that requires grad (or a view of one), whose values it would overwrite")
+        if inplace_backward:
+            check_writable_rows(logits, "logits", "inplace_backward=True")
         outs = _FusedPolicyLoss.apply(logits, ids, adv, mask, old, ref, bool(inplace_backward), *opts)
     loss = outs[0]
     if not return_per_token:
@@ -420,8 +436,10 @@ def selective_log_softmax(logits: Tensor, ids: Tensor, temperature: float = 1.0,
         gradient once, from the saved log-sum-exp), or ``(logp, entropy)``.
     """
     check_tensors((("logits", logits), ("ids", ids)))
+    check_index_dtype(ids, "ids")
     check_rows(logits.dim() - 1, (("logits", logits), ("ids", ids)))
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
-    logp, entropy, _ = _selective_forward(logits, ids, float(temperature), bool(check_ids), bool(return_entropy))
+    logp, entropy, _ = _selective_forward(logits, ids, check_float(temperature, "temperature"), bool(check_ids),
+                                          bool(return_entropy))
     return (logp, entropy) if return_entropy else logp

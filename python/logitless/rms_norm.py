@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import check_int64, check_rows, check_tensors, register_fake, rows_collapse
+from ._checks import check_float, check_int64, check_rows, check_tensors, register_fake, rows_collapse
 from ._tensor import descriptor, stream, workspace
 
 __all__ = ["rms_norm", "CASTING_MODES"]
@@ -268,8 +268,9 @@ def rms_norm(
     grad_weight is reduced in float32 without atomics: the same inputs on the same GPU give the same bits on
     every run. Double backward is not supported.
     """
-    options = (float(eps), float(offset), _enum(CASTING_MODES, casting_mode, "casting_mode"),
-               _enum(ALGOS, algo, "algo"), check_int64(vectors_per_thread, "vectors_per_thread"))
+    options = (check_float(eps, "eps"), check_float(offset, "offset"),
+               _enum(CASTING_MODES, casting_mode, "casting_mode"), _enum(ALGOS, algo, "algo"),
+               check_int64(vectors_per_thread, "vectors_per_thread"))
     check_tensors((("x", x), ("weight", weight), ("residual", residual)), optional=("residual",))
     if x.dim() > 4:  # (rows of fewer dimensions always collapse) judged as the C++ side will see them
         res = None if residual is None else _rows_ready(residual)
