@@ -176,9 +176,7 @@ void check_outputs(Problem& p, const TensorView& loss, const TensorView& lse, co
 
 void check_workspace(const Problem& p, const TensorView& logits, const TensorView& target, const TensorView& weight,
                      const CrossEntropyOptions& o, Workspace ws) {
-  const size_t need = cross_entropy_workspace_bytes(logits, target, weight, o);
-  LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
-  LOGITLESS_CHECK_ARG(need == 0 || ws.data != nullptr, "workspace", "a non-null pointer", "nullptr");
+  check_workspace(ws, cross_entropy_workspace_bytes(logits, target, weight, o));
   (void)p;
 }
 
@@ -188,6 +186,7 @@ void dispatch(const Problem& p, Workspace ws, StreamHandle stream) {
     return;
   }
 #if defined(LOGITLESS_WITH_CUDA)
+  check_cuda_target(p.mode == Mode::kFinalize ? "target" : "logits", p.device, stream);
   ce::run_cuda(p, ws, stream);
 #else
   (void)ws;
@@ -269,9 +268,7 @@ size_t cross_entropy_shard_workspace_bytes(const TensorView& target, const Cross
 
 namespace {
 void check_shard_workspace(const Problem& p, const TensorView& target, const CrossEntropyOptions& o, Workspace ws) {
-  const size_t need = cross_entropy_shard_workspace_bytes(target, o);
-  LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
-  LOGITLESS_CHECK_ARG(need == 0 || ws.data != nullptr, "workspace", "a non-null pointer", "nullptr");
+  check_workspace(ws, cross_entropy_shard_workspace_bytes(target, o));
   (void)p;
 }
 
@@ -280,7 +277,7 @@ const float* check_partials(const TensorView& t, const TensorView& target, int64
   check_defined(t, "partials");
   check_dtype(t, "partials", DType::kFloat32);
   check_device(t, "partials", dev);
-  const int64_t want = shards * target.numel() * kShardStats;
+  const int64_t want = checked_product(checked_product(shards, target.numel(), "partials"), kShardStats, "partials");
   LOGITLESS_CHECK_ARG(t.ndim >= 1 && t.size(-1) == kShardStats && t.numel() == want, "partials",
                       str_cat(shards > 1 ? "[R, *, 4]" : "[*, 4]", " with ", want,
                               " elements (4 per row of target, per shard)"),
@@ -317,7 +314,7 @@ void cross_entropy_shard_finalize(const TensorView& partials, const TensorView& 
   check_defined(partials, "partials");
   const int64_t n = target.numel();
   // R from the partials' size: [R, *, 4] (R = 1 may also come as [*, 4]); with no rows there is nothing to combine.
-  const int64_t per_shard = n * kShardStats;
+  const int64_t per_shard = checked_product(n, kShardStats, "partials");
   const int64_t shards = per_shard > 0 ? partials.numel() / per_shard : 1;
   LOGITLESS_CHECK_ARG(shards >= 1, "partials", "every shard's partials, [R, *, 4] with R >= 1",
                       str_cat("shape ", shape_str(partials)));
@@ -376,6 +373,7 @@ void scale_rows(const TensorView& grad, const TensorView& scale, StreamHandle st
     return;
   }
 #if defined(LOGITLESS_WITH_CUDA)
+  check_cuda_target("grad", grad.device, stream);
   ce::scale_rows_cuda(grad.data, grad.dtype, L, n, V, s, per_row, grad.device, stream);
 #else
   (void)stream;

@@ -161,6 +161,7 @@ void check_no_aliasing(const TensorView& hidden, const TensorView& weight, const
 size_t workspace_bytes(const Problem& p) {
   if (p.device.type != DeviceType::kCUDA) return 0;
 #if defined(LOGITLESS_WITH_CUDA)
+  check_cuda_target("hidden", p.device, nullptr);  // the plan reads the device's properties
   return lce::cuda_workspace_bytes(p);
 #else
   return 0;
@@ -173,9 +174,8 @@ void dispatch(const Problem& p, Workspace ws, StreamHandle stream) {
     return;
   }
 #if defined(LOGITLESS_WITH_CUDA)
-  const size_t need = lce::cuda_workspace_bytes(p);
-  LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
-  LOGITLESS_CHECK_ARG(need == 0 || ws.data != nullptr, "workspace", "a non-null pointer", "nullptr");
+  check_cuda_target("hidden", p.device, stream);
+  check_workspace(ws, lce::cuda_workspace_bytes(p));
   lce::run_cuda(p, ws, stream);
 #else
   (void)ws;
@@ -199,6 +199,7 @@ bool linear_cross_entropy_recompute_is_faster(int64_t n_tokens, int64_t hidden, 
                       static_cast<int>(device.type));
   if (device.type != DeviceType::kCUDA || dtype == DType::kFloat32) return false;
 #if defined(LOGITLESS_WITH_CUDA)
+  check_cuda_target("device", device, nullptr);
   Problem p;
   p.mode = Mode::kForwardBackward;
   p.n_tokens = n_tokens;
@@ -296,7 +297,7 @@ float* check_partials(const TensorView& t, int64_t rows, int64_t shards, const D
   check_defined(t, "partials");
   check_dtype(t, "partials", DType::kFloat32);
   check_device(t, "partials", dev);
-  const int64_t want = shards * rows * kShardStats;
+  const int64_t want = checked_product(checked_product(shards, rows, "partials"), kShardStats, "partials");
   LOGITLESS_CHECK_ARG(t.ndim >= 1 && t.size(-1) == kShardStats && t.numel() == want, "partials",
                       str_cat(what, " with ", want, " elements"), str_cat("shape ", shape_str(t)));
   check_contiguous(t, "partials");
@@ -371,7 +372,7 @@ Problem step_problem(Mode mode, const TensorView& hidden, const TensorView& weig
                       "sum or mean (the gradient in the forward needs the upstream gradient of a scalar)", "none");
   Problem p = base_problem(mode, hidden, weight, target, options, &shard);
   add_grads(p, hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
-  *num_chunks = (p.n_tokens + options.chunk_tokens - 1) / options.chunk_tokens;
+  *num_chunks = p.n_tokens / options.chunk_tokens + (p.n_tokens % options.chunk_tokens != 0 ? 1 : 0);
   return p;
 }
 
@@ -416,16 +417,13 @@ void linear_cross_entropy_shard_forward_backward_step(
     p.partials = check_partials(partials, rows, 1, p.device, "[rows, 4] (this shard's partials of the chunk)");
   } else {
     check_defined(partials, "partials");
-    const int64_t shards = partials.numel() / (rows * kShardStats);
+    const int64_t shards = partials.numel() / checked_product(rows, kShardStats, "partials");
     LOGITLESS_CHECK_ARG(shards >= 1, "partials", "every shard's partials of the chunk, [R, rows, 4] with R >= 1",
                         str_cat("shape ", shape_str(partials)));
     p.partials_in = check_partials(partials, rows, shards, p.device, "[R, rows, 4] (every shard's, rank order)");
     p.n_shards = shards;
   }
-  const size_t need = step_workspace_bytes(p);
-  LOGITLESS_CHECK_ARG(workspace.bytes >= need, "workspace", str_cat(">= ", need, " bytes (the sequence's)"),
-                      str_cat(workspace.bytes, " bytes"));
-  LOGITLESS_CHECK_ARG(need == 0 || workspace.data != nullptr, "workspace", "a non-null pointer", "nullptr");
+  check_workspace(workspace, step_workspace_bytes(p), " (the sequence's)");
   if (p.device.type == DeviceType::kCPU) {
     lce::run_cpu_step(p, workspace);
     return;

@@ -187,6 +187,7 @@ Problem selective_problem(Mode mode, const TensorView& hidden, const TensorView&
 size_t workspace_bytes(const Problem& p) {
   if (p.device.type != DeviceType::kCUDA) return 0;
 #if defined(LOGITLESS_WITH_CUDA)
+  check_cuda_target("hidden", p.device, nullptr);  // the plan reads the device's properties
   return lpl::cuda_workspace_bytes(p);
 #else
   return 0;
@@ -200,9 +201,8 @@ void dispatch(const Problem& p, Workspace ws, StreamHandle stream, const char* w
   }
 #if defined(LOGITLESS_WITH_CUDA)
   (void)what;
-  const size_t need = lpl::cuda_workspace_bytes(p);
-  LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
-  LOGITLESS_CHECK_ARG(need == 0 || ws.data != nullptr, "workspace", "a non-null pointer", "nullptr");
+  check_cuda_target("hidden", p.device, stream);
+  check_workspace(ws, lpl::cuda_workspace_bytes(p));
   lpl::run_cuda(p, ws, stream);
 #else
   (void)ws;

@@ -324,6 +324,7 @@ void dispatch(const Problem& p, Workspace ws, StreamHandle stream, const char* w
   }
 #if defined(LOGITLESS_WITH_CUDA)
   (void)what;
+  check_cuda_target("logits", p.device, stream);
   pl::run_cuda(p, ws, stream);
 #else
   (void)ws;
@@ -332,10 +333,6 @@ void dispatch(const Problem& p, Workspace ws, StreamHandle stream, const char* w
 #endif
 }
 
-void check_workspace(size_t need, Workspace ws) {
-  LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
-  LOGITLESS_CHECK_ARG(need == 0 || ws.data != nullptr, "workspace", "a non-null pointer", "nullptr");
-}
 
 }  // namespace
 
@@ -370,7 +367,7 @@ size_t policy_loss_workspace_bytes(const PolicyLossInputs& inputs, const PolicyL
 void policy_loss_forward(const PolicyLossInputs& inputs, const PolicyLossOptions& options,
                          const PolicyLossOutputs& outputs, Workspace workspace, StreamHandle stream) {
   const Problem p = build_policy_problem(Mode::kForward, inputs, options, outputs, nullptr);
-  check_workspace(policy_loss_workspace_bytes(inputs, options), workspace);
+  check_workspace(workspace, policy_loss_workspace_bytes(inputs, options));
   dispatch(p, workspace, stream, "policy_loss");
 }
 
@@ -379,7 +376,7 @@ void policy_loss_forward_backward(const PolicyLossInputs& inputs, const PolicyLo
                                   const TensorView& grad_scale, Workspace workspace, StreamHandle stream) {
   Problem p = build_policy_problem(Mode::kForwardBackward, inputs, options, outputs, &grad_logits);
   if (grad_scale.defined()) p.grad_scale = check_float_input(grad_scale, "grad_scale", 1, p.device, "a scalar");
-  check_workspace(policy_loss_workspace_bytes(inputs, options), workspace);
+  check_workspace(workspace, policy_loss_workspace_bytes(inputs, options));
   dispatch(p, workspace, stream, "policy_loss");
 }
 
@@ -406,7 +403,7 @@ void selective_log_softmax_forward(const TensorView& logits, const TensorView& i
   p.logp = check_token_output<float>(logp, "logp", p.n_rows, p.device, false);
   p.entropy = check_token_output<float>(entropy, "entropy", p.n_rows, p.device, false);
   p.lse = check_token_output<float>(lse, "lse", p.n_rows, p.device, false);
-  check_workspace(selective_log_softmax_workspace_bytes(logits, ids, options), workspace);
+  check_workspace(workspace, selective_log_softmax_workspace_bytes(logits, ids, options));
   dispatch(p, workspace, stream, "selective_log_softmax");
 }
 
@@ -416,7 +413,7 @@ void selective_log_softmax_backward(const TensorView& logits, const TensorView& 
   Problem p = make_selective_problem(Mode::kBackward, logits, ids, options, &grad_logits);
   p.lse_in = check_float_input(lse, "lse", p.n_rows, p.device, "one per row, from the forward");
   p.grad_logp = check_float_input(grad_logp, "grad_logp", p.n_rows, p.device, "one per row");
-  check_workspace(selective_log_softmax_workspace_bytes(logits, ids, options), workspace);
+  check_workspace(workspace, selective_log_softmax_workspace_bytes(logits, ids, options));
   dispatch(p, workspace, stream, "selective_log_softmax");
 }
 

@@ -112,16 +112,20 @@ void check_rows_disjoint(const RowLayout& rows, int64_t H, const char* name) {
                       "overlapping rows (a broadcast or a row stride < H)");
 }
 
+// `primary`: the tensor whose device the call runs on (every other one is checked against it).
 template <typename Fwd, typename Bwd>
-void dispatch(const Device& dev, const char* what, Fwd&& cpu, Bwd&& cuda) {
+void dispatch(const Device& dev, const char* what, const char* primary, StreamHandle stream, Fwd&& cpu, Bwd&& cuda) {
   if (dev.type == DeviceType::kCPU) {
     cpu();
     return;
   }
 #if defined(LOGITLESS_WITH_CUDA)
   (void)what;
+  check_cuda_target(primary, dev, stream);
   cuda();
 #else
+  (void)primary;
+  (void)stream;
   (void)cuda;
   throw_runtime(str_cat(what, ": logitless was built without its CUDA backend; CUDA tensors are not supported"));
 #endif
@@ -142,6 +146,7 @@ size_t rms_norm_backward_workspace_bytes(const TensorView& x, const TensorView& 
   check_weight(weight, x, H);
   if (x.device.type != DeviceType::kCUDA) return 0;
 #if defined(LOGITLESS_WITH_CUDA)
+  check_cuda_target("x", x.device, nullptr);  // the size depends on the device's properties
   return rms::backward_workspace_bytes_cuda(x.numel() / H, H, x.dtype, options, x.device.index);
 #else
   return 0;
@@ -214,7 +219,7 @@ void rms_norm_forward(const TensorView& x, const TensorView& residual, const Ten
   p.vectors_per_thread = options.vectors_per_thread;
   if (p.n_rows == 0) return;
   dispatch(
-      x.device, "rms_norm", [&] { rms::forward_cpu(p); },
+      x.device, "rms_norm", "x", stream, [&] { rms::forward_cpu(p); },
       [&] {
 #if defined(LOGITLESS_WITH_CUDA)
         rms::forward_cuda(p, stream);
@@ -289,14 +294,10 @@ void rms_norm_backward(const TensorView& grad_y, const TensorView& grad_residual
   p.algo = options.algo;
   p.vectors_per_thread = options.vectors_per_thread;
 
-  if (p.device.type == DeviceType::kCUDA && p.grad_weight) {
-    const size_t need = rms_norm_backward_workspace_bytes(x, weight, options);
-    LOGITLESS_CHECK_ARG(workspace.bytes >= need, "workspace", str_cat(">= ", need, " bytes"),
-                        str_cat(workspace.bytes, " bytes"));
-    LOGITLESS_CHECK_ARG(need == 0 || workspace.data != nullptr, "workspace", "a non-null pointer", "nullptr");
-  }
+  if (p.device.type == DeviceType::kCUDA && p.grad_weight)
+    check_workspace(workspace, rms_norm_backward_workspace_bytes(x, weight, options));
   dispatch(
-      p.device, "rms_norm", [&] { rms::backward_cpu(p); },
+      p.device, "rms_norm", "grad_y", stream, [&] { rms::backward_cpu(p); },
       [&] {
 #if defined(LOGITLESS_WITH_CUDA)
         rms::backward_cuda(p, workspace, stream);

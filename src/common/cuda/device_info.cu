@@ -34,6 +34,26 @@ bool stream_is_capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+void check_cuda_target(const char* name, const Device& device, StreamHandle stream) {
+  const int n = cuda_device_count();
+  LOGITLESS_CHECK_ARG(device.index >= 0 && device.index < n, name,
+                      str_cat("a tensor on a visible CUDA device (", n, " visible)"), device_str(device));
+  // The default streams are per device already: the call makes its device current before it launches.
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return;
+  int stream_device = -1;
+  const cudaError_t err = cudaStreamGetDevice(s, &stream_device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw_invalid(str_cat("stream: expected a CUDA stream, got a handle the runtime rejects (", cudaGetErrorName(err),
+                          ")"));
+  }
+  // A kernel launched on another device's stream fails (or runs on the wrong device) after the checks have passed.
+  LOGITLESS_CHECK_ARG(stream_device == device.index, "stream",
+                      str_cat("a stream of ", device_str(device), " (the tensors' device)"),
+                      str_cat("a stream of cuda:", stream_device));
+}
+
 bool built_with_cuda() { return true; }
 
 int cuda_device_count() {
