@@ -6,6 +6,8 @@ set(LOGITLESS_CXX_SOURCES
   src/cross_entropy/api.cpp
   src/cross_entropy/cpu.cpp
   src/cross_entropy/cuda/plan.cpp
+  src/glu/api.cpp
+  src/glu/cpu.cpp
   src/linear_cross_entropy/api.cpp
   src/linear_cross_entropy/cpu.cpp
   src/linear_cross_entropy/cuda/plan.cpp
@@ -18,6 +20,8 @@ set(LOGITLESS_CXX_SOURCES
   src/rms_norm/api.cpp
   src/rms_norm/cpu.cpp
   src/rms_norm/cuda/plan.cpp
+  src/rope/api.cpp
+  src/rope/cpu.cpp
 )
 # Compiled only with the CUDA backend.
 set(LOGITLESS_CUDA_SOURCES

@@ -6,15 +6,17 @@ import torch  # noqa: F401
 from . import _C
 from . import heads, hf, nn
 from .cross_entropy import cross_entropy
+from .glu import geglu, glu, swiglu
 from .heads import linear_head_loss, through_module
 from .hf import patch, unpatch
 from .linear_cross_entropy import linear_cross_entropy
 from .linear_policy_loss import linear_grpo_loss, linear_selective_log_softmax
 from .policy_loss import grpo_loss, selective_log_softmax
 from .rms_norm import rms_norm
+from .rope import rope
 
 __version__ = _C.version()
 
-__all__ = ["cross_entropy", "grpo_loss", "heads", "hf", "linear_cross_entropy", "linear_grpo_loss",
-           "linear_head_loss", "linear_selective_log_softmax", "nn", "patch", "rms_norm",
-           "selective_log_softmax", "through_module", "unpatch"]
+__all__ = ["cross_entropy", "geglu", "glu", "grpo_loss", "heads", "hf", "linear_cross_entropy", "linear_grpo_loss",
+           "linear_head_loss", "linear_selective_log_softmax", "nn", "patch", "rms_norm", "rope",
+           "selective_log_softmax", "swiglu", "through_module", "unpatch"]

@@ -30,10 +30,12 @@ Workspace to_workspace(nb::handle obj) {
 }
 
 void bind_cross_entropy(nb::module_& m);
+void bind_glu(nb::module_& m);
 void bind_linear_cross_entropy(nb::module_& m);
 void bind_linear_policy_loss(nb::module_& m);
 void bind_policy_loss(nb::module_& m);
 void bind_rms_norm(nb::module_& m);
+void bind_rope(nb::module_& m);
 void bind_vocab_parallel(nb::module_& m);
 
 }  // namespace logitless::bindings
@@ -54,9 +56,11 @@ NB_MODULE(_C, m) {
   m.def("built_with_cuda", &built_with_cuda);
   m.def("cuda_device_count", &cuda_device_count);
   bindings::bind_cross_entropy(m);
+  bindings::bind_glu(m);
   bindings::bind_linear_cross_entropy(m);
   bindings::bind_linear_policy_loss(m);
   bindings::bind_policy_loss(m);
   bindings::bind_rms_norm(m);
+  bindings::bind_rope(m);
   bindings::bind_vocab_parallel(m);
 }

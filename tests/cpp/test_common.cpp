@@ -230,6 +230,15 @@ Tol tolerance(DType dtype, Quantity q) {
         case DType::kBFloat16: return {1.6e-2, 1e-3};
         default: return {1e-4, 2e-5};
       }
+    // Elementwise ops (glu, rope): one rounding to the dtype of a float32 (CPU: double) result, half an ulp each, so
+    // two backends are at most an ulp apart (bf16 2^-8, fp16 2^-11 relative); float32 adds a few ulps of exp, tanh
+    // and erf. Results where two terms cancel (a rotation, dgate near its zero) get a floor scaled by the largest.
+    case Quantity::kElementwise:
+      switch (dtype) {
+        case DType::kFloat16: return {1e-3, 1e-5, 6e-8};
+        case DType::kBFloat16: return {8e-3, 1e-4};
+        default: return {1e-5, 1e-6};
+      }
     // Linear cross-entropy: the CUDA path rounds the logits' gradient to the inputs' dtype before the two GEMMs
     // that consume it (as torch's own backward does), then rounds each output once; the CPU oracle keeps that
     // gradient in float32. Simulated at N=7..1024, H=33..128, V=1000..32003 (mean, sum, smoothing): bf16 3e-3

@@ -99,6 +99,7 @@ struct Tol {
 enum class Quantity {
   kLoss, kLse, kGrad,                   // cross-entropy
   kNormOut, kNormRstd, kNormWeightGrad,  // rms_norm: y / residual_out / grad_x; rstd; grad_weight (its dtype)
+  kElementwise,  // glu, rope: outputs and gradients of float32 (CPU: double) arithmetic rounded once to the dtype
   kLceGrad  // linear_cross_entropy grad_hidden / grad_weight / grad_bias: rtol = relative L2 error of the
             // tensor, atol = any element's error over the tensor's largest magnitude
 };
