@@ -15,7 +15,7 @@ namespace {
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 struct RowResult {
-  double loss = 0, lse = 0, z = 0;
+  double loss = 0, ce = 0, lse = 0, z = 0;  // loss = ce (the cross-entropy term) + z (the z-loss term)
   bool ignored = true;
 };
 
@@ -72,7 +72,8 @@ struct RowContext {
     const double eps = p.label_smoothing;
     double loss = (1 - eps) * class_weight(t) * (lse - x_t);
     if (eps != 0) loss += eps / static_cast<double>(V) * (W * lse - swx);
-    r.z = p.z_loss_scale * lse * lse;
+    r.z = p.z_loss_scale != 0 ? p.z_loss_scale * lse * lse : 0.0;
+    r.ce = loss;
     r.loss = loss + r.z;
     r.lse = lse;
     return r;
@@ -84,7 +85,7 @@ struct RowContext {
     if (t == p.ignore_index) return r;
     r.ignored = false;
     if (!valid(t)) {
-      r.loss = r.lse = r.z = kNaN;
+      r.loss = r.ce = r.lse = r.z = kNaN;
       return r;
     }
     load_row(i, x);
@@ -131,7 +132,7 @@ struct RowContext {
     if (t == p.ignore_index) return r;
     r.ignored = false;
     if (!valid(t)) {
-      r.loss = r.lse = r.z = kNaN;
+      r.loss = r.ce = r.lse = r.z = kNaN;
       return r;
     }
     const double inf = std::numeric_limits<double>::infinity();
@@ -157,8 +158,10 @@ struct RowContext {
     return row_result(t, lse, x_t, swx);
   }
 
-  // Writes scale * d(loss_i)/d(logits_i) into the gradient row; x holds the row's capped logits.
-  void grad_row(int64_t i, const std::vector<double>& x, double lse, double scale) const {
+  // Writes d(loss_i)/d(logits_i) into the gradient row, its cross-entropy term times `scale` and its z-loss term
+  // times `z_scale`; x holds the row's capped logits. A term whose coefficient is 0 is left out, not multiplied
+  // by 0 (math.h): a class weight no row targets may be inf or NaN.
+  void grad_row(int64_t i, const std::vector<double>& x, double lse, double scale, double z_scale) const {
     const int64_t t = target(i);
     const int64_t off = p.grad_rows.offset(i);
     if (t == p.ignore_index) {
@@ -172,10 +175,13 @@ struct RowContext {
     const double eps = p.label_smoothing;
     const double b = scale * (1 - eps) * class_weight(t);
     const double c = scale * eps / static_cast<double>(V);
-    const double a = b + c * W + scale * 2.0 * p.z_loss_scale * lse;
+    double a = b;
+    if (eps != 0) a += c * W;
+    if (p.z_loss_scale != 0) a += z_scale * 2.0 * p.z_loss_scale * lse;
     const int64_t tc = column(t);
     for (int64_t j = 0; j < p.vocab; ++j) {
-      double g = a * std::exp(x[j] - lse) - c * weight(j) - (j == tc ? b : 0.0);
+      double g = a * std::exp(x[j] - lse) - (j == tc ? b : 0.0);
+      if (eps != 0) g -= c * weight(j);
       if (p.softcap > 0) {
         const double u = x[j] / p.softcap;
         g *= 1.0 - u * u;
@@ -199,7 +205,7 @@ void run_cpu(const Problem& p) {
   const bool parallel = N * std::max<int64_t>(V, 1) >= (int64_t{1} << 16);
 
   // Targets first: a bad one is reported before any output is written.
-  double denom = 0;
+  double denom = 0, count = 0;
   for (int64_t i = 0; i < N; ++i) {
     const int64_t t = ctx.target(i);
     if (t == p.ignore_index) continue;
@@ -210,13 +216,22 @@ void run_cpu(const Problem& p) {
       continue;  // its loss is NaN; the denominator counts only rows with a valid target
     }
     denom += ctx.class_weight(t);
+    count += 1;
   }
-  // Mean over no rows is 0 with gradient 0 (documented), not NaN.
-  const double inv_denom = p.reduction == Reduction::kMean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
+  // Mean: the cross-entropy terms over the target weights' sum (torch's weighted mean), the z-loss terms over the
+  // count of rows (so scaling every class weight leaves them alone). Over no rows it is 0 with gradient 0
+  // (documented), not NaN.
+  const bool mean = p.reduction == Reduction::kMean;
+  const double inv_denom = mean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
+  const double inv_count = mean ? (count != 0 ? 1.0 / count : 0.0) : 1.0;
 
   auto upstream = [&](int64_t i) -> double {
     if (!p.grad_scale) return 1.0;
     return p.grad_scale[p.grad_scale_per_row ? i : 0];
+  };
+  auto z_upstream = [&](int64_t i) -> double {
+    if (!p.z_grad_scale) return upstream(i);
+    return p.z_grad_scale[p.grad_scale_per_row ? i : 0];
   };
 
   if (p.mode == Mode::kPartials) {
@@ -237,30 +252,32 @@ void run_cpu(const Problem& p) {
       for (int64_t i = 0; i < N; ++i) {
         const int64_t t = ctx.target(i);
         if (t != p.ignore_index && ctx.valid(t)) ctx.load_row(i, x);
-        ctx.grad_row(i, x, p.lse_in[i], upstream(i) * inv_denom);
+        ctx.grad_row(i, x, p.lse_in[i], upstream(i) * inv_denom, z_upstream(i) * inv_count);
       }
     }
     return;
   }
 
-  std::vector<double> row_loss(static_cast<size_t>(N));
+  std::vector<double> row_loss(static_cast<size_t>(N)), row_z(static_cast<size_t>(N));
 #pragma omp parallel if (parallel)
   {
     std::vector<double> x(static_cast<size_t>(V));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < N; ++i) {
       const RowResult r = p.mode == Mode::kFinalize ? ctx.finalize_row(i) : ctx.forward_row(i, x);
-      row_loss[i] = r.loss;
+      row_loss[i] = r.ce;
+      row_z[i] = r.z;
       if (p.lse) p.lse[i] = static_cast<float>(r.lse);
       if (p.z_loss) p.z_loss[i] = static_cast<float>(r.z);
       if (p.reduction == Reduction::kNone) p.loss[i] = static_cast<float>(r.loss);
-      if (p.mode == Mode::kForwardBackward) ctx.grad_row(i, x, r.lse, upstream(i) * inv_denom);
+      if (p.mode == Mode::kForwardBackward)
+        ctx.grad_row(i, x, r.lse, upstream(i) * inv_denom, z_upstream(i) * inv_count);
     }
   }
   if (p.reduction != Reduction::kNone) {
-    double total = 0;
-    for (int64_t i = 0; i < N; ++i) total += row_loss[i];  // fixed order: deterministic
-    p.loss[0] = static_cast<float>(total * inv_denom);
+    double total = 0, total_z = 0;
+    for (int64_t i = 0; i < N; ++i) total += row_loss[i], total_z += row_z[i];  // fixed order: deterministic
+    p.loss[0] = static_cast<float>(total * inv_denom + (total_z != 0 ? total_z * inv_count : 0.0));
   }
 }
 

@@ -38,6 +38,10 @@ struct Problem {
   const float* lse_in = nullptr;      // [N] (kBackward)
   const float* grad_scale = nullptr;  // [] or [N]; kForwardBackward: optional; kBackward: grad_loss
   bool grad_scale_per_row = false;
+  // The z-loss term's own upstream factor, laid out as grad_scale, where it differs from grad_scale's (a linear
+  // head's chunks, reduction none here: grad_scale holds upstream / sum of target weights, this upstream / count);
+  // nullptr: grad_scale's. CPU backend only.
+  const float* z_grad_scale = nullptr;
   float* partials = nullptr;            // kPartials: [N, 4] out
   const float* partials_in = nullptr;   // kFinalize: [n_shards, N, 4]
   int64_t n_shards = 0;

@@ -30,7 +30,7 @@ class Cpu {
   Cpu(const Problem& p, bool check) : p_(p), N_(p.n_tokens), H_(p.hidden), V_(p.vocab) {
     const auto& o = p.options;
     target_.resize(static_cast<size_t>(N_));
-    double denom = 0;
+    double denom = 0, count = 0;
     for (int64_t i = 0; i < N_; ++i) {
       const int64_t t = load_index(p.target, p.target_dtype, p.target_rows.offset(i));
       target_[i] = t;
@@ -42,9 +42,13 @@ class Cpu {
         continue;  // its loss and gradient are NaN; the denominator counts only valid rows
       }
       denom += p.class_weight ? static_cast<double>(p.class_weight[t * p.class_weight_stride]) : 1.0;
+      count += 1;
     }
-    // Mean over no rows is 0 with gradient 0 (the cross-entropy family's convention), not NaN.
-    inv_denom_ = o.reduction == Reduction::kMean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
+    // Mean over no rows is 0 with gradient 0 (the cross-entropy family's convention), not NaN. The z-loss terms
+    // are divided by the count of tokens, the rest by their summed class weights (as the family does).
+    const bool mean = o.reduction == Reduction::kMean;
+    inv_denom_ = mean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
+    inv_count_ = mean ? (count != 0 ? 1.0 / count : 0.0) : 1.0;
     // The weight as float (exact for every input dtype), [V, H] contiguous.
     w_.resize(static_cast<size_t>(V_ * H_));
     for (int64_t j = 0; j < V_; ++j)
@@ -55,6 +59,18 @@ class Cpu {
   }
 
   double inv_denom() const { return inv_denom_; }
+  double inv_count() const { return inv_count_; }
+
+  // The reduced loss from the tokens' losses (z-loss terms included) and their z-loss terms: the sums in a fixed
+  // order (deterministic), each over its own denominator.
+  float reduced_loss(const float* loss_rows, const float* z_rows) const {
+    double total = 0, total_z = 0;
+    for (int64_t i = 0; i < N_; ++i) {
+      total += static_cast<double>(loss_rows[i]) - z_rows[i];
+      total_z += z_rows[i];
+    }
+    return static_cast<float>(total * inv_denom_ + (total_z != 0 ? total_z * inv_count_ : 0.0));
+  }
 
   // Chunks of about 16 MB of float32 logits.
   int64_t chunk_rows() const { return std::max<int64_t>(1, std::min<int64_t>(N_, (int64_t{1} << 22) / std::max<int64_t>(V_, 1))); }
@@ -172,7 +188,7 @@ class Cpu {
   const Problem& p_;
   int64_t N_, H_, V_;
   std::vector<int64_t> target_;
-  double inv_denom_ = 1.0;
+  double inv_denom_ = 1.0, inv_count_ = 1.0;
   std::vector<float> w_;
   std::vector<double> bias_;
 };
@@ -185,18 +201,19 @@ void run_cpu(const Problem& p) {
   // Targets first: a bad one is reported before any output is written (the backward trusts the forward).
   const Cpu cpu(p, /*check=*/p.mode != Mode::kBackward);
   const bool grads = p.mode == Mode::kForwardBackward || p.mode == Mode::kBackward;
-  const double inv_denom = cpu.inv_denom();
-
-  // Per-token upstream factor of the gradient: incoming gradient (if any) over the mean's denominator.
-  std::vector<float> row_scale;
+  // Per-token upstream factors of the gradient: incoming gradient (if any) over the mean's denominators (the
+  // cross-entropy term's and the z-loss term's).
+  std::vector<float> row_scale, row_z_scale;
   if (grads) {
     row_scale.resize(static_cast<size_t>(N));
+    row_z_scale.resize(static_cast<size_t>(N));
     for (int64_t i = 0; i < N; ++i) {
       const double up = p.grad_scale ? p.grad_scale[p.grad_scale_per_row ? i : 0] : 1.0;
-      row_scale[i] = static_cast<float>(up * inv_denom);
+      row_scale[i] = static_cast<float>(up * cpu.inv_denom());
+      row_z_scale[i] = static_cast<float>(up * cpu.inv_count());
     }
   }
-  std::vector<float> row_loss(static_cast<size_t>(N)), lse_buf;
+  std::vector<float> row_loss(static_cast<size_t>(N)), row_z(static_cast<size_t>(N)), lse_buf;
   float* lse = p.lse;
   if (!lse) {
     lse_buf.resize(static_cast<size_t>(N));
@@ -222,26 +239,25 @@ void run_cpu(const Problem& p) {
       q.lse_in = p.lse + c0;
     } else {
       q.lse = lse + c0;
+      q.z_loss = row_z.data() + c0;
     }
     if (grads) {
       q.grad_scale = row_scale.data() + c0;
+      q.z_grad_scale = row_z_scale.data() + c0;
       q.grad_scale_per_row = true;
     }
     ce::run_cpu(q);
     if (grads) cpu.grads(c0, rows, x, z, dw.empty() ? nullptr : dw.data(), db.empty() ? nullptr : db.data());
   }
 
-  if ((p.mode == Mode::kForward || p.mode == Mode::kForwardBackward) && o.reduction != Reduction::kNone) {
-    double total = 0;
-    for (int64_t i = 0; i < N; ++i) total += row_loss[i];  // fixed order: deterministic
-    p.loss[0] = static_cast<float>(total * inv_denom);
-  }
+  if ((p.mode == Mode::kForward || p.mode == Mode::kForwardBackward) && o.reduction != Reduction::kNone)
+    p.loss[0] = cpu.reduced_loss(row_loss.data(), row_z.data());
   if (grads) cpu.store_weight_grads(dw.data(), db.data());
 }
 
 // ---- the vocabulary-parallel steps ----------------------------------------------------------------------------
 // Host workspace: float64 grad_weight [V, H] and grad_bias [V] accumulators (when wanted), then float64 per-token
-// losses [N].
+// shares of the reduced loss [N].
 
 namespace {
 struct StepState {
@@ -287,21 +303,30 @@ void run_cpu_step(const Problem& p, Workspace ws) {
     return;
   }
   // The chunk's losses and lse from every shard's partials, then its gradients from that lse.
-  std::vector<float> loss_rows(static_cast<size_t>(rows)), lse_buf(static_cast<size_t>(rows));
+  std::vector<float> loss_rows(static_cast<size_t>(rows)), z_rows(static_cast<size_t>(rows)),
+      lse_buf(static_cast<size_t>(rows));
   float* lse = p.lse ? p.lse + c0 : lse_buf.data();
   ce::Problem f = cpu.ce_chunk(ce::Mode::kFinalize, c0, rows, nullptr);
   f.partials_in = p.partials_in;
   f.n_shards = p.n_shards;
   f.loss = loss_rows.data();
   f.lse = lse;
+  f.z_loss = z_rows.data();
   ce::run_cpu(f);
-  for (int64_t i = 0; i < rows; ++i) st.row_loss[c0 + i] = loss_rows[i];
+  // Each token's share of the reduced loss: its cross-entropy term over the target weights' sum, its z-loss term
+  // over the count.
+  for (int64_t i = 0; i < rows; ++i) {
+    const double zt = z_rows[i];
+    st.row_loss[c0 + i] =
+        (static_cast<double>(loss_rows[i]) - zt) * cpu.inv_denom() + (zt != 0 ? zt * cpu.inv_count() : 0.0);
+  }
 
   cpu.logits(c0, rows, x, z);
   ce::Problem b = cpu.ce_chunk(ce::Mode::kBackward, c0, rows, z.data());
-  const float scale = static_cast<float>(cpu.inv_denom());
+  const float scale = static_cast<float>(cpu.inv_denom()), z_scale = static_cast<float>(cpu.inv_count());
   b.lse_in = lse;
   b.grad_scale = &scale;
+  b.z_grad_scale = &z_scale;
   b.grad_scale_per_row = false;
   ce::run_cpu(b);
   cpu.grads(c0, rows, x, z, st.dw, st.db);
@@ -309,7 +334,7 @@ void run_cpu_step(const Problem& p, Workspace ws) {
   if (c0 + rows == N) {  // the last chunk: the loss and the weight's gradients are complete
     double total = 0;
     for (int64_t i = 0; i < N; ++i) total += st.row_loss[i];  // fixed order: deterministic
-    p.loss[0] = static_cast<float>(total * cpu.inv_denom());
+    p.loss[0] = static_cast<float>(total);
     cpu.store_weight_grads(st.dw, st.db);
   }
 }

@@ -160,7 +160,8 @@ RefOut reference(const CeInputs& in, const std::vector<double>& upstream /* [1] 
   r.z.assign(N, 0);
   r.grad.assign(N * V, 0);
   auto w = [&](int64_t j) { return in.has_weight ? static_cast<double>(in.weight.get(j)) : 1.0; };
-  double denom = 0, total = 0;
+  // Mean: the cross-entropy terms over the summed target weights, the z-loss terms over the count of rows.
+  double denom = 0, count = 0, total = 0, total_z = 0;
   std::vector<double> x(V), logp(V);
   for (int64_t i = 0; i < N; ++i) {
     const int64_t t = in.target.get_index(i);
@@ -172,6 +173,7 @@ RefOut reference(const CeInputs& in, const std::vector<double>& upstream /* [1] 
       continue;
     }
     denom += w(t);
+    count += 1;
     double m = -INFINITY;
     for (int64_t j = 0; j < V; ++j) {
       const double y = in.logits.get(i * V + j);
@@ -185,19 +187,22 @@ RefOut reference(const CeInputs& in, const std::vector<double>& upstream /* [1] 
     double smooth = 0;
     for (int64_t j = 0; j < V; ++j) smooth -= w(j) * logp[j];
     const double eps = o.label_smoothing;
-    const double loss = -(1 - eps) * w(t) * logp[t] + eps / V * smooth + o.z_loss * lse * lse;
-    r.loss_rows[i] = loss;
+    const double ce = -(1 - eps) * w(t) * logp[t] + (eps != 0 ? eps / V * smooth : 0.0);
+    r.loss_rows[i] = ce + o.z_loss * lse * lse;
     r.lse[i] = lse;
     r.z[i] = o.z_loss * lse * lse;
-    total += loss;
+    total += ce;
+    total_z += r.z[i];
   }
-  const double inv = o.reduction == Reduction::kMean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
-  r.loss_reduced = total * inv;
+  const bool mean = o.reduction == Reduction::kMean;
+  const double inv = mean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
+  const double inv_count = mean ? (count != 0 ? 1.0 / count : 0.0) : 1.0;
+  r.loss_reduced = total * inv + total_z * inv_count;
   // Gradient: d/dx_j of each term, written term by term (p = exp(logp)).
   for (int64_t i = 0; i < N; ++i) {
     const int64_t t = in.target.get_index(i);
     if (t == o.ignore_index || t < 0 || t >= V) continue;
-    const double g = upstream[upstream.size() == 1 ? 0 : i] * inv;
+    const double up = upstream[upstream.size() == 1 ? 0 : i], g = up * inv, gz = up * inv_count;
     const double lse = r.lse[i];
     double W = 0;
     for (int64_t j = 0; j < V; ++j) W += w(j);
@@ -207,10 +212,10 @@ RefOut reference(const CeInputs& in, const std::vector<double>& upstream /* [1] 
       const double p = std::exp(xj - lse);
       const double eps = o.label_smoothing;
       double d = (1 - eps) * w(t) * (p - (j == t ? 1.0 : 0.0));  // -(1-eps) w_t dlogp_t/dx_j
-      d += eps / V * (W * p - w(j));                              // smoothing term
-      d += 2 * o.z_loss * lse * p;                                // z-loss: d(lse^2) = 2 lse p_j
+      if (eps != 0) d += eps / V * (W * p - w(j));                // smoothing term
+      d = g * d + gz * 2 * o.z_loss * lse * p;                    // z-loss: d(lse^2) = 2 lse p_j
       if (o.softcap > 0) d *= 1 - (xj / o.softcap) * (xj / o.softcap);
-      r.grad[i * V + j] = g * d;
+      r.grad[i * V + j] = d;
     }
   }
   return r;

@@ -189,8 +189,8 @@ Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1
       z[i * V + j] = acc;
     }
   Outputs r;
-  std::vector<double> rows(N, 0.0), lse(N, 0.0);
-  double denom = 0, W = 0;
+  std::vector<double> rows(N, 0.0), rows_z(N, 0.0), lse(N, 0.0);
+  double denom = 0, count = 0, W = 0;  // mean: the z-loss terms over the count, the rest over the summed weights
   for (int64_t j = 0; j < V; ++j) W += w(j);
   std::vector<char> valid(N, 0);
   for (int64_t i = 0; i < N; ++i) {
@@ -202,6 +202,7 @@ Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1
     }
     valid[i] = 1;
     denom += w(t);
+    count += 1;
     std::vector<double> x(V);
     double m = -INFINITY;
     for (int64_t j = 0; j < V; ++j) {
@@ -216,15 +217,18 @@ Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1
     const double eps = o.label_smoothing;
     if (eps != 0)
       for (int64_t j = 0; j < V; ++j) smooth -= w(j) * (x[j] - lse[i]);
-    rows[i] = -(1 - eps) * w(t) * (x[t] - lse[i]) + eps / V * smooth + o.z_loss * lse[i] * lse[i];
+    rows_z[i] = o.z_loss * lse[i] * lse[i];
+    rows[i] = -(1 - eps) * w(t) * (x[t] - lse[i]) + eps / V * smooth + rows_z[i];
   }
-  const double inv = o.reduction == Reduction::kMean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
+  const bool mean = o.reduction == Reduction::kMean;
+  const double inv = mean ? (denom != 0 ? 1.0 / denom : 0.0) : 1.0;
+  const double inv_count = mean ? (count != 0 ? 1.0 / count : 0.0) : 1.0;
   if (o.reduction == Reduction::kNone) {
     r.loss = rows;
   } else {
     double total = 0;
-    for (double l : rows) total += l;
-    r.loss = {total * inv};
+    for (int64_t i = 0; i < N; ++i) total += (rows[i] - rows_z[i]) * inv + rows_z[i] * inv_count;
+    r.loss = {total};
   }
   r.lse = lse;
   for (int64_t i = 0; i < N; ++i) {
@@ -234,16 +238,16 @@ Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1
       for (int64_t j = 0; j < V; ++j) g[i * V + j] = NAN;
       continue;
     }
-    const double up = upstream[upstream.size() == 1 ? 0 : i] * inv, eps = o.label_smoothing;
+    const double up = upstream[upstream.size() == 1 ? 0 : i], eps = o.label_smoothing;
     for (int64_t j = 0; j < V; ++j) {
       const double y = z[i * V + j];
       const double xj = o.softcap > 0 ? o.softcap * std::tanh(y / o.softcap) : y;
       const double p = std::exp(xj - lse[i]);
       double d = (1 - eps) * w(t) * (p - (j == t ? 1.0 : 0.0));  // -(1-eps) w_t d log p_t / dx_j
-      d += eps / V * (W * p - w(j));                              // label smoothing
-      d += 2 * o.z_loss * lse[i] * p;                             // z-loss: d(lse^2) = 2 lse p_j
+      if (eps != 0) d += eps / V * (W * p - w(j));                // label smoothing
+      d = up * inv * d + up * inv_count * 2 * o.z_loss * lse[i] * p;  // z-loss: d(lse^2) = 2 lse p_j
       if (o.softcap > 0) d *= 1 - (xj / o.softcap) * (xj / o.softcap);
-      g[i * V + j] = up * d;
+      g[i * V + j] = d;
     }
   }
   r.dx.assign(N * H, 0.0);

@@ -74,16 +74,21 @@ __device__ __forceinline__ float target_weight(const KernelParams& p, int64_t t)
   return p.weight ? p.weight[t * p.weight_stride] : 1.f;
 }
 
-// The upstream factor of a row's gradient: 1/denominator for mean, times the incoming gradient if given.
-// `inv_denom` is p.scalars->inv_denom, which a kernel may load once.
-__device__ __forceinline__ float row_grad_scale(const KernelParams& p, int64_t row, float inv_denom) {
-  return p.grad_scale ? inv_denom * p.grad_scale[p.grad_scale_per_row ? row : 0] : inv_denom;
-}
-__device__ __forceinline__ float row_grad_scale(const KernelParams& p, int64_t row) {
-  return row_grad_scale(p, row, p.scalars->inv_denom);
+// The upstream factor of a row's gradient: `inv` (the mean's 1/denominator of the term, 1 otherwise) times the
+// incoming gradient if given. `inv` is p.scalars->inv_denom (the cross-entropy term) or p.scalars->inv_count (the
+// z-loss term), which a kernel may load once.
+__device__ __forceinline__ float row_grad_scale(const KernelParams& p, int64_t row, float inv) {
+  return p.grad_scale ? inv * p.grad_scale[p.grad_scale_per_row ? row : 0] : inv;
 }
 
-// Writes the forward outputs of a row whose statistics are known (rank 0 / thread 0 only).
+// A row's gradient coefficients (math.h) with the upstream factors of this call's scalars.
+__device__ __forceinline__ GradCoeffs row_coeffs(const KernelParams& p, int64_t row, float lse, float w_t, float W) {
+  return row_grad_coeffs(lse, w_t, W, p.eps, p.inv_v, p.z, row_grad_scale(p, row, p.scalars->inv_denom),
+                         p.z != 0.f ? row_grad_scale(p, row, p.scalars->inv_count) : 0.f);
+}
+
+// Writes the forward outputs of a row whose statistics are known (rank 0 / thread 0 only): its loss (for sum and
+// mean, its share of the reduced loss, which the finalize kernel only sums), lse and z-loss term.
 __device__ __forceinline__ void write_row_outputs(const KernelParams& p, int64_t row, RowKind kind, const RowStats& st,
                                                   int64_t t) {
   float loss = 0.f, lse = 0.f, zt = 0.f;
@@ -91,7 +96,7 @@ __device__ __forceinline__ void write_row_outputs(const KernelParams& p, int64_t
     loss = lse = zt = NAN;
   } else if (kind == RowKind::kValid) {
     const LossTerms lt = row_loss(st, target_weight(p, t), p.scalars->weight_sum, p.eps, p.inv_v, p.z);
-    loss = lt.loss;
+    loss = reduced_row_loss(lt, p.scalars->inv_denom, p.scalars->inv_count);
     zt = lt.z_term;
     lse = st.lse;
   }

@@ -31,22 +31,23 @@ size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const KernelParams p, Reduction reduction,
                                                                  Scalars* out) {
   __shared__ double sh_d[kReduceThreads / 32];
-  __shared__ long long sh_b[kReduceThreads / 32];
+  __shared__ long long sh_b[kReduceThreads / 32], sh_c[kReduceThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   double denom = 0;
-  long long bad = p.n_rows;
+  long long bad = p.n_rows, count = 0;
   for (int64_t i = tid; i < p.n_rows; i += blockDim.x) {
     const int64_t t = load_target(p, i);
     const RowKind k = classify(p, t);
-    if (k == RowKind::kValid) denom += target_weight(p, t);
+    if (k == RowKind::kValid) denom += target_weight(p, t), ++count;
     if (k == RowKind::kBad && i < bad) bad = i;
   }
   double wsum = static_cast<double>(p.vocab_total);  // W is over the whole vocabulary, also for a shard
   for (int o = 16; o > 0; o >>= 1) {
     denom += __shfl_xor_sync(0xFFFFFFFFu, denom, o);
+    count += __shfl_xor_sync(0xFFFFFFFFu, count, o);
     bad = min(bad, __shfl_xor_sync(0xFFFFFFFFu, bad, o));
   }
-  if (lane == 0) sh_d[warp] = denom, sh_b[warp] = bad;
+  if (lane == 0) sh_d[warp] = denom, sh_b[warp] = bad, sh_c[warp] = count;
   __syncthreads();
   if (p.weight && p.eps != 0.f) {  // W is only used by label smoothing
     double w = 0;
@@ -62,9 +63,11 @@ __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const KernelPar
   }
   if (tid == 0) {
     double d = 0;
-    long long b = p.n_rows;
-    for (int i = 0; i < kReduceThreads / 32; ++i) d += sh_d[i], b = min(b, sh_b[i]);
-    out->inv_denom = reduction == Reduction::kMean ? (d != 0 ? static_cast<float>(1.0 / d) : 0.f) : 1.f;
+    long long b = p.n_rows, c = 0;
+    for (int i = 0; i < kReduceThreads / 32; ++i) d += sh_d[i], b = min(b, sh_b[i]), c += sh_c[i];
+    const bool mean = reduction == Reduction::kMean;
+    out->inv_denom = mean ? (d != 0 ? static_cast<float>(1.0 / d) : 0.f) : 1.f;
+    out->inv_count = mean ? (c != 0 ? static_cast<float>(1.0 / static_cast<double>(c)) : 0.f) : 1.f;
     out->weight_sum = static_cast<float>(wsum);
     out->first_bad = b;
   }
@@ -83,8 +86,9 @@ __global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const float* r
   if (tid == 0) {
     double total = 0;
     for (int i = 0; i < kReduceThreads / 32; ++i) total += sh[i];
-    // No rows: the sum is 0 and so is the mean (the scalars were not computed).
-    loss[0] = n_rows > 0 ? static_cast<float>(total * scalars->inv_denom) : 0.f;
+    // The rows' losses are their shares of the mean already (write_row_outputs). No rows: the sum is 0 and so is
+    // the mean.
+    loss[0] = n_rows > 0 ? static_cast<float>(total) : 0.f;
   }
 }
 

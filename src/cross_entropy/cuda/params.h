@@ -10,6 +10,7 @@ namespace logitless::ce {
 // Workspace layout (device memory the caller provides).
 struct Scalars {
   float inv_denom;      // 1/sum of target weights for mean (0 when every row is ignored), 1 otherwise
+  float inv_count;      // 1/count of the rows not ignored for mean (the z-loss term's divisor; 0 when none), 1 otherwise
   float weight_sum;     // W = sum_j w_j (V without class weights)
   long long first_bad;  // smallest row with a target outside [0, V) and != ignore_index; n_rows if none
 };
@@ -24,7 +25,8 @@ struct KernelParams {
   const float* weight = nullptr;  // [vocab_total]: every class's weight
   int64_t weight_stride = 1;
 
-  float* row_loss = nullptr;  // [N]: the loss output for reduction none, workspace partials otherwise
+  float* row_loss = nullptr;  // [N]: the loss output for reduction none; otherwise workspace partials, each row's
+                              // share of the reduced loss (math.h, reduced_row_loss)
   float* lse = nullptr;       // [N] optional
   float* z_loss = nullptr;    // [N] optional
   char* grad = nullptr;       // bytes; nullptr: no gradient

@@ -38,7 +38,8 @@ struct RowState {
   int64_t row = 0, t = 0;
   RowKind kind = RowKind::kIgnored;
   int stage = 0;
-  float w_t = 1.f, gscale = 1.f;  // the target's class weight and the gradient's upstream factor
+  float w_t = 1.f, gscale = 1.f, zscale = 0.f;  // the target's class weight and the gradient's upstream factors
+                                                // (the cross-entropy term's and the z-loss term's)
   float4 partial;  // this CTA's (max, sum of exp, sum of w x, the target's logit on rank 0) over its slice
 };
 
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
 
   uint32_t phase_bits = 0;  // expected parity of each stage's barrier
   typename ClusterExchange<kMaxCluster>::Cursor xcur;
-  const float W = p.scalars->weight_sum, inv_denom = p.scalars->inv_denom;
+  const float W = p.scalars->weight_sum, inv_denom = p.scalars->inv_denom, inv_count = p.scalars->inv_count;
   // Targets are loaded one row ahead: a row's classification decides whether to wait for its slice.
   auto target_of = [&](int64_t k) -> int64_t {
     const int64_t row = row_of(k);
@@ -124,6 +125,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
     // Loaded before the wait, used after the exchange: their latency hides behind the slice's.
     r.w_t = target_weight(p, r.t);
     r.gscale = row_grad_scale(p, r.row, inv_denom);
+    if (p.z != 0.f) r.zscale = row_grad_scale(p, r.row, inv_count);
     const ChunkSpan<T> span(slice_src(r.row), len);
     // Read before this row's partials go out, and sent with them (the data dependency orders the load before the
     // stores): peers overwrite the row (in place) only once they hold every partial.
@@ -190,7 +192,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
     const ChunkSpan<T> span(slice_src(r.row), len);
     const int q_lo = span.mis ? 1 : 0, q_hi = static_cast<int>(span.end / 16);
     const int64_t j0 = slice_begin - span.mis / kEs;
-    const GradCoeffs g = row_grad_coeffs(lse, r.w_t, W, p.eps, p.inv_v, p.z, r.gscale);
+    const GradCoeffs g = row_grad_coeffs(lse, r.w_t, W, p.eps, p.inv_v, p.z, r.gscale, r.zscale);
     const float lse_l2 = lse * kLog2e;
     const int64_t t_local = r.t - slice_begin;
     int q_t = -1, slot_t = 0;

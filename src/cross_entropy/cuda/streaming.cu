@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kStreamingThreads) streaming_kernel(const __gr
       if (tid == 0) write_row_outputs(p, row, kind, RowStats{lse, x_t, swx}, t);
     }
     if (gdst) {
-      const GradCoeffs g = row_grad_coeffs(lse, target_weight(p, t), W, p.eps, p.inv_v, p.z, row_grad_scale(p, row));
+      const GradCoeffs g = row_coeffs(p, row, lse, target_weight(p, t), W);
       const float lse_l2 = lse * kLog2e;
       // A target column outside the shard gives a chunk index no whole chunk has (negative, or >= q_hi).
       const int64_t b = span.mis + tc * kEs;

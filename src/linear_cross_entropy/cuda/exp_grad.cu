@@ -28,9 +28,9 @@ __device__ __forceinline__ const __nv_bfloat16* bf16_row(const void* base, int64
 
 // d(loss)/dZ[r, j] = a p_j - [j == t] b (no label smoothing, no soft cap: ExpGradParams' options).
 __device__ __forceinline__ ce::GradCoeffs coeffs_of(const ExpGradParams& p, int64_t r, int64_t t, float lse) {
-  float s = p.scalars->inv_denom;
-  if (p.upstream) s *= p.upstream[p.upstream_per_row ? r : 0];
-  return ce::row_grad_coeffs(lse, ce::target_weight(p.ce, t), p.scalars->weight_sum, 0.f, p.ce.inv_v, p.ce.z, s);
+  const float up = p.upstream ? p.upstream[p.upstream_per_row ? r : 0] : 1.f;
+  return ce::row_grad_coeffs(lse, ce::target_weight(p.ce, t), p.scalars->weight_sum, 0.f, p.ce.inv_v, p.ce.z,
+                             p.scalars->inv_denom * up, p.scalars->inv_count * up);
 }
 
 // A warp's dot product of a bfloat16 hidden row and a weight row (16-byte loads where both rows allow them).

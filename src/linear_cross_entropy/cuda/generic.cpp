@@ -102,6 +102,7 @@ PlanInputs plan_inputs(const Problem& p) {
   in.copy_hidden = !p.hidden_uniform;
   // The partials go to the caller; no per-token loss is reduced here.
   in.reduction_none = p.options.reduction == Reduction::kNone || p.mode == Mode::kPartials;
+  in.z_rows = p.options.reduction == Reduction::kMean && p.options.z_loss != 0.0 && p.class_weight != nullptr;
   in.steps = is_step(p.mode);
   in.fused = fused_allowed(p);
   in.fused_exp = g_exp_form_enabled.load(std::memory_order_relaxed) && p.dtype == DType::kBFloat16 &&
@@ -165,7 +166,8 @@ struct Run {
                    p.dtype, z, ld, DType::kFloat32, /*accumulate=*/p.bias != nullptr);
   }
 
-  // The cross-entropy family's forward over a chunk of float32 logits: per-token loss and lse.
+  // The cross-entropy family's forward over a chunk of float32 logits: per-token loss, lse and (where the plan
+  // keeps them) z-loss terms.
   void row_stats(const float* z, int64_t ld, int64_t r0, int64_t rows, float* loss_rows, float* lse_rows) const {
     const TensorView zv = TensorView::make(const_cast<float*>(z), DType::kFloat32, p.device, {rows, p.vocab}, {ld, 1});
     const TensorView tv = TensorView::make(targets + r0, DType::kInt64, p.device, {rows});
@@ -174,8 +176,15 @@ struct Run {
                                          : TensorView{};
     const TensorView lv = TensorView::make(loss_rows, DType::kFloat32, p.device, {rows});
     const TensorView sv = lse_rows ? TensorView::make(lse_rows, DType::kFloat32, p.device, {rows}) : TensorView{};
-    cross_entropy_forward(zv, tv, wv, ce_options(p.options), lv, sv, TensorView{},
+    cross_entropy_forward(zv, tv, wv, ce_options(p.options), lv, sv, z_view(r0, rows),
                           Workspace{at<char>(plan.off_ce), plan.ce_bytes}, stream);
+  }
+
+  // The z-loss terms of tokens [r0, r0 + rows): a float32 view of the plan's region, or none.
+  float* z_rows(int64_t r0) const { return plan.off_row_z == Plan::kNone ? nullptr : at<float>(plan.off_row_z) + r0; }
+  TensorView z_view(int64_t r0, int64_t rows) const {
+    float* zr = z_rows(r0);
+    return zr ? TensorView::make(zr, DType::kFloat32, p.device, {rows}) : TensorView{};
   }
 
   bool fused() const { return plan.kernel == Kernel::kHopperFused; }
@@ -206,7 +215,7 @@ struct Run {
     f.partials = at<float>(plan.off_partials);
     launch_fused_stats(f, sm_count, stream);
     launch_finish_rows(f.partials, rows, (p.vocab + kFusedTileCols - 1) / kFusedTileCols, targets + r0, nullptr, f.ce,
-                       scalars, loss_rows, lse_rows, sm_count, stream);
+                       scalars, loss_rows, lse_rows, z_rows(r0), sm_count, stream);
   }
 
   // The gradient in forward on the fused path (plan: kHopperFused, pass kForwardBackward), one token group at a
@@ -251,7 +260,7 @@ struct Run {
       f.ld_dlogits = e.ld_e;
       launch_fused_exp(f, sm_count, stream);
       launch_finish_rows(f.partials, rows, tiles, targets + g0, e.shift, f.ce, scalars, loss_rows(g0), lse + g0,
-                         sm_count, stream);
+                         z_rows(g0), sm_count, stream);
       launch_exp_rows(e, sm_count, stream);
       // grad_weight first: the scaled hidden rows it reads share their region with the float32 grad_hidden
       // rows (plan.cpp), which the grad_hidden GEMM then writes.
@@ -300,7 +309,7 @@ struct Run {
     const TensorView lv = TensorView::make(loss_rows, DType::kFloat32, p.device, {rows});
     const TensorView sv = TensorView::make(lse_rows, DType::kFloat32, p.device, {rows});
     cross_entropy_shard_finalize(gv, tv, class_weight_view(), p.vocab_total, ce_options(p.options), lv, sv,
-                                 TensorView{}, Workspace{at<char>(plan.off_ce), plan.ce_bytes}, stream);
+                                 z_view(r0, rows), Workspace{at<char>(plan.off_ce), plan.ce_bytes}, stream);
   }
 
   GradParams grad_params() const {
@@ -321,7 +330,7 @@ struct Run {
 
   void reduce_loss() const {
     if (p.options.reduction != Reduction::kNone)
-      launch_reduce_loss(at<float>(plan.off_row_loss), p.n_tokens, scalars, p.loss, stream);
+      launch_reduce_loss(at<float>(plan.off_row_loss), z_rows(0), p.n_tokens, scalars, p.loss, stream);
   }
 
   float* loss_rows(int64_t r0) const {

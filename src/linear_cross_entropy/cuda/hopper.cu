@@ -115,6 +115,7 @@ struct RowData {
   int64_t tcol[2];        // the target's column relative to column 0 of this launch (any value unless valid)
   float v[2];             // exp: shift; grad: lse
   float scale[2], wt[2];  // grad: the upstream factor times 1 / denominator; the target's class weight
+  float zscale[2];        // grad: the upstream factor times 1 / count (the z-loss term's)
 };
 
 template <Epi kEpi, class Crd>
@@ -127,7 +128,7 @@ __device__ __forceinline__ RowData load_rows(const FusedGemmParams& p, const Crd
     d.kind[i] = ce::RowKind::kIgnored;
     d.tcol[i] = -1;
     d.v[i] = 0.f;
-    d.scale[i] = d.wt[i] = 1.f;
+    d.scale[i] = d.wt[i] = d.zscale[i] = 1.f;
     if (d.row[i] < rows_left) {
       const int64_t r = m0 + d.row[i], t = p.target[r];
       d.kind[i] = ce::classify(p.ce, t);
@@ -135,7 +136,9 @@ __device__ __forceinline__ RowData load_rows(const FusedGemmParams& p, const Crd
       if constexpr (kEpi == Epi::kExp) d.v[i] = p.shift[r];
       if constexpr (kEpi == Epi::kGrad) {
         d.v[i] = p.lse[r];
-        d.scale[i] = p.scalars->inv_denom * (p.upstream ? p.upstream[p.upstream_per_row ? r : 0] : 1.f);
+        const float up = p.upstream ? p.upstream[p.upstream_per_row ? r : 0] : 1.f;
+        d.scale[i] = p.scalars->inv_denom * up;
+        d.zscale[i] = p.scalars->inv_count * up;
         if (d.kind[i] == ce::RowKind::kValid) d.wt[i] = ce::target_weight(p.ce, t);
       }
     }
@@ -310,7 +313,7 @@ __device__ __forceinline__ void epilogue_grad(const FusedGemmParams& p, const Ro
     fill[i] = d.kind[i] == ce::RowKind::kBad ? NAN : 0.f;
     tcol[i] = d.tcol[i] - n0;
     trel[i] = valid[i] && tcol[i] - c0 >= 0 && tcol[i] - c0 < kBN ? static_cast<int>(tcol[i] - c0) : -1;
-    g[i] = valid[i] ? ce::row_grad_coeffs(d.v[i], d.wt[i], W, p.ce.eps, p.ce.inv_v, p.ce.z, d.scale[i])
+    g[i] = valid[i] ? ce::row_grad_coeffs(d.v[i], d.wt[i], W, p.ce.eps, p.ce.inv_v, p.ce.z, d.scale[i], d.zscale[i])
                     : ce::GradCoeffs{0.f, 0.f, 0.f};
     lse_l2[i] = valid[i] ? d.v[i] * ce::kLog2e : 0.f;
   }

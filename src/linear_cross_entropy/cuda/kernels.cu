@@ -22,10 +22,10 @@ constexpr int kEltThreads = 256;
 // Fixed thread count and per-thread order: the sums come out bit-identical on every run.
 __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const PrepassParams p) {
   __shared__ double sh_d[kReduceThreads / 32], sh_w[kReduceThreads / 32];
-  __shared__ long long sh_b[kReduceThreads / 32];
+  __shared__ long long sh_b[kReduceThreads / 32], sh_c[kReduceThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   double denom = 0, wsum = 0;
-  long long bad = p.n;
+  long long bad = p.n, count = 0;
   for (int64_t i = tid; i < p.n; i += blockDim.x) {
     const int64_t off = p.target_rows.offset(i);
     const int64_t t = p.target_is64 ? static_cast<const int64_t*>(p.target)[off]
@@ -37,6 +37,7 @@ __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const PrepassPa
       continue;
     }
     denom += p.class_weight ? static_cast<double>(p.class_weight[t * p.class_weight_stride]) : 1.0;
+    ++count;
   }
   if (p.need_weight_sum)
     for (int64_t j = tid; j < p.vocab; j += blockDim.x) wsum += p.class_weight[j * p.class_weight_stride];
@@ -44,14 +45,16 @@ __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const PrepassPa
     denom += __shfl_xor_sync(0xFFFFFFFFu, denom, o);
     wsum += __shfl_xor_sync(0xFFFFFFFFu, wsum, o);
     bad = min(bad, __shfl_xor_sync(0xFFFFFFFFu, bad, o));
+    count += __shfl_xor_sync(0xFFFFFFFFu, count, o);
   }
-  if (lane == 0) sh_d[warp] = denom, sh_w[warp] = wsum, sh_b[warp] = bad;
+  if (lane == 0) sh_d[warp] = denom, sh_w[warp] = wsum, sh_b[warp] = bad, sh_c[warp] = count;
   __syncthreads();
   if (tid == 0) {
     double d = 0, w = 0;
-    long long b = p.n;
-    for (int i = 0; i < kReduceThreads / 32; ++i) d += sh_d[i], w += sh_w[i], b = min(b, sh_b[i]);
+    long long b = p.n, c = 0;
+    for (int i = 0; i < kReduceThreads / 32; ++i) d += sh_d[i], w += sh_w[i], b = min(b, sh_b[i]), c += sh_c[i];
     p.scalars->inv_denom = p.mean ? (d != 0 ? static_cast<float>(1.0 / d) : 0.f) : 1.f;
+    p.scalars->inv_count = p.mean ? (c != 0 ? static_cast<float>(1.0 / static_cast<double>(c)) : 0.f) : 1.f;
     p.scalars->weight_sum = p.need_weight_sum ? static_cast<float>(w) : static_cast<float>(p.vocab);
     p.scalars->first_bad = b;
   }
@@ -101,7 +104,7 @@ __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constan
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kGradThreads + threadIdx.x) * kGradCols;
   if (c >= p.width) return;
   const uint32_t mask = grad_slot_mask(c, p.width);
-  const float W = p.scalars->weight_sum, inv_denom = p.scalars->inv_denom;
+  const float W = p.scalars->weight_sum, inv_denom = p.scalars->inv_denom, inv_count = p.scalars->inv_count;
   const int64_t row_blocks = (p.rows + kGradRowsPerBlock - 1) / kGradRowsPerBlock;
   for (int64_t rb = blockIdx.y; rb < row_blocks; rb += gridDim.y) {
     float colsum[kGradCols] = {0.f, 0.f, 0.f, 0.f};
@@ -114,10 +117,9 @@ __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constan
       if (kind == ce::RowKind::kValid) {
         const float* src = p.logits + r * p.ld_logits + c;
         const float lse = p.lse[r];
-        float scale = inv_denom;
-        if (p.upstream) scale *= p.upstream[p.upstream_per_row ? r : 0];
-        const ce::GradCoeffs g =
-            ce::row_grad_coeffs(lse, ce::target_weight(p.ce, t), W, p.ce.eps, p.ce.inv_v, p.ce.z, scale);
+        const float up = p.upstream ? p.upstream[p.upstream_per_row ? r : 0] : 1.f;
+        const ce::GradCoeffs g = ce::row_grad_coeffs(lse, ce::target_weight(p.ce, t), W, p.ce.eps, p.ce.inv_v,
+                                                     p.ce.z, inv_denom * up, inv_count * up);
         const float lse_l2 = lse * ce::kLog2e;
         const int64_t j0 = p.col0 + c;
         // 16-byte aligned: ld_logits is a multiple of 8 columns, c of 4, and the chunk buffers 256-byte aligned.
@@ -219,7 +221,7 @@ __global__ void copy_rows_kernel(const E* src, const RowLayout rows, int64_t n, 
 
 __global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t tiles, const int64_t* target,
                                    const float* target_logit, const ce::KernelParams p, const Scalars* scalars,
-                                   float* loss, float* lse) {
+                                   float* loss, float* lse, float* z_rows) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
@@ -230,6 +232,7 @@ __global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t
         const float v = kind == ce::RowKind::kBad ? NAN : 0.f;
         loss[r] = v;
         if (lse) lse[r] = v;
+        if (z_rows) z_rows[r] = v;
       }
       continue;
     }
@@ -252,23 +255,33 @@ __global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t
       const ce::LossTerms lt = ce::row_loss(st, ce::target_weight(p, t), scalars->weight_sum, p.eps, p.inv_v, p.z);
       loss[r] = lt.loss;
       if (lse) lse[r] = st.lse;
+      if (z_rows) z_rows[r] = lt.z_term;
     }
   }
 }
 
-__global__ void __launch_bounds__(kReduceThreads) reduce_loss_kernel(const float* row_loss, int64_t n,
-                                                                     const Scalars* scalars, float* loss) {
-  __shared__ double sh[kReduceThreads / 32];
+__global__ void __launch_bounds__(kReduceThreads) reduce_loss_kernel(const float* row_loss, const float* row_z,
+                                                                     int64_t n, const Scalars* scalars, float* loss) {
+  __shared__ double sh[kReduceThreads / 32], sh_z[kReduceThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  double s = 0;
-  for (int64_t i = tid; i < n; i += blockDim.x) s += row_loss[i];
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
-  if (lane == 0) sh[warp] = s;
+  double s = 0, sz = 0;
+  for (int64_t i = tid; i < n; i += blockDim.x) {
+    s += row_loss[i];
+    if (row_z) sz += row_z[i];
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+    sz += __shfl_xor_sync(0xFFFFFFFFu, sz, o);
+  }
+  if (lane == 0) sh[warp] = s, sh_z[warp] = sz;
   __syncthreads();
   if (tid == 0) {
-    double total = 0;
-    for (int i = 0; i < kReduceThreads / 32; ++i) total += sh[i];
-    loss[0] = n > 0 ? static_cast<float>(total * scalars->inv_denom) : 0.f;
+    double total = 0, total_z = 0;
+    for (int i = 0; i < kReduceThreads / 32; ++i) total += sh[i], total_z += sh_z[i];
+    // The z-loss terms (held apart only where their divisor differs) over the count, the rest over the weights.
+    const double out = row_z ? (total - total_z) * scalars->inv_denom + total_z * scalars->inv_count
+                             : total * scalars->inv_denom;
+    loss[0] = n > 0 ? static_cast<float>(out) : 0.f;
   }
 }
 
@@ -367,17 +380,18 @@ void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t
 
 void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
                         const float* target_logit, const ce::KernelParams& ce, const Scalars* scalars, float* loss,
-                        float* lse, int sm_count, cudaStream_t stream) {
+                        float* lse, float* z_rows, int sm_count, cudaStream_t stream) {
   if (rows <= 0) return;
   constexpr int kThreads = 256;
   const int64_t blocks = std::min<int64_t>((rows + kThreads / 32 - 1) / (kThreads / 32), int64_t{sm_count} * 8);
   finish_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(partials), rows, tiles, target, target_logit, ce, scalars, loss, lse);
+      reinterpret_cast<const float4*>(partials), rows, tiles, target, target_logit, ce, scalars, loss, lse, z_rows);
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy fused row statistics");
 }
 
-void launch_reduce_loss(const float* row_loss, int64_t n, const Scalars* scalars, float* loss, cudaStream_t stream) {
-  reduce_loss_kernel<<<1, kReduceThreads, 0, stream>>>(row_loss, n, scalars, loss);
+void launch_reduce_loss(const float* row_loss, const float* row_z, int64_t n, const Scalars* scalars, float* loss,
+                        cudaStream_t stream) {
+  reduce_loss_kernel<<<1, kReduceThreads, 0, stream>>>(row_loss, row_z, n, scalars, loss);
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy loss reduction");
 }
 

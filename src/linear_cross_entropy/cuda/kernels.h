@@ -36,10 +36,10 @@ void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t
 // The rows' loss and lse from the fused forward's tile statistics partials [rows, tiles, 4] (hopper.h): one warp
 // per row combines its tiles as a vocabulary-parallel finalize combines shards (include/logitless/vocab_parallel.h)
 // and applies the cross-entropy's row loss. target_logit: the rows' target logits, or nullptr to take them from the
-// partials. lse may be nullptr. ce: the row kinds, class weights and options.
+// partials. lse and z_rows (the rows' z-loss terms) may be nullptr. ce: the row kinds, class weights and options.
 void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
                         const float* target_logit, const ce::KernelParams& ce, const Scalars* scalars, float* loss,
-                        float* lse, int sm_count, cudaStream_t stream);
+                        float* lse, float* z_rows, int sm_count, cudaStream_t stream);
 
 // The gradient in forward's fused path (ExpGradParams, exp_grad.cu). Before the logits GEMM: shift[r] = the
 // target's logit (0 for rows without one). After it and launch_finish_rows: every row's scale, the target's
@@ -47,7 +47,9 @@ void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, cons
 void launch_target_shift(const ExpGradParams& p, int sm_count, cudaStream_t stream);
 void launch_exp_rows(const ExpGradParams& p, int sm_count, cudaStream_t stream);
 
-// loss[0] = sum of row_loss[0, n) (in double, fixed order) * scalars->inv_denom; 0 for n = 0.
-void launch_reduce_loss(const float* row_loss, int64_t n, const Scalars* scalars, float* loss, cudaStream_t stream);
+// loss[0] = sum of row_loss[0, n) (in double, fixed order) * scalars->inv_denom; 0 for n = 0. With row_z (the rows'
+// z-loss terms, which row_loss includes): those terms times scalars->inv_count instead.
+void launch_reduce_loss(const float* row_loss, const float* row_z, int64_t n, const Scalars* scalars, float* loss,
+                        cudaStream_t stream);
 
 }  // namespace logitless::lce

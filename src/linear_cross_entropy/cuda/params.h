@@ -14,6 +14,8 @@ namespace logitless::lce {
 struct Scalars {
   float inv_denom;      // mean: 1 / sum of the class weights of the tokens not ignored (0 when there are none);
                         // sum and none: 1
+  float inv_count;      // mean: 1 / count of the tokens not ignored (0 when none), the z-loss terms' divisor;
+                        // sum and none: 1
   float weight_sum;     // W = sum of the class weights (V without them; only label smoothing uses it)
   long long first_bad;  // smallest token with a target outside [0, V) other than ignore_index; N if none
 };

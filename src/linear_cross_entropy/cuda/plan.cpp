@@ -177,7 +177,10 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   Layout L;
   p.off_scalars = L.add(256);
   p.off_targets = L.add(static_cast<size_t>(N) * 8);
-  if (in.pass != Pass::kBackward && !in.reduction_none) p.off_row_loss = L.add(static_cast<size_t>(N) * 4);
+  if (in.pass != Pass::kBackward && !in.reduction_none) {
+    p.off_row_loss = L.add(static_cast<size_t>(N) * 4);
+    if (in.z_rows) p.off_row_z = L.add(static_cast<size_t>(N) * 4);
+  }
   if (in.pass == Pass::kForwardBackward) p.off_lse = L.add(static_cast<size_t>(N) * 4);
   if (in.pass != Pass::kBackward && !fused) {  // the fused path's row kernel needs no scratch
     p.ce_bytes = in.ce_workspace_bytes ? in.ce_workspace_bytes(p.chunk_rows) : 0;

@@ -39,6 +39,8 @@ struct PlanInputs {
   bool grad_weight_f32 = false;
   bool copy_hidden = false;        // hidden's rows do not have one stride a GEMM can take
   bool reduction_none = false;     // per-token losses go straight to the output
+  bool z_rows = false;             // the z-loss terms are reduced apart from the rest (mean, class weights, z-loss:
+                                   // they are divided by the token count, the rest by the summed weights)
   bool fused = false;              // the device and operands take the fused Hopper kernels (hopper.h)
   bool fused_exp = false;          // ... and the gradient in forward's exponential form (bfloat16, plain options)
   // The vocabulary-parallel gradient-in-forward steps (include/logitless/vocab_parallel.h): pass
@@ -75,6 +77,7 @@ struct Plan {
   size_t off_scalars = kNone;   // Scalars (cuda/params.h)
   size_t off_targets = kNone;   // int64 [N]: the targets, contiguous
   size_t off_row_loss = kNone;  // float32 [N]: per-token losses before the reduction
+  size_t off_row_z = kNone;     // float32 [N]: their z-loss terms (PlanInputs::z_rows)
   size_t off_lse = kNone;       // float32 [N]: the gradient pass's lse when the caller asks for none (always
                                 // reserved: the workspace queries do not see the lse argument)
   size_t off_ce = kNone;        // the cross-entropy call's own workspace
