@@ -95,6 +95,21 @@ LOGITLESS_HD F no_kl(F logp) {
   return logp != logp ? logp : F(0);
 }
 
+// The KL term's share of a token's loss and of c: with beta = 0 it has none, and the KL value (still reported,
+// from a given ref_logp) is never multiplied by 0: an inf or NaN in ref_logp would make the loss NaN (0 * inf),
+// and TRL does not evaluate the KL term at all when beta is 0.
+template <typename F>
+LOGITLESS_HD void add_kl(TokenTerms<F>& t, F logp, F ref_logp, const TermOptions<F>& o) {
+  t.kl = no_kl(logp);
+  if (!o.has_ref) return;
+  const KlTerm<F> k = k3(logp, ref_logp);
+  t.kl = k.value;
+  if (o.beta != F(0)) {
+    t.loss += o.beta * k.value;
+    t.dlogp += o.beta * k.dlogp;
+  }
+}
+
 // Token level: r = exp(logp - old) (old absent: r = exp(logp - logp) = 1 with d r / d logp = 1, the
 // exp(logp - logp.detach()) trick; written as the difference so that a NaN logp stays NaN).
 template <typename F>
@@ -102,16 +117,10 @@ LOGITLESS_HD TokenTerms<F> token_terms(F logp, F old_logp, F ref_logp, F adv, co
   const F r = pexp(logp - (o.has_old ? old_logp : logp));
   const ClipTerm<F> c = clip_term(r, adv, o.eps_low, o.eps_high);
   TokenTerms<F> t;
-  t.kl = no_kl(logp);
-  F dkl = F(0);
-  if (o.has_ref) {
-    const KlTerm<F> k = k3(logp, ref_logp);
-    t.kl = k.value;
-    dkl = k.dlogp;
-  }
-  t.loss = c.value + o.beta * t.kl;
+  t.loss = c.value;
   t.clipped = c.clipped;
-  t.dlogp = c.dratio * r + o.beta * dkl;  // d r / d logp = r
+  t.dlogp = c.dratio * r;  // d r / d logp = r
+  add_kl(t, logp, ref_logp, o);
   return t;
 }
 
@@ -120,16 +129,10 @@ template <typename F>
 LOGITLESS_HD TokenTerms<F> token_terms_seq(F logp, F ref_logp, F adv, F ratio, const TermOptions<F>& o) {
   const ClipTerm<F> c = clip_term(ratio, adv, o.eps_low, o.eps_high);
   TokenTerms<F> t;
-  t.kl = no_kl(logp);
-  F dkl = F(0);
-  if (o.has_ref) {
-    const KlTerm<F> k = k3(logp, ref_logp);
-    t.kl = k.value;
-    dkl = k.dlogp;
-  }
-  t.loss = c.value + o.beta * t.kl;
+  t.loss = c.value;
   t.clipped = c.clipped;
-  t.dlogp = o.beta * dkl;
+  t.dlogp = F(0);
+  add_kl(t, logp, ref_logp, o);
   return t;
 }
 
