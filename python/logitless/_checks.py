@@ -52,8 +52,8 @@ def _device_error(name: str, device: torch.device, first: str, first_device: tor
 def check_tensors(named: Iterable[Tuple[str, Any]], optional: Sequence[str] = (),
                   dtensor_ok: Sequence[str] = ()) -> None:
     """The public functions' entry check over (argument name, value) pairs: each a tensor (None allowed for the
-    names in `optional`), not a DTensor (except the names in `dtensor_ok`), at most MAX_DIMS dimensions, and all
-    on one device. Raises TypeError for a non-tensor, ValueError otherwise, naming the argument."""
+    names in `optional`), not complex, not a DTensor (except the names in `dtensor_ok`), at most MAX_DIMS
+    dimensions, and all on one device. Raises TypeError for a non-tensor, ValueError otherwise, naming the argument."""
     device: Optional[torch.device] = None
     first = ""
     for name, t in named:
@@ -61,6 +61,8 @@ def check_tensors(named: Iterable[Tuple[str, Any]], optional: Sequence[str] = ()
             if t is None and name in optional:
                 continue
             raise TypeError(f"{name}: expected a torch.Tensor, got {'None' if t is None else type(t).__name__}")
+        if t.is_complex():  # .to(float32) would drop the imaginary part with only a warning
+            raise ValueError(f"{name}: complex tensors are not supported, got {t.dtype}")
         if name not in dtensor_ok and is_dtensor(t):
             raise ValueError(f"{name}: DTensor is not supported here; pass a local tensor (.to_local() for this "
                              f"rank's shard, .full_tensor() for the whole tensor)")
