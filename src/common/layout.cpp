@@ -109,4 +109,11 @@ void check_disjoint(const TensorView& out, const char* out_name, const TensorVie
                       str_cat("memory that does not overlap ", other_name), "an overlapping buffer");
 }
 
+void check_outputs_apart(const std::vector<NamedView>& outputs, const std::vector<NamedView>& inputs) {
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    for (const NamedView& i : inputs) check_disjoint(o->view, o->name, i.view, i.name);
+    for (auto o2 = outputs.begin(); o2 != o; ++o2) check_disjoint(o->view, o->name, o2->view, o2->name);
+  }
+}
+
 }  // namespace logitless

@@ -52,4 +52,14 @@ std::pair<const char*, const char*> byte_span(const TensorView& t);
 // Throws an invalid-argument Error naming `out_name` when `out` shares memory with `other`.
 void check_disjoint(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name);
 
+// A call's outputs against its inputs: no output may share memory with an input or with another output, since the
+// kernels read the inputs while they write (absent views pass). Throws naming the output. An output an op may
+// write in place of an input (a gradient over the logits) is checked against that input by the op itself and left
+// out of `inputs` here.
+struct NamedView {
+  const TensorView& view;
+  const char* name;
+};
+void check_outputs_apart(const std::vector<NamedView>& outputs, const std::vector<NamedView>& inputs);
+
 }  // namespace logitless

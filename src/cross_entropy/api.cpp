@@ -217,6 +217,8 @@ void cross_entropy_forward(const TensorView& logits, const TensorView& target, c
                            const TensorView& z_loss, Workspace workspace, StreamHandle stream) {
   Problem p = make_problem(Mode::kForward, logits, target, weight, options, nullptr);
   check_outputs(p, loss, lse, z_loss);
+  check_outputs_apart({{loss, "loss"}, {lse, "lse"}, {z_loss, "z_loss"}},
+                      {{logits, "logits"}, {target, "target"}, {weight, "weight"}});
   check_workspace(p, logits, target, weight, options, workspace);
   dispatch(p, workspace, stream);
 }
@@ -233,6 +235,10 @@ void cross_entropy_forward_backward(const TensorView& logits, const TensorView& 
                                     per_row ? "one per row for reduction none" : "a scalar for reduction sum or mean");
     p.grad_scale_per_row = per_row;
   }
+  // The gradient may be the logits themselves (make_problem checks that pair).
+  check_outputs_apart({{loss, "loss"}, {lse, "lse"}, {z_loss, "z_loss"}}, {{logits, "logits"}});
+  check_outputs_apart({{loss, "loss"}, {lse, "lse"}, {z_loss, "z_loss"}, {grad_logits, "grad_logits"}},
+                      {{target, "target"}, {weight, "weight"}, {grad_scale, "grad_scale"}});
   check_workspace(p, logits, target, weight, options, workspace);
   dispatch(p, workspace, stream);
 }
@@ -248,6 +254,8 @@ void cross_entropy_backward(const TensorView& logits, const TensorView& target, 
   p.grad_scale = check_row_vector(grad_loss, "grad_loss", per_row ? p.n_rows : 1, p.device,
                                   per_row ? "one per row for reduction none" : "a scalar for reduction sum or mean");
   p.grad_scale_per_row = per_row;
+  check_outputs_apart({{grad_logits, "grad_logits"}},
+                      {{target, "target"}, {weight, "weight"}, {lse, "lse"}, {grad_loss, "grad_loss"}});
   check_workspace(p, logits, target, weight, options, workspace);
   dispatch(p, workspace, stream);
 }
@@ -296,6 +304,7 @@ void cross_entropy_shard_partials(const TensorView& logits, const TensorView& ta
                                   const TensorView& partials, Workspace workspace, StreamHandle stream) {
   Problem p = make_problem(Mode::kPartials, logits, target, weight, options, nullptr, &shard);
   p.partials = const_cast<float*>(check_partials(partials, target, 1, p.device));
+  check_outputs_apart({{partials, "partials"}}, {{logits, "logits"}, {target, "target"}, {weight, "weight"}});
   check_shard_workspace(p, target, options, workspace);
   dispatch(p, workspace, stream);
 }
@@ -332,6 +341,8 @@ void cross_entropy_shard_finalize(const TensorView& partials, const TensorView& 
   p.partials_in = check_partials(partials, target, shards, p.device);
   p.n_shards = shards;
   check_outputs(p, loss, lse, z_loss);
+  check_outputs_apart({{loss, "loss"}, {lse, "lse"}, {z_loss, "z_loss"}},
+                      {{partials, "partials"}, {target, "target"}, {weight, "weight"}});
   check_shard_workspace(p, target, options, workspace);
   dispatch(p, workspace, stream);
 }
@@ -348,6 +359,8 @@ void cross_entropy_shard_backward(const TensorView& logits, const TensorView& ta
   p.grad_scale = check_row_vector(grad_loss, "grad_loss", per_row ? p.n_rows : 1, p.device,
                                   per_row ? "one per row for reduction none" : "a scalar for reduction sum or mean");
   p.grad_scale_per_row = per_row;
+  check_outputs_apart({{grad_logits, "grad_logits"}},
+                      {{target, "target"}, {weight, "weight"}, {lse, "lse"}, {grad_loss, "grad_loss"}});
   check_shard_workspace(p, target, options, workspace);
   dispatch(p, workspace, stream);
 }
@@ -367,6 +380,7 @@ void scale_rows(const TensorView& grad, const TensorView& scale, StreamHandle st
                                     "a scalar or one per row of grad");
   const auto L = collapse_rows(grad.sizes, grad.ndim - 1, {grad.strides}, "grad")[0];
   LOGITLESS_CHECK_ARG(rows_disjoint(L, V), "grad", "rows that do not overlap", "overlapping rows");
+  check_outputs_apart({{grad, "grad"}}, {{scale, "scale"}});
   if (n == 0 || V == 0) return;
   if (grad.device.type == DeviceType::kCPU) {
     ce::scale_rows_cpu(grad.data, grad.dtype, L, n, V, s, per_row);

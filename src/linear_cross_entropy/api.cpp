@@ -144,18 +144,18 @@ const float* upstream(const Problem& p, const TensorView& t, const char* name) {
                           none ? "one per token for reduction none" : "a scalar for reduction sum or mean");
 }
 
-// No gradient output may share memory with an input or with another output: the GEMMs read the inputs
-// while writing the gradients.
+// No output may share memory with an input or with another output: the GEMMs and row kernels read the inputs
+// while writing the outputs. `outs` and `ins`: the call's other outputs (loss, lse, partials) and inputs (target,
+// class weights, saved lse, upstream gradient, gathered partials).
 void check_no_aliasing(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
-                       const TensorView& grad_hidden, const TensorView& grad_weight, const TensorView& grad_bias) {
-  const std::pair<const TensorView*, const char*> ins[] = {{&hidden, "hidden"}, {&weight, "weight"}, {&bias, "bias"}};
-  const std::pair<const TensorView*, const char*> outs[] = {
-      {&grad_hidden, "grad_hidden"}, {&grad_weight, "grad_weight"}, {&grad_bias, "grad_bias"}};
-  for (const auto& o : outs) {
-    for (const auto& i : ins) check_disjoint(*o.first, o.second, *i.first, i.second);
-    for (const auto& o2 : outs)
-      if (o.first != o2.first) check_disjoint(*o.first, o.second, *o2.first, o2.second);
-  }
+                       const TensorView& grad_hidden, const TensorView& grad_weight, const TensorView& grad_bias,
+                       std::vector<NamedView> outs, std::vector<NamedView> ins) {
+  for (const NamedView& o : {NamedView{grad_hidden, "grad_hidden"}, NamedView{grad_weight, "grad_weight"},
+                             NamedView{grad_bias, "grad_bias"}})
+    outs.push_back(o);
+  for (const NamedView& i : {NamedView{hidden, "hidden"}, NamedView{weight, "weight"}, NamedView{bias, "bias"}})
+    ins.push_back(i);
+  check_outputs_apart(outs, ins);
 }
 
 size_t workspace_bytes(const Problem& p) {
@@ -250,6 +250,8 @@ void linear_cross_entropy_forward(const TensorView& hidden, const TensorView& we
   Problem p = base_problem(Mode::kForward, hidden, weight, target, options);
   add_inputs(p, bias, class_weight);
   add_forward_outputs(p, loss, lse);
+  check_no_aliasing(hidden, weight, bias, {}, {}, {}, {{loss, "loss"}, {lse, "lse"}},
+                    {{target, "target"}, {class_weight, "class_weight"}});
   dispatch(p, workspace, stream);
 }
 
@@ -263,12 +265,13 @@ void linear_cross_entropy_forward_backward(const TensorView& hidden, const Tenso
   Problem p = base_problem(Mode::kForwardBackward, hidden, weight, target, options);
   add_inputs(p, bias, class_weight);
   add_grads(p, hidden, weight, &bias, grad_hidden, grad_weight, grad_bias);
-  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
   add_forward_outputs(p, loss, lse);
   if (grad_scale.defined()) {
     p.grad_scale = upstream(p, grad_scale, "grad_scale");
     p.grad_scale_per_row = options.reduction == Reduction::kNone;
   }
+  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, {{loss, "loss"}, {lse, "lse"}},
+                    {{target, "target"}, {class_weight, "class_weight"}, {grad_scale, "grad_scale"}});
   dispatch(p, workspace, stream);
 }
 
@@ -281,10 +284,11 @@ void linear_cross_entropy_backward(const TensorView& hidden, const TensorView& w
   Problem p = base_problem(Mode::kBackward, hidden, weight, target, options);
   add_inputs(p, bias, class_weight);
   add_grads(p, hidden, weight, &bias, grad_hidden, grad_weight, grad_bias);
-  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
   p.lse = check_row_vector(lse, "lse", p.n_tokens, p.device, "one per token, from the forward");
   p.grad_scale = upstream(p, grad_loss, "grad_loss");
   p.grad_scale_per_row = options.reduction == Reduction::kNone;
+  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, {},
+                    {{target, "target"}, {class_weight, "class_weight"}, {lse, "lse"}, {grad_loss, "grad_loss"}});
   dispatch(p, workspace, stream);
 }
 
@@ -322,6 +326,8 @@ void linear_cross_entropy_shard_partials(const TensorView& hidden, const TensorV
   Problem p = base_problem(Mode::kPartials, hidden, weight, target, options, &shard);
   add_inputs(p, bias, class_weight);
   p.partials = check_partials(partials, p.n_tokens, 1, p.device, "[*, 4] (4 per token)");
+  check_no_aliasing(hidden, weight, bias, {}, {}, {}, {{partials, "partials"}},
+                    {{target, "target"}, {class_weight, "class_weight"}});
   dispatch(p, workspace, stream);
 }
 
@@ -343,10 +349,11 @@ void linear_cross_entropy_shard_backward(const TensorView& hidden, const TensorV
   Problem p = base_problem(Mode::kBackward, hidden, weight, target, options, &shard);
   add_inputs(p, bias, class_weight);
   add_grads(p, hidden, weight, &bias, grad_hidden, grad_weight, grad_bias);
-  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
   p.lse = check_row_vector(lse, "lse", p.n_tokens, p.device, "one per token, from the finalize");
   p.grad_scale = upstream(p, grad_loss, "grad_loss");
   p.grad_scale_per_row = options.reduction == Reduction::kNone;
+  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, {},
+                    {{target, "target"}, {class_weight, "class_weight"}, {lse, "lse"}, {grad_loss, "grad_loss"}});
   dispatch(p, workspace, stream);
 }
 
@@ -409,7 +416,6 @@ void linear_cross_entropy_shard_forward_backward_step(
                            target, grad_hidden, grad_weight, grad_bias, &bias, shard, options, &chunks);
   LOGITLESS_CHECK_ARG(chunk >= 0 && chunk < chunks, "chunk", str_cat("a chunk in [0, ", chunks, ")"), chunk);
   add_inputs(p, bias, class_weight);
-  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias);
   add_forward_outputs(p, loss, lse);
   p.step_chunk = chunk;
   const int64_t rows = std::min(options.chunk_tokens, p.n_tokens - chunk * options.chunk_tokens);
@@ -423,6 +429,11 @@ void linear_cross_entropy_shard_forward_backward_step(
     p.partials_in = check_partials(partials, rows, shards, p.device, "[R, rows, 4] (every shard's, rank order)");
     p.n_shards = shards;
   }
+  const bool partials_out = step == ShardStep::kLogits;
+  std::vector<NamedView> outs = {{loss, "loss"}, {lse, "lse"}};
+  std::vector<NamedView> ins = {{target, "target"}, {class_weight, "class_weight"}};
+  (partials_out ? outs : ins).push_back(NamedView{partials, "partials"});
+  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, outs, ins);
   check_workspace(workspace, step_workspace_bytes(p), " (the sequence's)");
   if (p.device.type == DeviceType::kCPU) {
     lce::run_cpu_step(p, workspace);

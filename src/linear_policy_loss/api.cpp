@@ -66,18 +66,31 @@ void add_grads(Problem& p, const TensorView& hidden, const TensorView& weight, c
   p.grad_bias_stride = o.grad_bias_stride;
 }
 
-// No gradient output may share memory with an input or with another output: the GEMMs read the inputs while
-// writing the gradients.
+// No output may share memory with an input or with another output: the GEMMs and the row kernels read the inputs
+// while writing the outputs. `more`: the call's other inputs (the backward's saved logp and lse, an upstream
+// gradient).
 void check_no_aliasing(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
-                       const LinearPolicyLossGrads& g) {
-  const std::pair<const TensorView*, const char*> ins[] = {{&hidden, "hidden"}, {&weight, "weight"}, {&bias, "bias"}};
-  const std::pair<const TensorView*, const char*> outs[] = {
-      {&g.grad_hidden, "grad_hidden"}, {&g.grad_weight, "grad_weight"}, {&g.grad_bias, "grad_bias"}};
-  for (const auto& o : outs) {
-    for (const auto& i : ins) check_disjoint(*o.first, o.second, *i.first, i.second);
-    for (const auto& o2 : outs)
-      if (o.first != o2.first) check_disjoint(*o.first, o.second, *o2.first, o2.second);
+                       const LinearPolicyLossGrads& g, const PolicyLossOutputs* out = nullptr,
+                       const PolicyLossInputs* tokens = nullptr, std::vector<NamedView> more = {}) {
+  std::vector<NamedView> outs = {
+      {g.grad_hidden, "grad_hidden"}, {g.grad_weight, "grad_weight"}, {g.grad_bias, "grad_bias"}};
+  if (out) {
+    for (const NamedView& o : {NamedView{out->loss, "loss"}, NamedView{out->per_token_loss, "per_token_loss"},
+                               NamedView{out->kl, "kl"}, NamedView{out->is_clipped, "is_clipped"},
+                               NamedView{out->logp, "logp"}, NamedView{out->entropy, "entropy"},
+                               NamedView{out->lse, "lse"}})
+      outs.push_back(o);
   }
+  std::vector<NamedView> ins = {{hidden, "hidden"}, {weight, "weight"}, {bias, "bias"}};
+  if (tokens) {
+    for (const NamedView& i : {NamedView{tokens->completion_ids, "completion_ids"},
+                               NamedView{tokens->advantages, "advantages"},
+                               NamedView{tokens->completion_mask, "completion_mask"},
+                               NamedView{tokens->old_logp, "old_logp"}, NamedView{tokens->ref_logp, "ref_logp"}})
+      ins.push_back(i);
+  }
+  for (const NamedView& m : more) ins.push_back(m);
+  check_outputs_apart(outs, ins);
 }
 
 // A float32 tensor of `n` elements, contiguous.
@@ -237,6 +250,8 @@ size_t linear_policy_loss_backward_workspace_bytes(const LinearPolicyLossInputs&
 void linear_policy_loss_forward(const LinearPolicyLossInputs& inputs, const LinearPolicyLossOptions& options,
                                 const PolicyLossOutputs& outputs, Workspace workspace, StreamHandle stream) {
   const Problem p = policy_problem(Mode::kForward, inputs, options, outputs);
+  const PolicyLossInputs tokens = token_inputs(inputs);
+  check_no_aliasing(inputs.hidden, inputs.weight, inputs.bias, {}, &outputs, &tokens);
   dispatch(p, workspace, stream, "linear_policy_loss");
 }
 
@@ -245,9 +260,11 @@ void linear_policy_loss_forward_backward(const LinearPolicyLossInputs& inputs, c
                                          const TensorView& grad_scale, Workspace workspace, StreamHandle stream) {
   Problem p = policy_problem(Mode::kForwardBackward, inputs, options, outputs);
   add_grads(p, inputs.hidden, inputs.weight, &inputs.bias, grads);
-  check_no_aliasing(inputs.hidden, inputs.weight, inputs.bias, grads);
   if (grad_scale.defined())
     p.tokens.grad_scale = check_token_vector(grad_scale, "grad_scale", 1, p.device, "a scalar");
+  const PolicyLossInputs tokens = token_inputs(inputs);
+  check_no_aliasing(inputs.hidden, inputs.weight, inputs.bias, grads, &outputs, &tokens,
+                    {{grad_scale, "grad_scale"}});
   dispatch(p, workspace, stream, "linear_policy_loss");
 }
 
@@ -258,11 +275,13 @@ void linear_policy_loss_backward(const LinearPolicyLossInputs& inputs, const Lin
   p.tokens.loss = nullptr;  // the backward writes no loss
   p.tokens.check_ids = false;  // the forward checked them
   add_grads(p, inputs.hidden, inputs.weight, &inputs.bias, grads);
-  check_no_aliasing(inputs.hidden, inputs.weight, inputs.bias, grads);
   const int64_t n = p.n_tokens();
   p.logp_in = check_token_vector(logp, "logp", n, p.device, "one per token, from the forward");
   p.lse_in = check_token_vector(lse, "lse", n, p.device, "one per token, from the forward");
   p.tokens.grad_scale = check_token_vector(grad_loss, "grad_loss", 1, p.device, "a scalar");
+  const PolicyLossInputs tokens = token_inputs(inputs);
+  check_no_aliasing(inputs.hidden, inputs.weight, inputs.bias, grads, nullptr, &tokens,
+                    {{logp, "logp"}, {lse, "lse"}, {grad_loss, "grad_loss"}});
   dispatch(p, workspace, stream, "linear_policy_loss");
 }
 
@@ -292,6 +311,8 @@ void linear_selective_log_softmax_forward(const TensorView& hidden, const Tensor
   if (entropy.defined())
     p.tokens.entropy = const_cast<float*>(check_token_vector(entropy, "entropy", n, p.device, "one per row"));
   if (lse.defined()) p.tokens.lse = const_cast<float*>(check_token_vector(lse, "lse", n, p.device, "one per row"));
+  check_outputs_apart({{logp, "logp"}, {entropy, "entropy"}, {lse, "lse"}},
+                      {{hidden, "hidden"}, {weight, "weight"}, {bias, "bias"}, {ids, "ids"}});
   dispatch(p, workspace, stream, "linear_selective_log_softmax");
 }
 
@@ -304,10 +325,11 @@ void linear_selective_log_softmax_backward(const TensorView& hidden, const Tenso
   p.tokens.check_ids = false;  // the forward checked them
   add_bias(p, bias);
   add_grads(p, hidden, weight, &bias, grads);
-  check_no_aliasing(hidden, weight, bias, grads);
   const int64_t n = p.n_tokens();
   p.lse_in = check_token_vector(lse, "lse", n, p.device, "one per row, from the forward");
   p.grad_logp = check_token_vector(grad_logp, "grad_logp", n, p.device, "one per row");
+  check_no_aliasing(hidden, weight, bias, grads, nullptr, nullptr,
+                    {{ids, "ids"}, {lse, "lse"}, {grad_logp, "grad_logp"}});
   dispatch(p, workspace, stream, "linear_selective_log_softmax");
 }
 

@@ -337,6 +337,23 @@ void dispatch(const Problem& p, Workspace ws, StreamHandle stream, const char* w
 }  // namespace
 
 namespace pl {
+void check_policy_apart(const PolicyLossInputs& in, const PolicyLossOutputs& out, const TensorView* grad_logits,
+                        const TensorView& grad_scale) {
+  const TensorView none;
+  const TensorView& g = grad_logits ? *grad_logits : none;
+  // The gradient may be the logits themselves (build_policy_problem checks that pair).
+  check_outputs_apart({{out.loss, "loss"}, {out.per_token_loss, "per_token_loss"}, {out.kl, "kl"},
+                       {out.is_clipped, "is_clipped"}, {out.logp, "logp"}, {out.entropy, "entropy"},
+                       {out.lse, "lse"}},
+                      {{in.logits, "logits"}});
+  check_outputs_apart({{out.loss, "loss"}, {out.per_token_loss, "per_token_loss"}, {out.kl, "kl"},
+                       {out.is_clipped, "is_clipped"}, {out.logp, "logp"}, {out.entropy, "entropy"},
+                       {out.lse, "lse"}, {g, "grad_logits"}},
+                      {{in.completion_ids, "completion_ids"}, {in.advantages, "advantages"},
+                       {in.completion_mask, "completion_mask"}, {in.old_logp, "old_logp"},
+                       {in.ref_logp, "ref_logp"}, {grad_scale, "grad_scale"}});
+}
+
 Problem make_policy_problem(Mode mode, const PolicyLossInputs& inputs, const PolicyLossOptions& options,
                             const PolicyLossOutputs& outputs, const TensorView* grad_logits) {
   return build_policy_problem(mode, inputs, options, outputs, grad_logits);
@@ -367,6 +384,7 @@ size_t policy_loss_workspace_bytes(const PolicyLossInputs& inputs, const PolicyL
 void policy_loss_forward(const PolicyLossInputs& inputs, const PolicyLossOptions& options,
                          const PolicyLossOutputs& outputs, Workspace workspace, StreamHandle stream) {
   const Problem p = build_policy_problem(Mode::kForward, inputs, options, outputs, nullptr);
+  pl::check_policy_apart(inputs, outputs, nullptr, TensorView{});
   check_workspace(workspace, policy_loss_workspace_bytes(inputs, options));
   dispatch(p, workspace, stream, "policy_loss");
 }
@@ -376,6 +394,7 @@ void policy_loss_forward_backward(const PolicyLossInputs& inputs, const PolicyLo
                                   const TensorView& grad_scale, Workspace workspace, StreamHandle stream) {
   Problem p = build_policy_problem(Mode::kForwardBackward, inputs, options, outputs, &grad_logits);
   if (grad_scale.defined()) p.grad_scale = check_float_input(grad_scale, "grad_scale", 1, p.device, "a scalar");
+  pl::check_policy_apart(inputs, outputs, &grad_logits, grad_scale);
   check_workspace(workspace, policy_loss_workspace_bytes(inputs, options));
   dispatch(p, workspace, stream, "policy_loss");
 }
@@ -403,6 +422,7 @@ void selective_log_softmax_forward(const TensorView& logits, const TensorView& i
   p.logp = check_token_output<float>(logp, "logp", p.n_rows, p.device, false);
   p.entropy = check_token_output<float>(entropy, "entropy", p.n_rows, p.device, false);
   p.lse = check_token_output<float>(lse, "lse", p.n_rows, p.device, false);
+  check_outputs_apart({{logp, "logp"}, {entropy, "entropy"}, {lse, "lse"}}, {{logits, "logits"}, {ids, "ids"}});
   check_workspace(workspace, selective_log_softmax_workspace_bytes(logits, ids, options));
   dispatch(p, workspace, stream, "selective_log_softmax");
 }
@@ -413,6 +433,7 @@ void selective_log_softmax_backward(const TensorView& logits, const TensorView& 
   Problem p = make_selective_problem(Mode::kBackward, logits, ids, options, &grad_logits);
   p.lse_in = check_float_input(lse, "lse", p.n_rows, p.device, "one per row, from the forward");
   p.grad_logp = check_float_input(grad_logp, "grad_logp", p.n_rows, p.device, "one per row");
+  check_outputs_apart({{grad_logits, "grad_logits"}}, {{ids, "ids"}, {lse, "lse"}, {grad_logp, "grad_logp"}});
   check_workspace(workspace, selective_log_softmax_workspace_bytes(logits, ids, options));
   dispatch(p, workspace, stream, "selective_log_softmax");
 }

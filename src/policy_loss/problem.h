@@ -99,6 +99,12 @@ Problem make_policy_problem(Mode mode, const PolicyLossInputs& inputs, const Pol
 Problem make_token_problem(Mode mode, const PolicyLossInputs& inputs, const PolicyLossOptions& options,
                            const PolicyLossOutputs& outputs, const Device& device, int64_t vocab);
 
+// No output of a policy call (its gradient included, when given) shares memory with an input or another output,
+// the gradient over the logits excepted (checked with them). For callers with other inputs too (a fused linear
+// head checks its own against these outputs).
+void check_policy_apart(const PolicyLossInputs& inputs, const PolicyLossOutputs& outputs, const TensorView* grad_logits,
+                        const TensorView& grad_scale);
+
 void run_cpu(const Problem& p);
 
 #if defined(LOGITLESS_WITH_CUDA)

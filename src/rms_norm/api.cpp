@@ -207,8 +207,10 @@ void rms_norm_forward(const TensorView& x, const TensorView& residual, const Ten
     check_output_vs_input(residual_out, "residual_out", residual, "residual", true);
   }
   check_output_vs_input(y, "y", weight, "weight", false);
+  if (has_res) check_output_vs_input(residual_out, "residual_out", weight, "weight", false);
   if (rstd.defined()) {
-    for (const auto& [t, n] : {std::pair<const TensorView*, const char*>{&x, "x"}, {&y, "y"}, {&weight, "weight"}})
+    for (const auto& [t, n] : {std::pair<const TensorView*, const char*>{&x, "x"}, {&y, "y"}, {&weight, "weight"},
+                               {&residual, "residual"}, {&residual_out, "residual_out"}})
       check_output_vs_input(rstd, "rstd", *t, n, false);
   }
   p.weight = weight.data;
@@ -285,7 +287,8 @@ void rms_norm_backward(const TensorView& grad_y, const TensorView& grad_residual
   check_output_vs_input(grad_x, "grad_x", rstd, "rstd", false);
   if (grad_weight.defined()) {
     for (const auto& [t, n] : {std::pair<const TensorView*, const char*>{&grad_y, "grad_y"}, {&x, "x"},
-                              {&weight, "weight"}, {&grad_x, "grad_x"}, {&grad_residual_out, "grad_residual_out"}})
+                              {&weight, "weight"}, {&grad_x, "grad_x"}, {&grad_residual_out, "grad_residual_out"},
+                              {&rstd, "rstd"}})
       check_output_vs_input(grad_weight, "grad_weight", *t, n, false);
   }
   p.weight = weight.data;

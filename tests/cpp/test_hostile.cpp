@@ -91,6 +91,7 @@ struct Arg {
   std::unique_ptr<TestTensor> t;
   bool primary = false;     // every other tensor's device is checked against this one's: no device mutation
   bool fixed_rank = false;  // another rank (one more dimension, or none) is rejected naming it
+  bool output = false;      // written by the call: it may share memory with no other argument
 };
 
 using Views = std::map<std::string, TensorView>;
@@ -105,7 +106,10 @@ struct Call {
   std::function<void(const Views&, Workspace)> fn;
 
   void add(const std::string& n, TestTensor t, bool primary = false, bool fixed_rank = false) {
-    args.push_back(Arg{n, std::make_unique<TestTensor>(std::move(t)), primary, fixed_rank});
+    args.push_back(Arg{n, std::make_unique<TestTensor>(std::move(t)), primary, fixed_rank, false});
+  }
+  void out(const std::string& n, TestTensor t, bool fixed_rank = false) {
+    args.push_back(Arg{n, std::make_unique<TestTensor>(std::move(t)), false, fixed_rank, true});
   }
   Views views() const {
     Views v;
@@ -193,9 +197,10 @@ const std::vector<Mutation>& mutations() {
   return m;
 }
 
-// Runs `fn` expecting an invalid-argument Error that names `arg`, with every tensor of `c` unchanged.
-void expect_rejected(const Call& c, const std::string& arg, const std::string& what,
-                     const std::function<void()>& fn) {
+// Runs `fn` expecting an invalid-argument Error that names `arg` (or `arg2`, when given), with every tensor of `c`
+// unchanged.
+void expect_rejected(const Call& c, const std::string& arg, const std::string& what, const std::function<void()>& fn,
+                     const std::string& arg2 = "") {
   SCOPED_TRACE(c.name + ": " + arg + " with " + what);
   std::vector<std::vector<uint8_t>> before;
   for (const Arg& a : c.args) before.push_back(bytes_of(*a.t));
@@ -212,7 +217,9 @@ void expect_rejected(const Call& c, const std::string& arg, const std::string& w
   }
   ASSERT_FALSE(msg.empty()) << "accepted";
   EXPECT_EQ(kind, Error::Kind::kInvalidArgument) << msg;
-  EXPECT_EQ(msg.rfind(arg + ":", 0), 0u) << "the message does not begin with '" << arg << ":': " << msg;
+  EXPECT_TRUE(msg.rfind(arg + ":", 0) == 0 || (!arg2.empty() && msg.rfind(arg2 + ":", 0) == 0))
+      << "the message does not begin with '" << arg << ":'" << (arg2.empty() ? "" : " or '" + arg2 + ":'") << ": "
+      << msg;
   for (size_t i = 0; i < c.args.size(); ++i)
     EXPECT_TRUE(bytes_of(*c.args[i].t) == before[i]) << c.args[i].name << " was written";
 }
@@ -237,6 +244,23 @@ void run_hostile(Call& c) {
       for (auto& kv : v) kv.second.device = Device{DeviceType::kCUDA, 0};
       v[a.name].device = Device{DeviceType::kCUDA, 1};
       expect_rejected(c, a.name, "cuda:1 while the rest are on cuda:0", [&] { c.fn(v, c.ws); });
+    }
+  }
+  // An output over another argument's memory (the same view of the same dtype excepted: where an op takes that in
+  // place, as a gradient over the logits, it is valid). Two outputs: either may be named.
+  for (const Arg& o : c.args) {
+    if (!o.output) continue;
+    for (const Arg& a : c.args) {
+      if (&a == &o || a.t->numel() == 0) continue;
+      Views v = c.views();
+      TensorView& ov = v[o.name];
+      const TensorView& av = v[a.name];
+      bool same = ov.dtype == av.dtype && ov.ndim == av.ndim;
+      for (int d = 0; same && d < ov.ndim; ++d) same = ov.sizes[d] == av.sizes[d] && ov.strides[d] == av.strides[d];
+      if (same) continue;
+      ov.data = av.data;
+      if (reinterpret_cast<uintptr_t>(ov.data) % dtype_size(ov.dtype) != 0) continue;
+      expect_rejected(c, o.name, "the memory of " + a.name, [&] { c.fn(v, c.ws); }, a.output ? a.name : "");
     }
   }
   if (c.ws.bytes > 0) {
@@ -270,9 +294,9 @@ Call ce_call(const std::string& which, Draw& d) {
   c.add("target", d.indices(DType::kInt64, {kN}, kV), which == "shard_finalize", which != "shard_finalize");
   c.add("weight", d.uniform_tensor({kV}, 0.5, 2.0), false, true);
   if (which == "forward" || which == "forward_backward" || which == "shard_finalize") {
-    c.add("loss", poisoned(DType::kFloat32, {}));
-    c.add("lse", poisoned(DType::kFloat32, {kN}));
-    c.add("z_loss", poisoned(DType::kFloat32, {kN}));
+    c.out("loss", poisoned(DType::kFloat32, {}));
+    c.out("lse", poisoned(DType::kFloat32, {kN}));
+    c.out("z_loss", poisoned(DType::kFloat32, {kN}));
   }
   if (which == "forward_backward") c.add("grad_scale", d.normal(DType::kFloat32, {}));
   if (which == "backward" || which == "shard_backward") {
@@ -280,8 +304,8 @@ Call ce_call(const std::string& which, Draw& d) {
     c.add("grad_loss", d.normal(DType::kFloat32, {}));
   }
   if (which == "forward_backward" || which == "backward" || which == "shard_backward")
-    c.add("grad_logits", poisoned(DType::kFloat32, {kN, Vr}));
-  if (which == "shard_partials") c.add("partials", poisoned(DType::kFloat32, {kN, kShardStats}));
+    c.out("grad_logits", poisoned(DType::kFloat32, {kN, Vr}));
+  if (which == "shard_partials") c.out("partials", poisoned(DType::kFloat32, {kN, kShardStats}));
   if (which == "shard_finalize") {
     TestTensor parts(DType::kFloat32, {2, kN, kShardStats});  // two shards' partials: finite statistics
     for (int64_t i = 0; i < parts.numel(); ++i) parts.set(i, i % 4 == 1 ? 1.5f : static_cast<float>(d.uniform(-1, 1)));
@@ -316,6 +340,7 @@ Call scale_rows_call(Draw& d) {
   Call c;
   c.name = "scale_rows";
   c.add("grad", d.normal(DType::kBFloat16, {kN, kV}), true);
+  c.args.back().output = true;  // scaled in place
   c.add("scale", d.normal(DType::kFloat32, {kN}));
   c.fn = [](const Views& v, Workspace) { scale_rows(at(v, "grad"), at(v, "scale"), nullptr); };
   return c;
@@ -344,22 +369,22 @@ Call lce_call(const std::string& which, Draw& d) {
   const bool grads = which == "forward_backward" || which == "backward" || which == "shard_backward" ||
                      which == "shard_step";
   if (fwd) {
-    c.add("loss", poisoned(DType::kFloat32, {}));
-    c.add("lse", poisoned(DType::kFloat32, {kN}));
+    c.out("loss", poisoned(DType::kFloat32, {}));
+    c.out("lse", poisoned(DType::kFloat32, {kN}));
   }
   if (which == "backward" || which == "shard_backward") {
     c.add("lse", d.normal(DType::kFloat32, {kN}));
     c.add("grad_loss", d.normal(DType::kFloat32, {}));
   }
   if (grads) {
-    c.add("grad_hidden", poisoned(DType::kFloat32, {kN, kH}), false, true);
-    c.add("grad_weight", poisoned(dt, {Vr, kH}), false, true);
-    c.add("grad_bias", poisoned(DType::kFloat32, {Vr}), false, true);
+    c.out("grad_hidden", poisoned(DType::kFloat32, {kN, kH}), true);
+    c.out("grad_weight", poisoned(dt, {Vr, kH}), true);
+    c.out("grad_bias", poisoned(DType::kFloat32, {Vr}), true);
   }
   if (which == "forward_backward") c.add("grad_scale", d.normal(DType::kFloat32, {}));
-  if (which == "shard_partials") c.add("partials", poisoned(DType::kFloat32, {kN, kShardStats}));
+  if (which == "shard_partials") c.out("partials", poisoned(DType::kFloat32, {kN, kShardStats}));
   if (which == "shard_step") {
-    c.add("partials", poisoned(DType::kFloat32, {4, kShardStats}));  // chunk 0's rows
+    c.out("partials", poisoned(DType::kFloat32, {4, kShardStats}));  // chunk 0's rows
     const Views v = c.views();
     c.workspace(linear_cross_entropy_shard_steps(at(v, "hidden"), at(v, "weight"), at(v, "target"),
                                                  at(v, "grad_hidden"), at(v, "grad_weight"), at(v, "grad_bias"), vs,
@@ -411,11 +436,12 @@ void add_token_inputs(Call& c, Draw& d) {
 }
 
 void add_policy_outputs(Call& c) {
-  c.add("loss", poisoned(DType::kFloat32, {}));
-  for (const char* n : {"per_token_loss", "kl", "logp", "entropy", "lse"}) c.add(n, poisoned(DType::kFloat32, {kB, kL}));
+  c.out("loss", poisoned(DType::kFloat32, {}));
+  for (const char* n : {"per_token_loss", "kl", "logp", "entropy", "lse"})
+    c.out(n, poisoned(DType::kFloat32, {kB, kL}));
   TestTensor clipped(DType::kBool, {kB, kL});
   clipped.fill_storage_bytes(0xA5);
-  c.add("is_clipped", std::move(clipped));
+  c.out("is_clipped", std::move(clipped));
 }
 
 PolicyLossOutputs policy_outputs(const Views& v) {
@@ -437,7 +463,7 @@ Call pl_call(const std::string& which, Draw& d) {
   add_token_inputs(c, d);
   add_policy_outputs(c);
   if (which == "forward_backward") {
-    c.add("grad_logits", poisoned(DType::kFloat16, {kB, kL + 1, kV}), false, true);
+    c.out("grad_logits", poisoned(DType::kFloat16, {kB, kL + 1, kV}), true);
     c.add("grad_scale", d.normal(DType::kFloat32, {}));
   }
   const PolicyLossOptions o = pl_opts();
@@ -464,11 +490,11 @@ Call sls_call(const std::string& which, Draw& d) {
   c.add("logits", d.normal(DType::kFloat32, {kN, kV}), true);
   c.add("ids", d.indices(DType::kInt32, {kN}, kV), false, true);
   if (which == "forward") {
-    for (const char* n : {"logp", "entropy", "lse"}) c.add(n, poisoned(DType::kFloat32, {kN}));
+    for (const char* n : {"logp", "entropy", "lse"}) c.out(n, poisoned(DType::kFloat32, {kN}));
   } else {
     c.add("lse", d.normal(DType::kFloat32, {kN}));
     c.add("grad_logp", d.normal(DType::kFloat32, {kN}));
-    c.add("grad_logits", poisoned(DType::kFloat32, {kN, kV}), false, true);
+    c.out("grad_logits", poisoned(DType::kFloat32, {kN, kV}), true);
   }
   SelectiveLogSoftmaxOptions o;
   c.fn = [which, o](const Views& v, Workspace ws) {
@@ -497,9 +523,9 @@ Call lpl_call(const std::string& which, Draw& d) {
     c.add("grad_loss", d.normal(DType::kFloat32, {}));
   }
   if (which != "forward") {
-    c.add("grad_hidden", poisoned(DType::kFloat32, {kB, kL + 1, kH}), false, true);
-    c.add("grad_weight", poisoned(DType::kFloat32, {kV, kH}), false, true);
-    c.add("grad_bias", poisoned(DType::kFloat32, {kV}), false, true);
+    c.out("grad_hidden", poisoned(DType::kFloat32, {kB, kL + 1, kH}), true);
+    c.out("grad_weight", poisoned(DType::kFloat32, {kV, kH}), true);
+    c.out("grad_bias", poisoned(DType::kFloat32, {kV}), true);
   }
   if (which == "forward_backward") c.add("grad_scale", d.normal(DType::kFloat32, {}));
   LinearPolicyLossOptions o;
@@ -534,13 +560,13 @@ Call lsls_call(const std::string& which, Draw& d) {
   c.add("bias", d.normal(DType::kFloat16, {kV}), false, true);
   c.add("ids", d.indices(DType::kInt64, {kN}, kV), false, true);
   if (which == "forward") {
-    for (const char* n : {"logp", "entropy", "lse"}) c.add(n, poisoned(DType::kFloat32, {kN}));
+    for (const char* n : {"logp", "entropy", "lse"}) c.out(n, poisoned(DType::kFloat32, {kN}));
   } else {
     c.add("lse", d.normal(DType::kFloat32, {kN}));
     c.add("grad_logp", d.normal(DType::kFloat32, {kN}));
-    c.add("grad_hidden", poisoned(DType::kFloat16, {kN, kH}), false, true);
-    c.add("grad_weight", poisoned(DType::kFloat32, {kV, kH}), false, true);
-    c.add("grad_bias", poisoned(DType::kFloat16, {kV}), false, true);
+    c.out("grad_hidden", poisoned(DType::kFloat16, {kN, kH}), true);
+    c.out("grad_weight", poisoned(DType::kFloat32, {kV, kH}), true);
+    c.out("grad_bias", poisoned(DType::kFloat16, {kV}), true);
   }
   LinearSelectiveLogSoftmaxOptions o;
   c.fn = [which, o](const Views& v, Workspace ws) {
@@ -564,9 +590,9 @@ Call rms_call(const std::string& which, Draw& d) {
     c.add("x", d.normal(dt, {kN, kH}), true);
     c.add("residual", d.normal(dt, {kN, kH}));
     c.add("weight", d.normal(DType::kFloat32, {kH}), false, true);
-    c.add("y", poisoned(dt, {kN, kH}));
-    c.add("residual_out", poisoned(dt, {kN, kH}));
-    c.add("rstd", poisoned(DType::kFloat32, {kN}));
+    c.out("y", poisoned(dt, {kN, kH}));
+    c.out("residual_out", poisoned(dt, {kN, kH}));
+    c.out("rstd", poisoned(DType::kFloat32, {kN}));
   } else {
     c.add("grad_y", d.normal(dt, {kN, kH}), true);
     c.add("grad_residual_out", d.normal(dt, {kN, kH}));
@@ -575,8 +601,8 @@ Call rms_call(const std::string& which, Draw& d) {
     TestTensor rstd(DType::kFloat32, {kN});
     for (int64_t i = 0; i < kN; ++i) rstd.set(i, static_cast<float>(d.uniform(0.5, 2.0)));
     c.add("rstd", std::move(rstd));
-    c.add("grad_x", poisoned(dt, {kN, kH}));
-    c.add("grad_weight", poisoned(DType::kFloat32, {kH}), false, true);
+    c.out("grad_x", poisoned(dt, {kN, kH}));
+    c.out("grad_weight", poisoned(DType::kFloat32, {kH}), true);
   }
   RMSNormOptions o;
   c.fn = [which, o](const Views& v, Workspace ws) {
