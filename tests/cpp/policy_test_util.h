@@ -314,7 +314,8 @@ inline double policy_reference_loss(const PolicyTokenInputs& in, int64_t B, int6
         const double d = in.ref.get(r) - lp[r];
         kl = std::exp(d) - d - 1;
       }
-      const double tok = -std::min(ratio * A, clipped_ratio * A) + o.beta * kl;
+      // With beta = 0 the KL term is no part of the loss (a NaN or inf kl is reported, never multiplied by 0).
+      const double tok = -std::min(ratio * A, clipped_ratio * A) + (o.beta != 0 ? o.beta * kl : 0.0);
       if (skip == SkipNan::kLogpAndLoss && std::isnan(tok)) continue;
       loss += factor * in.w[r] * tok;
       if (out) {

@@ -731,6 +731,92 @@ TEST(CrossEntropyNumerics, NanAndInfStayInTheirRow) {
   }
 }
 
+// Issue 19: a NaN or inf class weight of a class no row targets multiplies no term without label smoothing (torch's
+// gradient is finite): every output equals that of the same call with the weight finite, on the CPU and the GPU.
+// With label smoothing the weight enters every row's smoothing term, and the losses are not finite.
+TEST(CrossEntropyNumerics, NonFiniteWeightOfAnUntargetedClass) {
+  LOGITLESS_TRACE_SEED();
+  const uint64_t seed = fresh_seed();
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    for (Reduction r : {Reduction::kNone, Reduction::kSum, Reduction::kMean}) {
+      for (double z : {0.0, 1e-2}) {
+        for (float bad : {NAN, INFINITY, -INFINITY}) {
+          SCOPED_TRACE(std::string(dev ? "cuda " : "cpu ") + reduction_name(r) + " z_loss " + std::to_string(z) +
+                       " weight " + std::to_string(bad));
+          CeCase c{9, 37, DType::kFloat32, DType::kInt64, Layout::kContiguous, Preset::kWeights, r};
+          CeInputs in(c, seed);
+          in.opt.z_loss = z;
+          std::mt19937_64 rng(seed + 7);
+          const int64_t k = std::uniform_int_distribution<int64_t>(0, c.v - 1)(rng);
+          for (int64_t i = 0; i < c.n; ++i)
+            if (in.target.get_index(i) == k) in.target.set_index(i, (k + 1) % c.v);
+          const auto up = upstream_for(in, seed + 1);
+          in.weight.set(k, static_cast<float>(std::uniform_real_distribution<double>(0.5, 2.0)(rng)));
+          const Outputs finite = run_backend(in, Entry::kForwardBackward, dev, up, nullptr);
+          const std::vector<float> lse(finite.lse.begin(), finite.lse.end());
+          const Outputs finite_bwd = run_backend(in, Entry::kBackward, dev, up, &lse);
+          in.weight.set(k, bad);
+          const Outputs got = run_backend(in, Entry::kForwardBackward, dev, up, nullptr);
+          const Outputs got_bwd = run_backend(in, Entry::kBackward, dev, up, &lse);
+          EXPECT_EQ(got.loss, finite.loss);
+          EXPECT_EQ(got.lse, finite.lse);
+          EXPECT_EQ(got.z, finite.z);
+          ASSERT_EQ(got.grad.size(), finite.grad.size());
+          for (size_t i = 0; i < got.grad.size(); ++i) {
+            ASSERT_TRUE(std::isfinite(got.grad[i]) && std::isfinite(got_bwd.grad[i])) << "element " << i;
+            ASSERT_EQ(got.grad[i], finite.grad[i]) << "element " << i;
+            ASSERT_EQ(got_bwd.grad[i], finite_bwd.grad[i]) << "element " << i;
+          }
+          for (size_t i = 0; i < got.loss.size(); ++i)
+            if (r != Reduction::kNone || in.target.get_index(static_cast<int64_t>(i)) != in.opt.ignore_index)
+              ASSERT_TRUE(std::isfinite(got.loss[i])) << "loss " << i;
+          in.opt.label_smoothing = 0.1;
+          const Outputs smoothed = run_backend(in, Entry::kForwardBackward, dev, up, nullptr);
+          for (size_t i = 0; i < smoothed.loss.size(); ++i)
+            if (r != Reduction::kNone || in.target.get_index(static_cast<int64_t>(i)) != in.opt.ignore_index)
+              EXPECT_FALSE(std::isfinite(smoothed.loss[i])) << "row " << i;
+        }
+      }
+    }
+  }
+}
+
+// Issue 19: with class weights and reduction mean, the z-loss terms are divided by the count of rows not ignored
+// and the cross-entropy terms by their summed weights (torch's weighted mean): the float64 reference says so, and
+// scaling every class weight by 10 leaves the loss and the gradient as they were (with label smoothing too).
+TEST(CrossEntropyNumerics, ZLossOfAWeightedMeanIsOverTheRowCount) {
+  LOGITLESS_TRACE_SEED();
+  const uint64_t seed = fresh_seed();
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    for (double eps : {0.0, 0.1}) {
+      SCOPED_TRACE(std::string(dev ? "cuda" : "cpu") + " label_smoothing " + std::to_string(eps));
+      CeCase c{13, 41, DType::kFloat32, DType::kInt64, Layout::kContiguous, Preset::kWeights, Reduction::kMean};
+      CeInputs in(c, seed);
+      in.opt.z_loss = 0.05;
+      in.opt.label_smoothing = eps;
+      const auto up = upstream_for(in, seed + 1);
+      const Outputs want = from_reference(reference(in, up), in, true);
+      const Outputs got = run_backend(in, Entry::kForwardBackward, dev, up, nullptr);
+      expect_outputs(in, Entry::kForwardBackward, got, want, dev ? "cuda" : "cpu", up);
+      // The z-loss's share of the loss is z * mean(lse^2) over the rows not ignored.
+      in.opt.z_loss = 0.0;
+      const Outputs plain = run_backend(in, Entry::kForward, dev, up, nullptr);
+      double sq = 0, count = 0;
+      for (int64_t i = 0; i < c.n; ++i)
+        if (in.target.get_index(i) != in.opt.ignore_index) sq += got.lse[i] * got.lse[i], count += 1;
+      EXPECT_NEAR(got.loss[0] - plain.loss[0], 0.05 * sq / count, 2e-5 * std::abs(got.loss[0]));
+      in.opt.z_loss = 0.05;
+      for (int64_t j = 0; j < c.v; ++j) in.weight.set(j, 10.f * in.weight.get(j));
+      const Outputs scaled = run_backend(in, Entry::kForwardBackward, dev, up, nullptr);
+      EXPECT_TRUE(all_close(scaled.loss, got.loss, Tol{1e-5, 0}, 1.0, "loss with weights x 10"));
+      const double gmax = max_abs(std::vector<double>(got.grad.begin(), got.grad.end()));
+      EXPECT_TRUE(all_close(scaled.grad, got.grad, Tol{1e-5, 1e-6}, gmax, "gradient with weights x 10"));
+    }
+  }
+}
+
 // N * V > 2^31: offsets past int32 range. GPU only (4.3 GB of bf16 logits); compared row by row with the
 // CPU backend on the first and last rows, whose element offsets straddle 2^31.
 TEST(CrossEntropyLarge, BeyondInt32Offsets) {

@@ -37,22 +37,11 @@
 namespace logitless::test {
 namespace {
 
-uint64_t process_seed() {
-  static const uint64_t seed = [] {
-    if (const char* s = std::getenv("LOGITLESS_TEST_SEED")) return static_cast<uint64_t>(std::strtoull(s, nullptr, 10));
-    std::random_device rd;
-    return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  }();
-  return seed;
-}
-
-#define LOGITLESS_TRACE_SEED() SCOPED_TRACE("LOGITLESS_TEST_SEED=" + std::to_string(process_seed()))
-
 // A fresh stream of draws for one test: the process seed mixed with the test's own salt.
 struct Draw {
   std::mt19937_64 rng;
   uint64_t next_seed;
-  explicit Draw(uint64_t salt) : rng(process_seed() ^ (salt * 0x9E3779B97F4A7C15ull)), next_seed(rng()) {}
+  explicit Draw(uint64_t salt) : rng(fresh_seed() ^ (salt * 0x9E3779B97F4A7C15ull)), next_seed(rng()) {}
   int64_t index(int64_t n) { return std::uniform_int_distribution<int64_t>(0, n - 1)(rng); }
   double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
   // A float tensor of N(0, stddev^2) values.

@@ -612,6 +612,51 @@ TEST(LinearCrossEntropy, Float32GradientsOf16BitInputs) {
   }
 }
 
+// Issue 19: with class weights, z-loss and reduction mean, the z-loss terms are divided by the count of tokens not
+// ignored and the rest by their summed class weights, so scaling every class weight by 10 leaves the loss and the
+// gradients as they were: against the float64 reference in every schedule and chunking, on the CPU and on the GPU's
+// paths (fused where the GPU has it, generic, and the gradient in forward's exponential form).
+TEST(LinearCrossEntropy, ZLossOfAWeightedMeanIsOverTheTokenCount) {
+  LOGITLESS_TRACE_SEED();
+  const uint64_t seed = fresh_seed();
+  struct Path {
+    bool dev, fused, exp_form;
+    const char* name;
+  };
+  const Path paths[] = {{false, true, false, "cpu"},
+                        {true, true, false, "cuda"},
+                        {true, false, false, "cuda generic"},
+                        {true, true, true, "cuda exponential form"}};
+  for (const Path& path : paths) {
+    if (path.dev && !has_gpu()) continue;
+    SCOPED_TRACE(path.name);
+    LceCase c{45, 32, 301, DType::kBFloat16, Layout::kContiguous, Preset::kWeights, Reduction::kMean, true};
+    LceInputs in(c, seed);
+    in.opt.z_loss = 0.05;
+    const auto up = upstream_for(in, seed + 1);
+    const Outputs want = reference(in, up);
+#if defined(LOGITLESS_WITH_CUDA)
+    lce::debug::set_fused_kernels(path.fused);
+    lce::debug::set_exp_form(path.exp_form);
+#endif
+    for (Chunking ch : {Chunking::kDefault, Chunking::kSmall}) {
+      for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
+        if (path.exp_form && e != Entry::kForwardBackward) continue;
+        SCOPED_TRACE(std::string(chunking_name(ch)) + " " + entry_name(e));
+        const Outputs got = run_backend(in, e, path.dev, up, &want.lse, ch);
+        expect_outputs(in, e, got, want, path.name, in.c.dtype);
+      }
+    }
+    for (int64_t j = 0; j < c.v; ++j) in.class_weight.set(j, 10.f * in.class_weight.get(j));
+    const Outputs scaled = run_backend(in, Entry::kForwardBackward, path.dev, up, nullptr);
+    expect_outputs(in, Entry::kForwardBackward, scaled, want, std::string(path.name) + " weights x 10", in.c.dtype);
+#if defined(LOGITLESS_WITH_CUDA)
+    lce::debug::set_fused_kernels(true);
+    lce::debug::set_exp_form(false);
+#endif
+  }
+}
+
 // A float32 bias beside 16-bit hidden states and weights.
 TEST(LinearCrossEntropy, Float32Bias) {
   for (bool dev : {false, true}) {

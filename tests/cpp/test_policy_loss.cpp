@@ -447,6 +447,47 @@ TEST(PolicyLossReference, SeedSettingByHand) {
   EXPECT_NEAR(r.loss, loss / total_w, 1e-12);
 }
 
+// Issue 19: with beta = 0 the KL term enters neither the loss nor the gradient, so -inf or NaN in ref_logp leaves
+// them finite (TRL does not evaluate the KL term then; 0 * inf made them NaN). The kl output still reports the k3
+// value of a given ref_logp: +inf for a -inf ref_logp, NaN for a NaN one. Against the float64 reference, and every
+// output but kl equal to that of the same call with those ref_logp finite; on the CPU and the GPU.
+TEST(PolicyLossNumerics, BetaZeroLeavesNonFiniteRefLogpOutOfTheLoss) {
+  LOGITLESS_TRACE_SEED();
+  const uint64_t seed = fresh_seed();
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    for (ImportanceSamplingLevel level : {ImportanceSamplingLevel::kToken, ImportanceSamplingLevel::kSequence}) {
+      SCOPED_TRACE(std::string(dev ? "cuda " : "cpu ") + level_name(level));
+      PlCase c{3, 5, 37, DType::kFloat32, PlLayout::kShifted, Preset::kFull, PolicyLossType::kGrpo, level};
+      PlInputs in(c, seed);
+      in.opt.beta = 0.0;
+      const PlOut finite = run_backend(in, PlEntry::kForwardBackward, dev, 1.f);
+      std::vector<int64_t> hit;  // two unmasked tokens: -inf and NaN
+      for (int64_t t = 0; t < c.B * c.L && hit.size() < 2; ++t)
+        if (in.w[t] != 0 && (t % 4 == static_cast<int64_t>(seed % 4) || t > 8)) hit.push_back(t);
+      ASSERT_EQ(hit.size(), 2u);
+      in.ref.set(hit[0], -INFINITY);
+      in.ref.set(hit[1], NAN);
+      const PlRef ref = reference(in, 1.0, /*want_logits_grad=*/true);
+      const PlOut got = run_backend(in, PlEntry::kForwardBackward, dev, 1.f);
+      expect_outputs(in, PlEntry::kForwardBackward, got, from_reference(ref), ref, dev ? "cuda" : "cpu");
+      EXPECT_TRUE(std::isfinite(got.loss));
+      EXPECT_EQ(got.loss, finite.loss);
+      EXPECT_EQ(got.per_token_loss, finite.per_token_loss);
+      ASSERT_EQ(got.grad.size(), finite.grad.size());
+      for (size_t i = 0; i < got.grad.size(); ++i) ASSERT_EQ(got.grad[i], finite.grad[i]) << "element " << i;
+      EXPECT_EQ(got.kl[hit[0]], INFINITY);
+      EXPECT_TRUE(std::isnan(got.kl[hit[1]]));
+      // With beta > 0 the penalty counts: that token's loss is +inf (and so is the loss) or NaN.
+      in.opt.beta = 0.04;
+      in.ref.set(hit[1], -2.f);
+      const PlOut penalized = run_backend(in, PlEntry::kForward, dev, 1.f);
+      EXPECT_EQ(penalized.per_token_loss[hit[0]], INFINITY);
+      EXPECT_EQ(penalized.loss, INFINITY);
+    }
+  }
+}
+
 // ---- selective log-softmax --------------------------------------------------------------------------------------
 struct SelCase {
   int64_t N, V;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -150,6 +151,18 @@ inline ::testing::AssertionResult grad_close(const std::vector<double>& got, con
                                              const std::string& what) {
   return grad_close(got, want, tol, 0.0, what);
 }
+
+// A seed fresh per process (LOGITLESS_TEST_SEED overrides it): tests that draw from it see new inputs on every run,
+// and print it (LOGITLESS_TRACE_SEED) so that a failure can be replayed.
+inline uint64_t fresh_seed() {
+  static const uint64_t seed = [] {
+    if (const char* s = std::getenv("LOGITLESS_TEST_SEED")) return static_cast<uint64_t>(std::strtoull(s, nullptr, 10));
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  }();
+  return seed;
+}
+#define LOGITLESS_TRACE_SEED() SCOPED_TRACE("LOGITLESS_TEST_SEED=" + std::to_string(::logitless::test::fresh_seed()))
 
 // The message of the Error that f raises ("" when it raises none), and its kind when `kind` is given.
 inline std::string error_of(const std::function<void()>& f, Error::Kind* kind = nullptr) {

@@ -458,6 +458,50 @@ TEST(VocabParallelCrossEntropy, NanAndInfStayInTheirRow) {
   }
 }
 
+// Issue 19, sharded: with class weights, z-loss and reduction mean the z-loss terms are divided by the count of rows
+// (scaling every class weight by 10 changes nothing), and without label smoothing a NaN or inf weight of a class no
+// row targets leaves every output as it was with that weight finite. Every split, on the CPU and the GPU.
+TEST(VocabParallelCrossEntropy, WeightsScaleAndUntargetedNonFiniteWeight) {
+  LOGITLESS_TRACE_SEED();
+  const uint64_t seed = fresh_seed();
+  for (bool dev : {false, true}) {
+    if (dev && !has_gpu()) continue;
+    const CeCase c{23, 37, DType::kFloat32, Preset::kWeightsSmoothing};
+    CeInputs in(c, seed);
+    CrossEntropyOptions o = ce_options_for(c.preset, Reduction::kMean);
+    o.label_smoothing = 0.0;
+    o.z_loss = 0.05;
+    const auto up = upstream_for(c.n, o.reduction, seed + 1);
+    std::mt19937_64 rng(seed + 2);
+    const int64_t k = std::uniform_int_distribution<int64_t>(0, c.v - 1)(rng);
+    for (int64_t i = 0; i < c.n; ++i)
+      if (in.target.get_index(i) == k) in.target.set_index(i, (k + 1) % c.v);
+    const CeOut want = ce_unsharded(in, o, up);
+    const TestTensor w0 = in.weight.clone();
+    for (const auto& split : splits_for(c.v)) {
+      const std::string tag = std::string(dev ? "cuda " : "cpu ") + split_name(split);
+      SCOPED_TRACE(tag);
+      const CeOut base = ce_sharded(in, o, up, split, dev, false);
+      expect_ce(in, o, up, base, want, tag);
+      const float wk = in.weight.get(k);
+      for (float bad : {NAN, INFINITY}) {
+        in.weight.set(k, bad);
+        const CeOut got = ce_sharded(in, o, up, split, dev, false);
+        EXPECT_EQ(got.loss, base.loss) << bad;
+        EXPECT_EQ(got.grad, base.grad) << bad;
+      }
+      in.weight.set(k, wk);
+      for (int64_t j = 0; j < c.v; ++j) in.weight.set(j, 10.f * in.weight.get(j));
+      const CeOut scaled = ce_sharded(in, o, up, split, dev, false);
+      for (int64_t j = 0; j < c.v; ++j) in.weight.set(j, w0.get(j));
+      EXPECT_TRUE(all_close(scaled.loss, base.loss, Tol{1e-5, 0}, 1.0, tag + " loss, weights x 10"));
+      double gmax = 0;
+      for (float x : base.grad) gmax = std::max(gmax, static_cast<double>(std::abs(x)));
+      EXPECT_TRUE(all_close(scaled.grad, base.grad, Tol{1e-5, 1e-6}, gmax, tag + " grad, weights x 10"));
+    }
+  }
+}
+
 TEST(VocabParallelCrossEntropyErrors, BadArguments) {
   TestTensor logits(DType::kFloat32, {4, 3}), target(DType::kInt64, {4}), partials(DType::kFloat32, {4, 4});
   TestTensor loss(DType::kFloat32, {}), w5(DType::kFloat32, {5}), w3(DType::kFloat32, {3});
