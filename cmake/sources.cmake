@@ -8,6 +8,7 @@ set(LOGITLESS_CXX_SOURCES
   src/cross_entropy/cuda/plan.cpp
   src/glu/api.cpp
   src/glu/cpu.cpp
+  src/glu/cuda/plan.cpp
   src/linear_cross_entropy/api.cpp
   src/linear_cross_entropy/cpu.cpp
   src/linear_cross_entropy/cuda/plan.cpp
@@ -22,6 +23,7 @@ set(LOGITLESS_CXX_SOURCES
   src/rms_norm/cuda/plan.cpp
   src/rope/api.cpp
   src/rope/cpu.cpp
+  src/rope/cuda/plan.cpp
 )
 # Compiled only with the CUDA backend.
 set(LOGITLESS_CUDA_SOURCES
@@ -30,6 +32,7 @@ set(LOGITLESS_CUDA_SOURCES
   src/cross_entropy/cuda/launch.cu
   src/cross_entropy/cuda/row_resident.cu
   src/cross_entropy/cuda/streaming.cu
+  src/glu/cuda/kernels.cu
   src/linear_cross_entropy/cuda/exp_grad.cu
   src/linear_cross_entropy/cuda/generic.cpp
   src/linear_cross_entropy/cuda/hopper.cu
@@ -41,6 +44,7 @@ set(LOGITLESS_CUDA_SOURCES
   src/policy_loss/cuda/rows_resident.cu
   src/rms_norm/cuda/forward.cu
   src/rms_norm/cuda/backward.cu
+  src/rope/cuda/rope.cu
 )
 # Compiled only without it.
 set(LOGITLESS_NO_CUDA_SOURCES

@@ -104,6 +104,9 @@ void rope_apply(const TensorView& q, const TensorView& k, const TensorView& cos,
   const int64_t B = q.sizes[0], T = q.sizes[2], D = q.sizes[3];
   const bool has_k = k.defined();
   if (has_k) check_heads_like(k, "k", q, -1);
+  // The kernels index a token's heads and channels in 32 bits.
+  const int64_t token_elems = (q.sizes[1] + (has_k ? k.sizes[1] : 0)) * D;
+  LOGITLESS_CHECK_ARG(token_elems <= 0x7FFFFFFF, "q", "at most 2^31 - 1 elements of q and k a token", token_elems);
   check_heads_like(q_out, "q_out", q, q.sizes[1]);
   if (has_k) {
     LOGITLESS_CHECK_ARG(k_out.defined(), "k_out", "a tensor (k was given)", "None");

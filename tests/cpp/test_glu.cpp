@@ -7,6 +7,7 @@
 #include <optional>
 #include <sstream>
 
+#include "glu/cuda/plan.h"
 #include "test_util.h"
 
 namespace logitless::test {
@@ -350,6 +351,62 @@ TEST(GLULarge, RowOffsetsBeyondInt32) {
   expect_close(values(y), values(yc), bf, "y");
   expect_close(values(dg), values(dgc), bf, "grad_gate");
   expect_close(values(du), values(duc), bf, "grad_up");
+}
+
+// ---- the launch plan ---------------------------------------------------------------------------------------
+glu::Plan plan(int64_t n_rows, int64_t width, int es, bool aligned, GLUAlgo algo = GLUAlgo::kAuto) {
+  glu::PlanInputs in;
+  in.n_rows = n_rows;
+  in.width = width;
+  in.elem_bytes = es;
+  in.vector_ok = aligned;
+  in.requested = algo;
+  return glu::plan_glu(in);
+}
+
+TEST(GLUPlan, Decisions) {
+  // Llama-3-8B's gate_up halves (rows 2I apart): 1792 bf16 vectors a row tile exactly into 7 chunks of 128 threads
+  // x 2 vectors, where 256-thread CTAs would leave an eighth of the last chunk idle.
+  glu::Plan p = plan(16384, 14336, 2, true);
+  EXPECT_TRUE(p.vector);
+  EXPECT_EQ(p.units, 1792);
+  EXPECT_EQ(p.threads, 128);
+  EXPECT_EQ(p.chunks, 7);
+  EXPECT_EQ(p.grid_x, 7);
+  EXPECT_EQ(p.grid_y, 16384);
+  // Dense tensors fold into one row of N x I elements: 256-thread CTAs, no idle tail to speak of.
+  glu::Plan f = plan(1, int64_t{16384} * 14336, 2, true);
+  EXPECT_EQ(f.threads, 256);
+  EXPECT_EQ(f.units, int64_t{16384} * 14336 / 8);
+  EXPECT_EQ(f.grid_y, 1);
+  // float32: 4 elements a vector.
+  EXPECT_EQ(plan(10, 4096, 4, true).units, 1024);
+  // Rows the vector kernel cannot take go to the scalar one, unless the vector one was asked for.
+  EXPECT_FALSE(plan(10, 4096, 2, false).vector);
+  EXPECT_FALSE(plan(10, 4097, 2, true).vector);
+  EXPECT_EQ(plan(10, 4097, 2, true).units, 4097);
+  EXPECT_NE(plan(10, 4097, 2, true, GLUAlgo::kVector).why_not, nullptr);
+  EXPECT_EQ(plan(10, 4096, 2, true, GLUAlgo::kVector).why_not, nullptr);
+  EXPECT_FALSE(plan(10, 4096, 2, true, GLUAlgo::kScalar).vector);
+  // More rows than grid.y holds: the rows loop.
+  EXPECT_EQ(plan(100000, 64, 2, true).grid_y, glu::kMaxGridY);
+}
+
+// Every chunking covers the row exactly once: chunks of threads x kUnitsPerThread units, the last one partly empty.
+TEST(GLUPlan, ChunksCoverEveryRow) {
+  for (int es : {2, 4})
+    for (bool aligned : {false, true})
+      for (int64_t width = 1; width <= 20000; width += (width < 600 ? 1 : 97)) {
+        const glu::Plan p = plan(3, width, es, aligned);
+        SCOPED_TRACE(testing::Message() << "width " << width << " es " << es << " aligned " << aligned);
+        ASSERT_EQ(p.why_not, nullptr);
+        ASSERT_TRUE(p.threads == 32 || p.threads == 64 || p.threads == 128 || p.threads == 256 || p.threads == 512);
+        ASSERT_LE(p.threads, glu::kMaxThreads);
+        const int64_t chunk = int64_t{p.threads} * glu::kUnitsPerThread;
+        ASSERT_GE(p.chunks * chunk, p.units);
+        ASSERT_LT((p.chunks - 1) * chunk, p.units);
+        ASSERT_EQ(p.vector ? p.units * (16 / es) : p.units, width);
+      }
 }
 
 // ---- bad input ---------------------------------------------------------------------------------------------

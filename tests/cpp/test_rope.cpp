@@ -8,6 +8,7 @@
 #include <random>
 #include <sstream>
 
+#include "rope/cuda/plan.h"
 #include "test_util.h"
 
 namespace logitless::test {
@@ -325,6 +326,77 @@ TEST(RopeLarge, OffsetsBeyondInt32) {
   rope_apply(qc.host_view(), {}, cos.host_view(), sin.host_view(), {}, {}, outc.host_view(), {}, nullptr);
   expect_close(values(out), values(outc), bf, "q_out");
   expect_close(values(q), values(outc), bf, "q in place");
+}
+
+// ---- the launch plan ---------------------------------------------------------------------------------------
+rope::Plan plan(int64_t tokens, int64_t heads, int64_t d, int64_t dr, int es, bool aligned,
+                RopeAlgo algo = RopeAlgo::kAuto) {
+  rope::PlanInputs in;
+  in.tokens = tokens;
+  in.heads = heads;
+  in.head_dim = d;
+  in.rot_dim = dr;
+  in.elem_bytes = es;
+  in.vector_ok = aligned;
+  in.requested = algo;
+  return rope::plan_rope(in);
+}
+
+TEST(RopePlan, Decisions) {
+  // Llama-3-8B: 32 + 8 heads of 128 bf16 channels, 8 pairs of vectors a head: 8 x 20 threads, two heads each, one
+  // token a CTA.
+  rope::Plan p = plan(16384, 40, 128, 128, 2, true);
+  EXPECT_TRUE(p.vector);
+  EXPECT_EQ(p.pair_units, 8);
+  EXPECT_EQ(p.pass_units, 0);
+  EXPECT_EQ(p.x, 8);
+  EXPECT_EQ(p.y, 20);
+  EXPECT_EQ(p.z, 1);
+  EXPECT_EQ(p.grid, 16384);
+  // float32: 16 pairs of vectors; 14 head lanes take the 40 heads in three steps.
+  rope::Plan f = plan(16384, 40, 128, 128, 4, true);
+  EXPECT_EQ(f.x, 16);
+  EXPECT_EQ(f.y, 14);
+  // Partial rotary (Phi-2: 32 of 80 channels): 2 pairs of vectors and 6 pass-through vectors a head; small CTAs
+  // of one token take several tokens.
+  rope::Plan ph = plan(4096, 64, 80, 32, 2, true);
+  EXPECT_TRUE(ph.vector);
+  EXPECT_EQ(ph.pair_units, 2);
+  EXPECT_EQ(ph.pass_units, 6);
+  EXPECT_EQ(ph.x, 2);
+  EXPECT_EQ(ph.y * 2, 64);
+  EXPECT_EQ(ph.z, 4);
+  EXPECT_EQ(ph.grid, 1024);
+  // Halves that are not whole vectors, or misaligned tensors: the scalar kernel (an error if vectors were asked for).
+  EXPECT_FALSE(plan(64, 8, 64, 12, 2, true).vector);
+  EXPECT_EQ(plan(64, 8, 64, 12, 2, true).pair_units, 6);
+  EXPECT_NE(plan(64, 8, 64, 12, 2, true, RopeAlgo::kVector).why_not, nullptr);
+  EXPECT_FALSE(plan(64, 8, 128, 128, 2, false).vector);
+  EXPECT_FALSE(plan(64, 8, 128, 128, 2, true, RopeAlgo::kScalar).vector);
+  // A single head: one step.
+  EXPECT_EQ(plan(10, 1, 128, 128, 2, true).y, 1);
+}
+
+TEST(RopePlan, InvariantsForEveryShape) {
+  for (int es : {2, 4})
+    for (bool aligned : {false, true})
+      for (int64_t heads : {1, 2, 3, 8, 40, 41, 96, 257})
+        for (int64_t d = 2; d <= 512; d += 2)
+          for (int64_t dr : {d, d / 2 / 2 * 2, int64_t{2}}) {
+            if (dr < 2) continue;
+            const rope::Plan p = plan(1000, heads, d, dr, es, aligned);
+            SCOPED_TRACE(testing::Message() << "heads " << heads << " D " << d << " Dr " << dr << " es " << es);
+            ASSERT_EQ(p.why_not, nullptr);
+            ASSERT_GE(p.x, 1);
+            ASSERT_LE(p.x, rope::kMaxPairLanes);
+            ASSERT_LE(p.threads(), rope::kMaxThreads);
+            ASSERT_GE(p.y * ((heads + p.y - 1) / p.y), heads);  // the lanes cover the heads
+            ASSERT_LE(p.y, heads);
+            const int64_t unit = p.vector ? 16 / es : 1;
+            ASSERT_EQ(p.pair_units * unit, dr / 2);
+            ASSERT_EQ(p.pass_units * unit, d - dr);
+            ASSERT_EQ(p.grid, (1000 + p.z - 1) / p.z);
+          }
 }
 
 // ---- bad input ---------------------------------------------------------------------------------------------
