@@ -98,6 +98,7 @@ void dispatch(const Problem& p, Cpu&& cpu, StreamHandle stream) {
     return;
   }
 #if defined(LOGITLESS_WITH_CUDA)
+  check_cuda_target("gate", p.device, stream);
   glu::run_cuda(p, stream);
 #else
   throw_runtime("glu: logitless was built without its CUDA backend; CUDA tensors are not supported");

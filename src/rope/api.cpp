@@ -225,6 +225,7 @@ void rope_apply(const TensorView& q, const TensorView& k, const TensorView& cos,
     return;
   }
 #if defined(LOGITLESS_WITH_CUDA)
+  check_cuda_target("q", q.device, stream);
   rope::run_cuda(p, stream);
 #else
   throw_runtime("rope: logitless was built without its CUDA backend; CUDA tensors are not supported");
