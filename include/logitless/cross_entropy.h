@@ -16,8 +16,14 @@
 // w = weight, or all ones; eps = label_smoothing; W = sum_j w_j):
 //   loss_i = (1 - eps) * w_t * (lse_i - x_t) + (eps / V) * sum_j w_j * (lse_i - x_j) + z_loss * lse_i^2
 // Rows whose target equals ignore_index have loss 0, lse 0, z_loss 0 and gradient 0 and are not read.
-// Reduction mean divides the sum by sum_i w_{t_i} over the rows not ignored (their count without
-// weights), as torch does; when every row is ignored the loss is 0 and the gradient is 0 (torch: NaN).
+// Reduction mean divides the sum of the cross-entropy terms (all but z_loss * lse_i^2) by sum_i w_{t_i} over
+// the rows not ignored, as torch does, and the sum of the z-loss terms by the count of those rows (as Liger
+// does), so the loss does not depend on the scale of the class weights; without weights both divisors are the
+// count. When every row is ignored the loss is 0 and the gradient is 0 (torch: NaN).
+//
+// A term whose coefficient is 0 is not evaluated: without label smoothing the class weights of classes no row
+// targets (and their sum W) are not used, so a NaN or inf among them changes nothing (as in torch); with it,
+// they enter every row. A NaN class weight of a row's target makes that row's loss and gradient NaN.
 //
 // Targets outside [0, V) other than ignore_index: with check_targets (and a stream that is not capturing
 // a CUDA graph) the call throws an Error naming the first such row; otherwise that row's loss, lse and
@@ -46,7 +52,8 @@ struct CrossEntropyOptions {
   int64_t ignore_index = -100;
   Reduction reduction = Reduction::kMean;
   double label_smoothing = 0.0;  // in [0, 1]
-  double z_loss = 0.0;           // >= 0; adds z_loss * lse^2 per row (PaLM's z-loss, "lse_square_scale")
+  double z_loss = 0.0;           // >= 0; adds z_loss * lse^2 per row (PaLM's z-loss, "lse_square_scale");
+                                 // reduction mean averages it over the rows not ignored, unweighted
   double softcap = 0.0;          // > 0 caps the logits as softcap * tanh(logits / softcap); 0 = off
   bool check_targets = true;     // throw on a target outside [0, V) (skipped while a CUDA graph is captured)
   CrossEntropyAlgo algo = CrossEntropyAlgo::kAuto;

@@ -23,7 +23,8 @@
 // The loss is the cross-entropy family's (include/logitless/cross_entropy.h) over the logits
 //   z_i = hidden_i · weightᵀ + bias        (bias 0 when absent)
 // with every option meaning what it means there: ignore_index, reductions (mean divides by the summed class
-// weights of the tokens not ignored; a mean over no tokens is 0 with gradient 0), label_smoothing, z_loss,
+// weights of the tokens not ignored, but the z-loss terms by the count of those tokens; a mean over no tokens is
+// 0 with gradient 0), label_smoothing, z_loss,
 // softcap (applied to z), class weights, and check_targets. With g = d(loss)/dz (the cross-entropy gradient
 // of the logits, times the upstream gradient):
 //   grad_hidden = g · weight      grad_weight = gᵀ · hidden      grad_bias = column sums of g
@@ -70,7 +71,8 @@ struct LinearCrossEntropyOptions {
   int64_t ignore_index = -100;
   Reduction reduction = Reduction::kMean;
   double label_smoothing = 0.0;  // in [0, 1]
-  double z_loss = 0.0;           // >= 0: adds z_loss * lse^2 per token
+  double z_loss = 0.0;           // >= 0: adds z_loss * lse^2 per token (reduction mean: averaged over the
+                                 // tokens not ignored, unweighted)
   double softcap = 0.0;          // > 0 caps the logits as softcap * tanh(z / softcap); 0 = off
   bool check_targets = true;     // throw on a target outside [0, V) (skipped while a CUDA graph is captured)
   // CUDA chunking. 0: chosen from memory_budget. chunk_tokens: tokens whose logits' gradient is held at once

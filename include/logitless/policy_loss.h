@@ -27,7 +27,9 @@
 // Per token (b, l) with weight w, advantage A = advantages[b], x = logits[b, l] / temperature:
 //   logp    = log_softmax(x)[id]                                   (from an online log-sum-exp)
 //   entropy = -sum_j p_j log p_j,  p = softmax(x)                  (reported, not differentiated)
-//   kl      = exp(ref - logp) - (ref - logp) - 1                   (k3 estimator; 0 without ref_logp)
+//   kl      = exp(ref - logp) - (ref - logp) - 1                   (k3 estimator; 0 without ref_logp; with
+//                                                                   beta = 0 it is reported but no part of
+//                                                                   per_token_loss, the loss or the gradient)
 //   ratio r : token level    r = exp(logp - old_logp)
 //             sequence level r = exp(S_b) for every token of sequence b (GSPO), with
 //                            S_b = sum_l w (logp - old_logp) / D_b,  D_b = max(sum_l w, 1)
@@ -57,7 +59,10 @@
 // Ids outside [0, V) at unmasked tokens: with check_ids (and a stream that is not capturing a CUDA graph) the
 // call throws an Error naming the first such token; otherwise that token's outputs and gradient row are NaN
 // (and so is the loss; at the sequence level, every per_token_loss and gradient row of its sequence). A token
-// whose logits hold a NaN or +inf gets NaN outputs and gradient likewise.
+// whose logits hold a NaN or +inf gets NaN outputs and gradient likewise. A NaN old_logp or advantage makes its
+// token's (its sequence's) per_token_loss and gradient NaN; a NaN ref_logp its kl, and with beta > 0 its
+// per_token_loss and gradient (with beta = 0 the KL term is not evaluated: TRL's choice, so a -inf or NaN
+// ref_logp leaves loss and gradient finite). Masked tokens and the unused last position are never read.
 #pragma once
 
 #include <cstddef>
@@ -85,7 +90,7 @@ enum class PolicyLossAlgo : int32_t {
 struct PolicyLossOptions {
   PolicyLossType loss_type = PolicyLossType::kGrpo;
   ImportanceSamplingLevel importance_sampling_level = ImportanceSamplingLevel::kToken;
-  double beta = 0.04;                 // >= 0, weight of the KL penalty; > 0 needs ref_logp
+  double beta = 0.04;                 // >= 0, weight of the KL penalty; > 0 needs ref_logp; 0: no KL term
   double eps_low = 0.2;               // >= 0: the ratio is clipped below at 1 - eps_low
   double eps_high = 0.2;              // >= 0: ... and above at 1 + eps_high (DAPO's clip-higher: eps_high > eps_low)
   double temperature = 1.0;           // > 0: the logits are divided by it

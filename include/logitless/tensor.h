@@ -33,6 +33,11 @@ struct Device {
 
 inline constexpr int kMaxDims = 8;
 
+// Every entry point refuses (an invalid-argument Error naming the argument, before anything is read or written) a
+// view that is not well formed: more than kMaxDims dimensions, a negative size, a negative stride in a dimension of
+// size > 1, an unknown dtype or device code, a negative CUDA ordinal, an element count or byte extent beyond int64,
+// a data pointer not aligned to its element size, or a null one with elements. Outputs may share memory with no
+// input and no other output, except where an op says it writes in place.
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::kFloat32;
@@ -56,13 +61,15 @@ struct TensorView {
 };
 
 // Scratch memory the caller provides (see each op's *_workspace_bytes). On CUDA it must be device
-// memory on the op's device; it may be left uninitialized.
+// memory on the op's device; it may be left uninitialized. When an op needs any, the pointer must be non-null and
+// 16-byte aligned (as every allocator's is).
 struct Workspace {
   void* data = nullptr;
   size_t bytes = 0;
 };
 
-// A CUDA stream as an opaque handle (a cudaStream_t); nullptr is the legacy default stream.
+// A CUDA stream as an opaque handle (a cudaStream_t); nullptr is the legacy default stream. A stream of another
+// device than the tensors' is refused naming it, and so are tensors on a device the process does not see.
 using StreamHandle = void*;
 
 }  // namespace logitless

@@ -36,7 +36,7 @@
 // The backward of a shard is the cross-entropy gradient of its columns, d(loss)/dx_j for class offset + j, from
 // the global lse: the same formula (cross_entropy.h) with the target compared in global classes (a row whose
 // target lies in another shard has no target term here) and V, W = sum of all class weights, and the mean's
-// denominator global. The soft cap acts per element, so it shards trivially.
+// denominators (the summed target weights, and the row count for the z-loss terms) global. The soft cap acts per element, so it shards trivially.
 //
 // Linear cross-entropy. The weight shard is [V_r, H] (and the bias shard [V_r]); hidden [*, H] and targets are
 // the whole batch on every rank. Each rank's gradient of hidden is a partial sum over its classes: the caller

@@ -293,7 +293,9 @@ def cross_entropy(
             "sum" or "none" (loss per row, shape [*]). When every row is ignored (or N = 0) the mean is 0
             with gradient 0, where torch gives NaN.
         label_smoothing: in [0, 1], torch's label smoothing.
-        z_loss: >= 0, adds z_loss * lse**2 per row (PaLM's z-loss), inside the reduction.
+        z_loss: >= 0, adds z_loss * lse**2 per row (PaLM's z-loss), inside the reduction; with reduction
+            "mean" these terms are averaged over the rows not ignored, unweighted (as Liger does), so the loss
+            does not depend on the scale of `weight`.
         softcap: None/0 for no cap, or > 0 to cap the logits as softcap * tanh(logits / softcap) first.
         return_lse: also return the per-row log-sum-exp [*] (float32, of the capped logits; 0 for ignored
             rows).

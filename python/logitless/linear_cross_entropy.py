@@ -279,7 +279,8 @@ def linear_cross_entropy(
             own: the two need not merge alike).
         bias: optional [V], hidden's dtype or float32.
         ignore_index, reduction, label_smoothing, z_loss, softcap: as in `logitless.cross_entropy` (torch's
-            names and meaning; z_loss adds ``z_loss * lse**2`` per token; softcap caps the logits as
+            names and meaning; z_loss adds ``z_loss * lse**2`` per token, averaged for reduction "mean" over
+            the tokens not ignored, unweighted; softcap caps the logits as
             ``softcap * tanh(logits / softcap)``). A mean over only ignored tokens (or none) is 0 with
             gradient 0, where torch gives NaN.
         class_weight: optional [V] per-class weights (torch's cross-entropy ``weight``), any float dtype, used
