@@ -1180,6 +1180,27 @@ TEST(HostileGpu, DeviceMismatch) {
 #endif
 }
 
+// Tensors on a device the process does not see (cuda:N of N visible, also with no GPU at all) are refused naming the
+// tensor the call runs on, before any CUDA call. Needs the CUDA backend, not a GPU.
+TEST(HostileGpu, InvisibleDevice) {
+  if (!built_with_cuda()) GTEST_SKIP() << "built without the CUDA backend";
+  LOGITLESS_TRACE_SEED();
+  Draw d(304);
+  const Device gone{DeviceType::kCUDA, cuda_device_count()};
+  std::vector<Call> calls;
+  calls.push_back(ce_call("forward", d));
+  calls.push_back(pl_call("forward", d));
+  calls.push_back(rms_call("forward", d));
+  for (Call& c : calls) {
+    Views v = c.views();
+    for (auto& kv : v) kv.second.device = gone;
+    const std::string primary = c.args.front().name;
+    // Host scratch stands in for the workspace: the device check comes first and nothing is read or written.
+    c.workspace(c.ws_query ? c.ws_query(v) : 0);
+    expect_rejected(c, primary, "cuda:" + std::to_string(gone.index), [&] { c.fn(v, c.ws, nullptr); });
+  }
+}
+
 // A stream of another device is refused naming it, before anything is launched (two GPUs; skipped with fewer).
 TEST(HostileGpu, StreamOfAnotherDevice) {
   LOGITLESS_SKIP_WITHOUT_GPU();
