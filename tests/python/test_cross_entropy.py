@@ -60,8 +60,9 @@ def reference(logits, target, weight=None, ignore_index=-100, reduction="mean", 
         return per_row.reshape(shape), lse.reshape(shape), z.reshape(shape)
     total = per_row.sum()
     if reduction == "mean":
+        # The class weights normalize the cross-entropy terms; the z-loss term is averaged over the counted rows.
         denom = (w[t[valid]] if w is not None else torch.ones_like(per_row[valid])).sum()
-        total = total / denom if denom != 0 else total * 0
+        total = (per_row - z).sum() / denom + z.sum() / valid.sum() if denom != 0 else total * 0
     return total, lse.reshape(shape), z.reshape(shape)
 
 

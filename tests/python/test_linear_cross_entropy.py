@@ -51,13 +51,15 @@ def reference(hidden, weight, target, bias=None, ignore_index=-100, reduction="m
     rows = (F.cross_entropy(x2, t, weight=w, ignore_index=ignore_index, reduction="none",
                             label_smoothing=label_smoothing) if t.numel() else x2.sum(-1))
     lse = torch.where(valid, torch.logsumexp(x2, -1), torch.zeros_like(rows))
-    rows = rows + z_loss * lse * lse
+    z = z_loss * lse * lse
+    rows = rows + z
     if reduction == "none":
         return rows.reshape(target.shape), lse.reshape(target.shape)
     total = rows.sum()
     if reduction == "mean":
+        # The class weights normalize the cross-entropy terms; the z-loss term is averaged over the counted tokens.
         denom = (w[t[valid]] if w is not None else torch.ones_like(rows[valid])).sum()
-        total = total / denom if denom != 0 else total * 0
+        total = (rows - z).sum() / denom + z.sum() / valid.sum() if denom != 0 else total * 0
     return total, lse.reshape(target.shape)
 
 
