@@ -228,6 +228,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor], params: tuple, inplace: bool,
                   process_group) -> Tuple[Tensor, Tensor, Tensor]:
     """The vocabulary-parallel path of logitless.cross_entropy: (loss, lse, z_loss)."""
+    given = logits
     if is_dtensor(target):
         target = target.to_local()
     if is_dtensor(weight):
@@ -246,7 +247,9 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor], para
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     inplace = bool(inplace) and needs_grad and params[1] != _NONE
     if inplace:
-        owner = logits._base if logits._base is not None else logits
+        # The caller's tensor, not its local shard: to_local() of a DTensor parameter is never a leaf, yet it is the
+        # parameter's own storage.
+        owner = given._base if given._base is not None else given
         if owner.is_leaf and owner.requires_grad:
             raise ValueError("logits: inplace_backward=True needs logits computed by an op (e.g. a matmul); got a "
                              "leaf tensor that requires grad (or a view of one), whose values it would overwrite")

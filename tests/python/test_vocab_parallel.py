@@ -268,6 +268,20 @@ def _bad_target_case(rank, world, dev, linear):
     assert float(t) == world
 
 
+def _dtensor_leaf_inplace_case(rank, world, dev):
+    """inplace_backward=True on a DTensor that is a leaf (a parameter) is refused, and the parameter is unchanged:
+    its local shard is not a leaf, but it is the parameter's storage."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    device = _device(dev, rank)
+    leaf = distribute_tensor(torch.randn(4, 6, device=device), _mesh(device, world), [Shard(1)]).requires_grad_(True)
+    before = leaf.to_local().detach().clone()
+    target = torch.tensor([0, 5, 2, 3], device=device)
+    with pytest.raises(ValueError, match="logits: inplace_backward=True needs logits computed by an op"):
+        logitless.cross_entropy(leaf, target, inplace_backward=True)
+    assert torch.equal(leaf.to_local().detach(), before)
+
+
 def _no_tokens_case(rank, world, dev, schedule):
     device = _device(dev, rank)
     widths = [3, 4, 2][:world] if world == 3 else [3, 4]
@@ -365,6 +379,10 @@ def test_weight_regathered_between_forward_and_backward(gloo3, schedule, how):
 @pytest.mark.parametrize("linear", [False, True])
 def test_bad_target_raises_on_every_rank(gloo3, linear):
     gloo3.run("_bad_target_case", "cpu", linear)
+
+
+def test_inplace_on_a_dtensor_leaf_is_refused(gloo2):
+    gloo2.run("_dtensor_leaf_inplace_case", "cpu")
 
 
 @pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
