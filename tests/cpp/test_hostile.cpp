@@ -408,6 +408,12 @@ Call lce_call(const std::string& which, Draw& d, Reduction reduction = Reduction
     c.ws_query = [o](const Views& v) {
       return linear_cross_entropy_forward_workspace_bytes(at(v, "hidden"), at(v, "weight"), at(v, "target"), o);
     };
+  if (which == "forward_backward")
+    c.ws_query = [o](const Views& v) {
+      return linear_cross_entropy_forward_backward_workspace_bytes(at(v, "hidden"), at(v, "weight"), at(v, "target"),
+                                                                   at(v, "grad_hidden"), at(v, "grad_weight"),
+                                                                   at(v, "grad_bias"), o);
+    };
   c.fn = [which, o, vs](const Views& v, Workspace ws, StreamHandle stream) {
     const auto &X = at(v, "hidden"), &W = at(v, "weight"), &b = at(v, "bias"), &T = at(v, "target"),
                &cw = at(v, "class_weight");
@@ -562,6 +568,9 @@ Call lpl_call(const std::string& which, Draw& d) {
       in.weight = at(v, "weight");
       in.completion_ids = at(v, "completion_ids");
       in.advantages = at(v, "advantages");
+      in.completion_mask = at(v, "completion_mask");
+      in.old_logp = at(v, "old_logp");
+      in.ref_logp = at(v, "ref_logp");
       return linear_policy_loss_forward_workspace_bytes(in, o);
     };
   c.fn = [which, o](const Views& v, Workspace ws, StreamHandle stream) {
@@ -1201,6 +1210,50 @@ TEST(HostileGpu, InvisibleDevice) {
   }
 }
 
+// The device and stream checks run inside CUDA graph capture too (global mode, which refuses any call that could
+// synchronize): a captured call replays to the eager call's outputs.
+TEST(HostileGpu, ChecksPassInsideGraphCapture) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+#if defined(LOGITLESS_WITH_CUDA)
+  LOGITLESS_TRACE_SEED();
+  Draw d(305);
+  std::vector<Call> calls;
+  calls.push_back(ce_call("forward_backward", d));
+  calls.push_back(pl_call("forward_backward", d));
+  calls.push_back(rms_call("forward", d));
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  for (Call& c : calls) {
+    SCOPED_TRACE(c.name);
+    for (Arg& a : c.args) a.t->to_device();
+    const Views v = c.views(true);
+    const DeviceScratch s(c.ws_query ? c.ws_query(v) : 0);
+    ASSERT_EQ(error_of([&] { c.fn(v, s.ws(), stream); }), "");
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const auto eager = device_bytes(c);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    const std::string err = error_of([&] { c.fn(v, s.ws(), stream); });
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(err, "");
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (Arg& a : c.args)
+      if (a.output) {
+        a.t->fill_storage_nan();
+        a.t->to_device();
+      }
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const auto replayed = device_bytes(c);
+    for (size_t i = 0; i < c.args.size(); ++i) EXPECT_TRUE(replayed[i] == eager[i]) << c.args[i].name;
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+#endif
+}
+
 // A stream of another device is refused naming it, before anything is launched (two GPUs; skipped with fewer).
 TEST(HostileGpu, StreamOfAnotherDevice) {
   LOGITLESS_SKIP_WITHOUT_GPU();
@@ -1212,17 +1265,15 @@ TEST(HostileGpu, StreamOfAnotherDevice) {
   ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
   ASSERT_EQ(cudaStreamCreate(&other), cudaSuccess);
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-  for (Call c : [&] {
-         std::vector<Call> v;
-         v.push_back(ce_call("forward_backward", d));
-         v.push_back(pl_call("forward_backward", d));
-         v.push_back(lce_call("forward_backward", d));
-         v.push_back(rms_call("forward", d));
-         return v;
-       }()) {
+  std::vector<Call> calls;
+  calls.push_back(ce_call("forward_backward", d));
+  calls.push_back(pl_call("forward_backward", d));
+  calls.push_back(lce_call("forward_backward", d));
+  calls.push_back(rms_call("forward", d));
+  for (Call& c : calls) {
     for (Arg& a : c.args) a.t->to_device();
     const Views v = c.views(true);
-    const DeviceScratch s(c.ws_query ? c.ws_query(v) : size_t{64} << 20);
+    const DeviceScratch s(c.ws_query ? c.ws_query(v) : 0);
     expect_refused_on_gpu(c, "stream", "a stream of cuda:1", [&] { c.fn(v, s.ws(), other); });
     EXPECT_EQ(error_of([&] { c.fn(v, s.ws(), nullptr); }), "") << c.name;
     device_synchronize();

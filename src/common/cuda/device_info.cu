@@ -35,12 +35,16 @@ bool stream_is_capturing(cudaStream_t stream) {
 }
 
 void check_cuda_target(const char* name, const Device& device, StreamHandle stream) {
-  const int n = cuda_device_count();
+  // Read once: the visible devices do not change while a process runs, and no query runs inside a graph capture.
+  static const int n = cuda_device_count();
   LOGITLESS_CHECK_ARG(device.index >= 0 && device.index < n, name,
                       str_cat("a tensor on a visible CUDA device (", n, " visible)"), device_str(device));
   // The default streams are per device already: the call makes its device current before it launches.
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return;
+  // A capturing stream is left alone: a query beside the capture could invalidate it (global capture mode), and the
+  // capture records on the stream's own device.
+  if (stream_is_capturing(s)) return;
   int stream_device = -1;
   const cudaError_t err = cudaStreamGetDevice(s, &stream_device);
   if (err != cudaSuccess) {

@@ -102,7 +102,8 @@ PlanInputs plan_inputs(const Problem& p) {
   in.copy_hidden = !p.hidden_uniform;
   // The partials go to the caller; no per-token loss is reduced here.
   in.reduction_none = p.options.reduction == Reduction::kNone || p.mode == Mode::kPartials;
-  in.z_rows = p.options.reduction == Reduction::kMean && p.options.z_loss != 0.0 && p.class_weight != nullptr;
+  // Not only with class weights (where the z-loss terms' divisor differs): the workspace queries do not see them.
+  in.z_rows = p.options.reduction == Reduction::kMean && p.options.z_loss != 0.0;
   in.steps = is_step(p.mode);
   in.fused = fused_allowed(p);
   in.fused_exp = g_exp_form_enabled.load(std::memory_order_relaxed) && p.dtype == DType::kBFloat16 &&

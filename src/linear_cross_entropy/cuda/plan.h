@@ -39,8 +39,8 @@ struct PlanInputs {
   bool grad_weight_f32 = false;
   bool copy_hidden = false;        // hidden's rows do not have one stride a GEMM can take
   bool reduction_none = false;     // per-token losses go straight to the output
-  bool z_rows = false;             // the z-loss terms are reduced apart from the rest (mean, class weights, z-loss:
-                                   // they are divided by the token count, the rest by the summed weights)
+  bool z_rows = false;             // the z-loss terms are reduced apart from the rest (mean with z-loss: they are
+                                   // divided by the token count, the rest by the summed class weights)
   bool fused = false;              // the device and operands take the fused Hopper kernels (hopper.h)
   bool fused_exp = false;          // ... and the gradient in forward's exponential form (bfloat16, plain options)
   // The vocabulary-parallel gradient-in-forward steps (include/logitless/vocab_parallel.h): pass
