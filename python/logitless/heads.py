@@ -91,7 +91,7 @@ def linear_head_loss(head: torch.nn.Module, loss: Callable[..., Any], hidden: Te
 
 def refuse_sharded_weight(weight: Tensor, bias: Optional[Tensor], vocab_parallel_remedy: bool) -> None:
     """Raise if `weight` (or `bias`) is a DTensor: the caller did not say it is a tensor-parallel shard."""
-    from .vocab_parallel import is_dtensor
+    from ._checks import is_dtensor  # imports nothing of torch.distributed
 
     for name, t in (("weight", weight), ("bias", bias)):
         if not is_dtensor(t):
