@@ -63,10 +63,46 @@ from .rms_norm import rms_norm
 
 __all__ = ["patch", "unpatch", "is_patched", "describe", "PatchRefused", "SUPPORTED_ARCHITECTURES"]
 
-# The causal LMs of transformers 5.24 that tests/python/test_hf_patch.py patched with both replacements and checked
-# (loss and every parameter's gradient against the unpatched model) as tiny random-init instances. Documentation
-# and a regression list for that test: `patch` itself never reads it, and accepts any model of the same structure.
-SUPPORTED_ARCHITECTURES: Tuple[str, ...] = ()
+# The tested set: the causal LMs of transformers 5.24 that tests/python/test_hf_patch.py patched and checked (loss and
+# every parameter's gradient against the unpatched model) as tiny random-init instances, 150 classes. Documentation,
+# and a list that test holds the sweep to (none of these may be refused): `patch` itself never reads it, and accepts
+# any model of the same structure.
+SUPPORTED_ARCHITECTURES: Tuple[str, ...] = (
+    "AXK1ForCausalLM", "AXK2ForCausalLM", "AfmoeForCausalLM", "Apertus1p5TextForCausalLM", "ApertusForCausalLM",
+    "ArceeForCausalLM", "AriaTextForCausalLM", "BailingHybridForCausalLM", "BambaForCausalLM", "BeamForCausalLM",
+    "BertGenerationDecoder", "BertLMHeadModel", "BigBirdForCausalLM", "BioGptForCausalLM", "BitNetForCausalLM",
+    "BloomForCausalLM", "CTRLLMHeadModel", "CamembertForCausalLM", "CodeGenForCausalLM", "Cohere2ForCausalLM",
+    "Cohere2MoeForCausalLM", "CohereCompassForCausalLM", "CohereForCausalLM", "CwmForCausalLM",
+    "Data2VecTextForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM",
+    "DeepseekV4ForCausalLM", "DiffLlamaForCausalLM", "DogeForCausalLM", "Dots1ForCausalLM", "Dots3NoteForCausalLM",
+    "ElectraForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "ErnieForCausalLM", "Exaone4ForCausalLM",
+    "ExaoneMoeForCausalLM", "FalconForCausalLM", "FalconH1ForCausalLM", "FalconMambaForCausalLM",
+    "FlexOlmoForCausalLM", "FlintForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
+    "GPTNeoForCausalLM", "GPTNeoXForCausalLM", "GPTNeoXJapaneseForCausalLM", "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM", "Gemma3nForCausalLM", "Gemma4ForCausalLM", "Gemma4UnifiedForCausalLM", "GemmaForCausalLM",
+    "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmForCausalLM", "GlmMoeDsaForCausalLM",
+    "GptOssForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM",
+    "GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteSWAForCausalLM", "HYV3ForCausalLM",
+    "HYV4ForCausalLM", "HeliumForCausalLM", "HrmTextForCausalLM", "HunYuanDenseV1ForCausalLM",
+    "HunYuanMoEV1ForCausalLM", "HyperCLOVAXForCausalLM", "Inkling2ForCausalLM", "Inkling2LoopForCausalLM",
+    "InklingForCausalLM", "Jais2ForCausalLM", "JambaForCausalLM", "JetMoeForCausalLM", "KimiLinearForCausalLM",
+    "Kolibri1ForCausalLM", "LagunaForCausalLM", "LaraMiniForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
+    "Lfm3ForCausalLM", "Llama4ForCausalLM", "LlamaForCausalLM", "LongcatFlashForCausalLM", "Mamba2ForCausalLM",
+    "MambaForCausalLM", "MegatronBertForCausalLM", "MellumForCausalLM", "MiMoV2FlashForCausalLM",
+    "MiniCPM3ForCausalLM", "MiniMaxForCausalLM", "MiniMaxM2ForCausalLM", "MiniMaxM3VLForCausalLM",
+    "Ministral3ForCausalLM", "MinistralForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+    "ModernBertDecoderForCausalLM", "NanoChatForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM",
+    "OPTForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "OlmoHybridForCausalLM",
+    "OlmoeForCausalLM", "OpenAIGPTLMHeadModel", "PersimmonForCausalLM", "Phi3ForCausalLM", "PhiForCausalLM",
+    "PhimoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen4ExpForCausalLM",
+    "RecurrentGemmaForCausalLM", "ReformerModelWithLMHead", "RemBertForCausalLM", "RoCBertForCausalLM",
+    "RoFormerForCausalLM", "RobertaForCausalLM", "RobertaPreLayerNormForCausalLM", "RwkvForCausalLM",
+    "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM", "StableLmForCausalLM",
+    "Starcoder2ForCausalLM", "VaultGemmaForCausalLM", "XGLMForCausalLM", "XLMRobertaForCausalLM",
+    "XLMRobertaXLForCausalLM", "XmodForCausalLM", "YoutuForCausalLM", "Zamba2ForCausalLM", "ZambaForCausalLM",
+    "ZayaForCausalLM", "xLSTMForCausalLM",
+)
 
 # Options of linear_cross_entropy that patch() passes through; the others are fixed by the model's loss.
 _LOSS_OPTIONS = ("z_loss", "schedule", "chunk_tokens", "chunk_vocab", "memory_budget", "check_targets",
@@ -563,6 +599,7 @@ class _PatchState:
     forward_before: Tuple[bool, Any] = (False, None)
     head_forward_before: Tuple[bool, Any] = (False, None)
     loss_function_before: Tuple[bool, Any] = (False, None)
+    loss_function_set_after: bool = False  # found by unpatch: the user replaced ours
     # The original forward's named parameters in order (without self): how positional arguments map.
     parameters: Tuple[str, ...] = ()
     signature: Optional[inspect.Signature] = None
@@ -605,7 +642,7 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
     try:
         state = _plan(model, bool(rms_norm), bool(cross_entropy), dict(loss_options))
     except BaseException:
-        if earlier is not None:
+        if earlier is not None:  # the earlier patch stays
             _apply(model, earlier)
         raise
     _apply(model, state)
@@ -701,7 +738,8 @@ def _apply(model, state: _PatchState) -> None:
         head = state.loss.head
         object.__setattr__(head, _STATE, state)
         head.forward = types.MethodType(_head_forward, head)
-        model.__dict__["_loss_function"] = types.MethodType(_loss_function, model)
+        if not state.loss_function_set_after:
+            model.__dict__["_loss_function"] = types.MethodType(_loss_function, model)
         # A bound method, not a closure over the model: copy.deepcopy(model) then binds the copy's forward to
         # the copy. It shows the original's signature, which is what transformers' Trainer inspects (the
         # dataset columns it keeps, whether the model takes num_items_in_batch).
@@ -723,9 +761,10 @@ def _revert(model, state: _PatchState) -> None:
         head = state.loss.head
         _restore(head, "forward", state.head_forward_before)
         head.__dict__.pop(_STATE, None)
-        # A loss_function the user set after patching is theirs to keep.
+        # A loss_function the user set after patching is theirs to keep (and stays if the patch is applied again).
         current = model.__dict__.get("_loss_function")
-        if getattr(current, "__func__", None) is _loss_function:
+        state.loss_function_set_after = getattr(current, "__func__", None) is not _loss_function
+        if not state.loss_function_set_after:
             _restore(model, "_loss_function", state.loss_function_before)
         _restore(model, "forward", state.forward_before)
     model.__dict__.pop(_STATE, None)

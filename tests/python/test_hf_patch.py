@@ -1,5 +1,10 @@
-"""logitless.patch / logitless.unpatch on Hugging Face transformers causal LMs: tiny configs (hidden 64, 2
-layers, vocabulary 1000) of every supported architecture, patched against unpatched.
+"""logitless.patch / logitless.unpatch on Hugging Face transformers causal LMs, patched against unpatched.
+
+Two sets of models: tiny configs (hidden 64, 2 layers, vocabulary 1000) of six architectures for the features
+(dtypes, options, compile, checkpointing, ...), and a tiny random-init instance of every causal LM the installed
+transformers maps (tests/python/_hf_zoo.py), each patched whole or refused with its reasons. Nothing in the patch
+is keyed on a name, so the sweep is what says which architectures it covers; `python tests/python/test_hf_patch.py`
+prints its table.
 
 The unpatched model is the reference: it forms the logits, upcasts them and runs torch's cross-entropy;
 the patched one never forms them. In float32 the two agree to float32 rounding; in bfloat16 the patched
@@ -16,8 +21,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import _hf_zoo as zoo  # noqa: E402
 import logitless  # noqa: E402
 from _helpers import extra_peak_memory, needs_cuda  # noqa: E402
+from logitless.hf import PatchRefused  # noqa: E402
 from logitless.nn import RMSNorm  # noqa: E402
 
 VOCAB = 1000
@@ -85,10 +92,11 @@ def _loss_and_grads(model, **inputs):
     return out, {n: p.grad.detach().clone() for n, p in params if p.grad is not None}
 
 
-def _assert_close_grads(got, want, tol):
+def _assert_close_grads(got, want, tol, floor=0.0):
     assert got.keys() == want.keys()
+    largest = max((g.abs().max().item() for g in want.values()), default=0.0)
     for name in want:
-        scale = want[name].abs().max().item() + 1e-12
+        scale = want[name].abs().max().item() + floor * largest + 1e-12
         err = (got[name].float() - want[name].float()).abs().max().item()
         assert err <= tol * scale, f"{name}: max error {err:.3g} above {tol} x {scale:.3g}"
 
@@ -303,9 +311,19 @@ def test_loss_options_pass_through():
 
 
 def _snapshot(model):
-    return ([(name, id(m), type(m)) for name, m in model.named_modules()],
+    """Everything patch may touch: the module tree, the parameters, every module's instance attributes (their
+    names, and the model's values), the state dict's values."""
+    return ([(name, id(m), type(m), sorted(m.__dict__)) for name, m in model.named_modules(remove_duplicate=False)],
             [(name, id(p)) for name, p in model.named_parameters()],
-            dict(model.__dict__), repr(model))
+            dict(model.__dict__), repr(model),
+            {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def _same(got, want):
+    """`_snapshot`s equal, the state dicts bit for bit."""
+    assert got[:4] == want[:4]
+    assert got[4].keys() == want[4].keys()
+    assert all(torch.equal(got[4][k], want[4][k]) for k in want[4])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -323,12 +341,12 @@ def test_unpatch_restores_everything(arch):
     logitless.patch(model)
     logitless.unpatch(model)
     assert not logitless.hf.is_patched(model)
-    assert _snapshot(model) == before
+    _same(_snapshot(model), before)
     assert model.forward.__func__ is type(model).forward
     got = model(input_ids=ids, attention_mask=mask, labels=labels)
     assert torch.equal(got.loss, want.loss) and torch.equal(got.logits, want.logits)
     assert logitless.unpatch(model) is model  # unpatching an unpatched model changes nothing
-    assert _snapshot(model) == before
+    _same(_snapshot(model), before)
 
 
 def test_instance_forward_kept_and_restored():
@@ -393,6 +411,357 @@ def test_subclass_is_supported_and_unrecognized_models_are_refused():
             logitless.patch(bad)
         assert "cross_entropy=False" in str(info.value) and not logitless.hf.is_patched(bad)
     logitless.patch(cases[1][0], cross_entropy=False)  # the norms alone
+
+
+# ----------------------------------------------------------------------------------------------------
+# RMSNorm modules: recognized by what they compute, whatever their names
+
+
+def _rms(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class GemmaRMSNorm(torch.nn.Module):
+    """Named as Gemma's, computes as Gemma 3n's: a plain weight, in float32, one rounding."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        return (_rms(x.float(), self.eps) * self.weight.float()).to(x.dtype)
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    """Named as Llama's, computes as Gemma's (and Qwen3-Next's, VaultGemma's): 1 + weight."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        return (_rms(x.float(), self.variance_epsilon) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Scale(torch.nn.Module):
+    """Llama's rounding: the normalized input rounded to its dtype, then times the weight."""
+
+    def __init__(self, n, eps=1e-5):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.epsilon = eps
+
+    def forward(self, x):
+        return self.weight * _rms(x.float(), self.epsilon).to(x.dtype)
+
+
+class NoWeight(torch.nn.Module):
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return _rms(x.float(), self.eps).to(x.dtype)
+
+
+class Centered(torch.nn.Module):
+    """A LayerNorm without bias (Cohere's, OLMo's shape): subtracts the mean, so not an RMSNorm."""
+
+    def __init__(self, n, eps=1e-5):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        return (self.weight.float() * _rms(h, self.eps)).to(x.dtype)
+
+
+class Float32Out(torch.nn.Module):
+    """An RMSNorm that returns float32 for any input: nothing of logitless.rms_norm's computes that."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        return self.weight.float() * _rms(x.float(), self.variance_epsilon)
+
+
+def _randomize(module, center):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(center + 0.3 * torch.randn(p.shape))
+    return module
+
+
+def test_rms_norm_form_is_read_from_the_computation():
+    torch.manual_seed(0)
+    n = 48
+    originals = {"gemma_named": _randomize(GemmaRMSNorm(n), 1.0), "llama_named": _randomize(LlamaRMSNorm(n), 0.0),
+                 "scale": _randomize(Scale(n), 1.0), "no_weight": NoWeight(), "centered": _randomize(Centered(n), 1.0)}
+    container = torch.nn.ModuleDict(originals)
+    logitless.patch(container, cross_entropy=False)
+    forms = {name: (type(m).__name__, getattr(m, "offset", None), getattr(m, "casting_mode", None),
+                    getattr(m, "eps", None)) for name, m in container.items()}
+    assert forms == {"gemma_named": ("RMSNorm", 0.0, "gemma", 1e-6), "llama_named": ("RMSNorm", 1.0, "gemma", 1e-6),
+                     "scale": ("RMSNorm", 0.0, "llama", 1e-5), "no_weight": ("_UnscaledRMSNorm", 0.0, "gemma", 1e-6),
+                     "centered": ("Centered", None, None, 1e-5)}
+    assert container["scale"].weight is originals["scale"].weight
+    assert "not an RMSNorm" in logitless.hf.describe(container)
+    for dtype, exact in ((torch.float32, False), (torch.bfloat16, True)):
+        x = torch.randn(3, 5, n, dtype=dtype)
+        container.to(dtype)  # the replacements hold the originals' Parameters: both convert
+        for name, original in originals.items():
+            with torch.no_grad():
+                want, got = original(x), container[name](x)
+            if exact:  # the detected rounding is the module's: bit for bit (as good as, for the rsqrt)
+                assert (got != want).float().mean() < 0.01, name
+            torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
+    logitless.unpatch(container)
+    assert all(container[name] is m for name, m in originals.items())
+
+
+def test_a_refused_patch_leaves_the_model_untouched():
+    """A norm it cannot reproduce, met after others it can: nothing is swapped, not even those before it."""
+    model = _model("llama")
+    odd = Float32Out(64)
+    odd.weight = model.model.layers[1].input_layernorm.weight
+    model.model.layers[1].input_layernorm = odd
+    before = _snapshot(model)
+    with pytest.raises(PatchRefused, match=r"layers\.1\.input_layernorm: Float32Out") as info:
+        logitless.patch(model)
+    assert "float32 for bfloat16 input" in str(info.value) and "rms_norm=False" in str(info.value)
+    assert len(info.value.reasons) == 1 and isinstance(info.value, ValueError)
+    assert not logitless.hf.is_patched(model)
+    _same(_snapshot(model), before)
+    assert logitless.unpatch(model) is model
+    _same(_snapshot(model), before)
+    # The remedy it names: the loss alone.
+    ids, mask, labels = _batch()
+    want, want_grads = _loss_and_grads(copy.deepcopy(model), input_ids=ids, labels=labels)
+    logitless.patch(model, rms_norm=False)
+    got, got_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0)
+    _assert_close_grads(got_grads, want_grads, 2e-5)
+
+
+def test_a_refused_repatch_keeps_the_earlier_patch():
+    ids, _, labels = _batch()
+    model = logitless.patch(_model("llama"))
+    custom = lambda logits, labels, vocab_size, **kw: logits.float().square().mean()  # noqa: E731
+    model.loss_function = custom
+    with pytest.raises(PatchRefused, match="ForCausalLMLoss"):
+        logitless.patch(model)  # the custom loss is set now
+    assert logitless.hf.is_patched(model) and isinstance(model.model.norm, RMSNorm)
+    assert model.loss_function is custom
+    out = model(input_ids=ids, labels=labels)  # the custom loss, on the logits
+    torch.testing.assert_close(out.loss, out.logits.float().square().mean())
+    logitless.unpatch(model)
+    assert model.loss_function is custom and type(model.model.norm).__name__ == "LlamaRMSNorm"
+
+
+# The forms of transformers' own norms, as patch finds them: not what the class names suggest.
+NORM_FORMS = [
+    ("llama", 1.0, "llama"), ("gemma", 2.0, "gemma"), ("gemma3n_text", 1.0, "gemma"), ("olmo2", 1.0, "gemma"),
+    ("qwen3_next", 2.0, "gemma"), ("vaultgemma", 2.0, "gemma"), ("recurrent_gemma", 2.0, "gemma"),
+    ("cpmant", 1.0, "llama"),  # CpmAntLayerNorm computes an RMSNorm
+]
+
+
+@pytest.mark.parametrize("model_type,scale,casting", NORM_FORMS, ids=[f[0] for f in NORM_FORMS])
+def test_rms_norm_forms_of_transformers_models(model_type, scale, casting):
+    """`scale`: what a zero weight scales by (1 + weight: 2 for a weight of one, i.e. offset 1)."""
+    model = _zoo_model(model_type)
+    logitless.patch(model, cross_entropy=False)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    weighted = [m for m in norms if not isinstance(m, logitless.hf._UnscaledRMSNorm)]
+    assert weighted and all((m.offset + 1.0, m.casting_mode) == (scale, casting) for m in weighted)
+    if model_type == "gemma3n_text":  # its value norm has no weight
+        assert len(norms) > len(weighted)
+    assert not any(type(m).__name__.endswith("RMSNorm") and not isinstance(m, RMSNorm) for m in model.modules())
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the forward does after the head: kept as the model does it
+
+
+def _zoo_model(model_type):
+    entries = dict(zoo.entries())
+    if model_type not in entries:
+        pytest.skip(f"{model_type} is not in this transformers")
+    try:
+        return zoo.build(model_type, entries[model_type])
+    except zoo.Skip as e:
+        pytest.skip(str(e))
+
+
+def _seeded(model, **inputs):
+    torch.manual_seed(1)  # the same dropout draws in both runs
+    return _loss_and_grads(model, **inputs)
+
+
+# (model type, what describe() says of the loss): Granite divides its logits by logits_scaling (4 here), Cohere
+# multiplies by logit_scale, Falcon-H1 by lm_head_multiplier (0.5 here), Gemma 2 softcaps; Mixtral, Qwen2-MoE and
+# GPT-OSS add their routers' auxiliary loss (output_router_logits here).
+AFTER_HEAD = [("granite", "hidden scaled by 0.25"), ("cohere", "hidden scaled by 0.0625"),
+              ("falcon_h1", "hidden scaled by 0.5"), ("gemma2", "softcap 5"), ("mixtral", "aux_loss"),
+              ("qwen2_moe", "aux_loss"), ("gpt_oss", "aux_loss")]
+
+
+@pytest.mark.parametrize("model_type,what", AFTER_HEAD, ids=[a[0] for a in AFTER_HEAD])
+def test_logit_scales_softcaps_and_router_losses_are_kept(model_type, what):
+    model = _zoo_model(model_type)
+    ids, _, labels = zoo.batch()
+    want, want_grads = _seeded(copy.deepcopy(model), input_ids=ids, labels=labels)
+    logitless.patch(model)
+    got, got_grads = _seeded(model, input_ids=ids, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0)
+    _assert_close_grads(got_grads, want_grads, 1e-4)
+    if what == "aux_loss":
+        assert want.aux_loss is not None and want.aux_loss > 0
+        torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
+        assert len(got.router_logits) == len(want.router_logits)
+    else:
+        assert what in logitless.hf.describe(model)
+    with torch.no_grad():  # without labels: the model's own logits, scaled as it scales them
+        torch.manual_seed(1)
+        plain = copy.deepcopy(model)
+        logitless.unpatch(plain)
+        torch.testing.assert_close(model.eval()(input_ids=ids).logits, plain.eval()(input_ids=ids).logits)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every causal LM of the installed transformers
+
+ENTRIES = zoo.entries()
+
+# The entries patch refuses with transformers 5.24, and a phrase of the reason it gives. A refusal not listed fails
+# the test (a regression, or a new architecture to look at); a listed entry that patches is fine.
+KNOWN_REFUSALS = {
+    "cpmant": "without calling loss_function",   # CrossEntropyLoss of its own
+    "trocr": "without calling loss_function",
+    "xlm": "without calling loss_function",
+    "xlnet": "without calling loss_function",
+    "dory": "overrides torch.nn.Linear's forward",  # a head of its own class
+}
+
+_OUTCOMES = {}
+
+
+def _outcome(model_type, class_name):
+    """("patched", RMSNorm sites replaced, the loss as describe() puts it), ("refused", reasons) or ("skipped",
+    reason), each patched model checked against the unpatched one on the way. Cached: the coverage test reuses them."""
+    if model_type not in _OUTCOMES:
+        try:
+            model = zoo.build(model_type, class_name)
+            outcome = _check_entry(model)
+        except zoo.Skip as e:
+            outcome = ("skipped", str(e))
+        _OUTCOMES[model_type] = outcome
+    return _OUTCOMES[model_type]
+
+
+def _tree(model):
+    return ([(name, id(m), type(m)) for name, m in model.named_modules(remove_duplicate=False)],
+            [(name, id(p)) for name, p in model.named_parameters()],
+            {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def _same_tree(got, want):
+    assert got[:2] == want[:2]
+    assert got[2].keys() == want[2].keys() and all(torch.equal(got[2][k], want[2][k]) for k in want[2])
+
+
+def _check_entry(model):
+    ids, _, labels = zoo.batch()
+    inputs = dict(input_ids=ids, labels=labels)
+    ref = copy.deepcopy(model)
+    try:
+        want, want_grads = _seeded(ref, **inputs)
+    except Exception as e:
+        raise zoo.Skip(f"the unpatched model fails at this size: {type(e).__name__}: {zoo._message(e)}")
+    before, attributes = _tree(model), dict(model.__dict__)
+    try:
+        logitless.patch(model)
+    except PatchRefused as e:
+        assert e.reasons and not logitless.hf.is_patched(model)
+        _same_tree(_tree(model), before)
+        assert dict(model.__dict__) == attributes
+        # What each reason offers instead: the modules alone.
+        if all("cross_entropy=False" in r for r in e.reasons):
+            logitless.patch(model, cross_entropy=False)
+            got, got_grads = _seeded(model, **inputs)
+            torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0)
+            _assert_close_grads(got_grads, want_grads, 1e-4)
+            logitless.unpatch(model)
+        return ("refused", e.reasons)
+    got, got_grads = _seeded(model, **inputs)
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=0)
+    # 1e-4 of each gradient's largest element (and of the largest of all, for gradients that are rounding noise
+    # around zero, such as an attention key bias's): the replaced norms round differently within float32.
+    _assert_close_grads(got_grads, want_grads, 1e-4, floor=1e-4)
+    described = logitless.hf.describe(model).splitlines()
+    norms = sum(" -> " in line for line in described)
+    loss = next(line for line in described if line.startswith("loss: ")).split("input", 1)[1].strip(" ()")
+    swaps = model.__dict__["_logitless_patch"].swaps
+    logitless.unpatch(model)
+    # Against the reference, which ran the same step (BigBird rebuilds its attention in its first forward).
+    assert [(n, type(m)) for n, m in model.named_modules()] == [(n, type(m)) for n, m in ref.named_modules()]
+    assert all(getattr(swap.parent, swap.attr) is swap.original for swap in swaps)
+    assert "forward" not in model.__dict__ and "_loss_function" not in model.__dict__
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    state, ref_state = model.state_dict(), ref.state_dict()
+    assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
+    with torch.no_grad():  # the same model again: both have run one step; the same draws, the same bits
+        torch.manual_seed(2)
+        again = model(**inputs).loss
+        torch.manual_seed(2)
+        assert torch.equal(again, ref(**inputs).loss)
+    return ("patched", norms, loss)
+
+
+@pytest.mark.parametrize("model_type,class_name", ENTRIES, ids=[e[0] for e in ENTRIES])
+def test_every_causal_lm_of_transformers(model_type, class_name):
+    """Patched exactly (loss and every parameter's gradient as the unpatched model's, unpatch restoring it), or
+    refused for a reason in KNOWN_REFUSALS with the model left as it was, or skipped for a reason given."""
+    outcome = _outcome(model_type, class_name)
+    if outcome[0] == "skipped":
+        pytest.skip(outcome[1])
+    if outcome[0] == "refused":
+        reasons = " | ".join(outcome[1])
+        assert model_type in KNOWN_REFUSALS, f"{class_name} refused: {reasons}"
+        assert KNOWN_REFUSALS[model_type] in reasons
+
+
+def coverage_table() -> str:
+    """The sweep's outcomes, one line per entry (README's table is this)."""
+    lines = []
+    for model_type, class_name in ENTRIES:
+        kind, *detail = _outcome(model_type, class_name)
+        if kind == "patched":
+            norms, loss = detail
+            what = f"{norms} RMSNorm site{'s' * (norms != 1)}" + (f"; {loss}" if loss else "")
+        else:
+            what = " | ".join(detail[0]) if kind == "refused" else detail[0]
+        lines.append(f"{model_type:28s} {class_name:44s} {kind:8s} {what}")
+    return "\n".join(lines)
+
+
+def test_causal_lm_coverage():
+    """The large majority of what can be built is patched; nothing of SUPPORTED_ARCHITECTURES is refused."""
+    outcomes = {model_type: _outcome(model_type, class_name) for model_type, class_name in ENTRIES}
+    counts = {kind: sum(o[0] == kind for o in outcomes.values()) for kind in ("patched", "refused", "skipped")}
+    print(f"\n{coverage_table()}\n{counts}")
+    assert counts["patched"] >= 0.8 * (counts["patched"] + counts["refused"]), counts
+    refused = {class_name for model_type, class_name in ENTRIES if outcomes[model_type][0] == "refused"}
+    assert not refused & set(logitless.hf.SUPPORTED_ARCHITECTURES), refused & set(logitless.hf.SUPPORTED_ARCHITECTURES)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -499,3 +868,7 @@ def test_cuda_peak_memory_leaves_out_the_logits():
         del model
     logits_f32 = ids.numel() * 32000 * 4
     assert peaks[1] < peaks[0] - logits_f32, [p / 2**20 for p in peaks]
+
+
+if __name__ == "__main__":
+    print(coverage_table())
