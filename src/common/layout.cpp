@@ -1,4 +1,5 @@
 #include "common/layout.h"
+#include "common/overlap.h"
 
 #include <algorithm>
 #include <numeric>
@@ -107,6 +108,17 @@ void check_disjoint(const TensorView& out, const char* out_name, const TensorVie
   if (!a.first || !b.first) return;
   LOGITLESS_CHECK_ARG(a.second <= b.first || b.second <= a.first, out_name,
                       str_cat("memory that does not overlap ", other_name), "an overlapping buffer");
+}
+
+void check_output_vs(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name,
+                     bool may_alias) {
+  if (!other.defined()) return;
+  if (may_alias && same_view(out, other)) return;
+  if (views_disjoint(out, other)) return;
+  throw_expected(out_name,
+                 may_alias ? str_cat(other_name, " itself (in place) or memory that does not overlap ", other_name)
+                           : str_cat("memory that does not overlap ", other_name),
+                 "an overlapping buffer");
 }
 
 void check_outputs_apart(const std::vector<NamedView>& outputs, const std::vector<NamedView>& inputs) {

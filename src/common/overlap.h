@@ -47,4 +47,18 @@ inline bool views_disjoint(const TensorView& a, const TensorView& b) {
   return true;
 }
 
+// The same elements in the same order: a kernel that reads each element before the same thread writes it may
+// take `b` as `a`'s output.
+inline bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.ndim != b.ndim || a.dtype != b.dtype) return false;
+  for (int d = 0; d < a.ndim; ++d)
+    if (a.sizes[d] != b.sizes[d] || (a.sizes[d] != 1 && a.strides[d] != b.strides[d])) return false;
+  return true;
+}
+
+// An output against one input (absent: nothing to check): it may be that input itself where `may_alias` (the op
+// writes in place), and must share no element with it otherwise. Throws naming the output.
+void check_output_vs(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name,
+                     bool may_alias);
+
 }  // namespace logitless

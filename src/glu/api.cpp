@@ -52,25 +52,6 @@ void check_like(const TensorView& t, const char* name, const TensorView& like, c
   check_nonnull(t, name);
 }
 
-bool same_view(const TensorView& a, const TensorView& b) {
-  if (a.data != b.data || a.ndim != b.ndim || a.dtype != b.dtype) return false;
-  for (int d = 0; d < a.ndim; ++d)
-    if (a.sizes[d] != b.sizes[d] || (a.sizes[d] != 1 && a.strides[d] != b.strides[d])) return false;
-  return true;
-}
-
-// An output may be an input itself where `may_alias` (the kernels read each element before the same thread
-// writes it there), and must share no element with it otherwise.
-void check_output_vs(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name,
-                     bool may_alias) {
-  if (may_alias && same_view(out, other)) return;
-  if (views_disjoint(out, other)) return;
-  throw_expected(out_name,
-                 may_alias ? str_cat(other_name, " itself (in place) or memory that does not overlap ", other_name)
-                           : str_cat("memory that does not overlap ", other_name),
-                 "an overlapping buffer");
-}
-
 // The jointly collapsed rows of the tensors (strides over the leading dimensions of `shape`), folded into one
 // row of N * I elements where every tensor's rows follow each other densely.
 void layout_rows(const TensorView& shape, const std::vector<const int64_t*>& strides, Problem& p,

@@ -53,24 +53,6 @@ void check_heads_like(const TensorView& t, const char* name, const TensorView& q
   check_nonnull(t, name);
 }
 
-bool same_view(const TensorView& a, const TensorView& b) {
-  if (a.data != b.data || a.ndim != b.ndim || a.dtype != b.dtype) return false;
-  for (int d = 0; d < a.ndim; ++d)
-    if (a.sizes[d] != b.sizes[d] || (a.sizes[d] != 1 && a.strides[d] != b.strides[d])) return false;
-  return true;
-}
-
-void check_output_vs(const TensorView& out, const char* out_name, const TensorView& other, const char* other_name,
-                     bool may_alias) {
-  if (!other.defined()) return;
-  if (may_alias && same_view(out, other)) return;
-  if (views_disjoint(out, other)) return;
-  throw_expected(out_name,
-                 may_alias ? str_cat(other_name, " itself (in place) or memory that does not overlap ", other_name)
-                           : str_cat("memory that does not overlap ", other_name),
-                 "an overlapping buffer");
-}
-
 // Rows of D elements of a [B, H, T, D] output must not share memory (a broadcast head, a stride < D).
 void check_rows_disjoint(const TensorView& t, const char* name) {
   if (t.numel() == 0) return;
