@@ -2,11 +2,11 @@
 ``GRPOTrainer`` compute their losses and logged metrics from the last hidden states with logitless's fused ops.
 
 * ``transformers.Trainer`` (and any trainer whose loss is the model's own, given ``labels``): the model it trains is
-  patched with `logitless.patch` (fused linear cross-entropy, RMSNorm), whatever wraps it (DDP, DeepSpeed, FSDP,
-  ``torch.compile``, PEFT).
-* TRL (``trl>=1.15,<1.17``): these versions already score tokens through a "fused LM head": TRL replaces the forward
-  of the model it trains (and of the reference model) by one that, called with ``fused_lm_head=True``, runs the
-  decoder and returns per-token ``log_probs`` (and ``entropy``, ``is_top1``, ``label_mask``) instead of logits.
+  patched with `logitless.patch` (fused linear cross-entropy, RMSNorm): the module inside whatever wraps it (DDP,
+  DeepSpeed, FSDP1's ``.module``, ``torch.compile``, PEFT).
+* TRL (``trl>=1.16,<1.17`` tested; 1.15 accepted with a warning): these versions already score tokens through a
+  "fused LM head": TRL replaces the forward of the model it trains (and of the reference model) by one that, called
+  with ``fused_lm_head=True``, runs the decoder and returns per-token ``log_probs`` (and ``entropy``, ``is_top1``, ``label_mask``) instead of logits.
   `use_logitless` replaces that forward in turn by one that computes the same fields with
   ``logitless.linear_selective_log_softmax`` (log-probs with their gradient, entropy) and a chunked argmax under
   ``no_grad`` (``is_top1``, for SFT's ``mean_token_accuracy``), inside a call of the LM head
@@ -47,8 +47,9 @@ from .linear_policy_loss import linear_grpo_loss, linear_selective_log_softmax
 __all__ = ["use_logitless", "LogitlessGRPOMixin", "TESTED_TRL", "UNSUPPORTED_GRPO_OPTIONS"]
 
 # The TRL releases whose fused-LM-head protocol (FusedCausalLMOutput, `fused_lm_head=True`) and GRPO `_compute_loss`
-# this module was written against and tested with; pyproject's `trl` extra pins the same range.
-TESTED_TRL = (">=1.15", "<1.17")
+# this module was written against and tested with; pyproject's `trl` extra pins the same range. 1.15 introduced the
+# protocol (its GRPO `_compute_loss` is 1.16's line for line) and is accepted with a warning.
+TESTED_TRL = (">=1.16", "<1.17")
 
 # GRPOConfig options (and values) whose loss linear_grpo_loss does not compute; `use_logitless` refuses a trainer
 # configured with any of them, naming it. Documentation: the checks are in `_grpo_refusals`.
@@ -79,7 +80,7 @@ def use_logitless(trainer_or_model, *, rms_norm: bool = True, **loss_options):
     Args:
         trainer_or_model: a ``transformers.Trainer`` (any subclass whose loss is the model's own: SFT-style
             trainers of other libraries, custom ``compute_loss`` that calls ``model(..., labels=...)``), TRL's
-            ``SFTTrainer`` or ``GRPOTrainer`` (trl>=1.15,<1.17), or a causal LM (possibly wrapped), which is patched
+            ``SFTTrainer`` or ``GRPOTrainer`` (trl>=1.16,<1.17), or a causal LM (possibly wrapped), which is patched
             with `logitless.patch`.
         rms_norm: also replace the model's RMSNorm modules by ``logitless.nn.RMSNorm`` (see `logitless.patch`).
         **loss_options: for a Trainer or a model, passed to `logitless.patch` (z_loss, schedule, chunk_tokens, ...).
