@@ -22,7 +22,7 @@ if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null || [ ! -f /usr
 fi
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 "$PY" -m pip install -q --disable-pip-version-check "torch>=2.4" "nanobind>=2.0" "scikit-build-core>=0.10" pytest numpy \
-  "transformers>=5.0,<6"  # tests/python/test_hf_patch.py (the range pyproject's hf extra pins)
+  "transformers>=5.0,<6" "trl>=1.16,<1.17; python_version >= '3.11'"  # test_hf_patch.py, test_integrations.py (pyproject's hf, trl extras)
 # The CuTe/CUTLASS headers of the Hopper kernels (the version CMakeLists.txt pins); its Python side is not used.
 "$PY" -m pip install -q --disable-pip-version-check --no-deps "nvidia-cutlass==4.2.0.0"
 
