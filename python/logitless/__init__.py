@@ -4,7 +4,7 @@
 import torch  # noqa: F401
 
 from . import _C
-from . import heads, hf, nn
+from . import heads, hf, integrations, nn
 from .cross_entropy import cross_entropy
 from .glu import geglu, glu, swiglu
 from .heads import linear_head_loss, through_module
@@ -17,6 +17,6 @@ from .rope import rope
 
 __version__ = _C.version()
 
-__all__ = ["cross_entropy", "geglu", "glu", "grpo_loss", "heads", "hf", "linear_cross_entropy", "linear_grpo_loss",
+__all__ = ["cross_entropy", "geglu", "glu", "grpo_loss", "heads", "hf", "integrations", "linear_cross_entropy", "linear_grpo_loss",
            "linear_head_loss", "linear_selective_log_softmax", "nn", "patch", "rms_norm", "rope",
            "selective_log_softmax", "swiglu", "through_module", "unpatch"]
