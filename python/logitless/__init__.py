@@ -17,6 +17,6 @@ from .rope import rope
 
 __version__ = _C.version()
 
-__all__ = ["cross_entropy", "geglu", "glu", "grpo_loss", "heads", "hf", "integrations", "linear_cross_entropy", "linear_grpo_loss",
-           "linear_head_loss", "linear_selective_log_softmax", "nn", "patch", "rms_norm", "rope",
+__all__ = ["cross_entropy", "geglu", "glu", "grpo_loss", "heads", "hf", "integrations", "linear_cross_entropy",
+           "linear_grpo_loss", "linear_head_loss", "linear_selective_log_softmax", "nn", "patch", "rms_norm", "rope",
            "selective_log_softmax", "swiglu", "through_module", "unpatch"]
