@@ -1,4 +1,12 @@
 # Every source of the library in one place. Each op family adds its api/cpu files and its CUDA files.
+#
+# A family's cuda/ directory names its files by role, so that the same question has the same answer in every
+# family: run.cpp (run.cu where it launches small kernels of its own) is the host-side runner that defines what
+# problem.h declares for CUDA (plans, workspace, the sequence of launches and GEMMs); kernels.cu holds the
+# kernels and their launchers (kernels_<variant>.cu where a family has several), kernels.h declares those
+# launchers to the runner, device.cuh holds the device-side pieces its kernel files share, params.h the kernel
+# parameters and plan.h/plan.cpp the tile choices a CPU test can check. glu, rope and rms_norm define their CUDA
+# entry points in their kernel files, next to the kernels they launch (rms_norm's shared host helpers: run.h).
 set(LOGITLESS_CXX_SOURCES
   src/common/error.cpp
   src/common/layout.cpp
@@ -29,22 +37,22 @@ set(LOGITLESS_CXX_SOURCES
 set(LOGITLESS_CUDA_SOURCES
   src/common/cuda/cublas.cpp
   src/common/cuda/device_info.cu
-  src/cross_entropy/cuda/launch.cu
-  src/cross_entropy/cuda/row_resident.cu
-  src/cross_entropy/cuda/streaming.cu
+  src/cross_entropy/cuda/kernels_row_resident.cu
+  src/cross_entropy/cuda/kernels_streaming.cu
+  src/cross_entropy/cuda/run.cu
   src/glu/cuda/kernels.cu
-  src/linear_cross_entropy/cuda/exp_grad.cu
-  src/linear_cross_entropy/cuda/generic.cpp
-  src/linear_cross_entropy/cuda/hopper.cu
   src/linear_cross_entropy/cuda/kernels.cu
+  src/linear_cross_entropy/cuda/kernels_exp_grad.cu
+  src/linear_cross_entropy/cuda/kernels_hopper.cu
+  src/linear_cross_entropy/cuda/run.cpp
   src/linear_policy_loss/cuda/kernels.cu
   src/linear_policy_loss/cuda/run.cpp
-  src/policy_loss/cuda/launch.cu
-  src/policy_loss/cuda/rows.cu
-  src/policy_loss/cuda/rows_resident.cu
-  src/rms_norm/cuda/forward.cu
-  src/rms_norm/cuda/backward.cu
-  src/rope/cuda/rope.cu
+  src/policy_loss/cuda/kernels_row_resident.cu
+  src/policy_loss/cuda/kernels_streaming.cu
+  src/policy_loss/cuda/run.cu
+  src/rms_norm/cuda/kernels_backward.cu
+  src/rms_norm/cuda/kernels_forward.cu
+  src/rope/cuda/kernels.cu
 )
 # Compiled only without it.
 set(LOGITLESS_NO_CUDA_SOURCES

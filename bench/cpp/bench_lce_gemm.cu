@@ -1,4 +1,4 @@
-// C++ micro-benchmark of the linear cross-entropy's fused Hopper logits GEMM (hopper.h) against cuBLAS's X·Wᵀ
+// C++ micro-benchmark of the linear cross-entropy's fused Hopper logits GEMM (kernels_hopper.h) against cuBLAS's X·Wᵀ
 // with a bfloat16 output, timed in turns in one process (a GPU under load lowers its clocks: whatever ran first on
 // an idle one would look fast). Each variant is the same [N, H] x [V, H]ᵀ product with another epilogue:
 //   cublas    X·Wᵀ into a bfloat16 [N, V] (the yardstick)
@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "linear_cross_entropy/cuda/hopper.h"
+#include "linear_cross_entropy/cuda/kernels_hopper.h"
 #include "linear_cross_entropy/cuda/kernels.h"
 #include "bench_util.cuh"
 

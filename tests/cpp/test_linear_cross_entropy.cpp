@@ -14,7 +14,7 @@
 #include "linear_cross_entropy/cuda/grad_columns.h"
 #include "linear_cross_entropy/cuda/plan.h"
 #if defined(LOGITLESS_WITH_CUDA)
-#include "linear_cross_entropy/cuda/hopper.h"
+#include "linear_cross_entropy/cuda/kernels_hopper.h"
 #endif
 #include "test_util.h"
 

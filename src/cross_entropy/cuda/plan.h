@@ -38,7 +38,7 @@ struct Plan {
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
   int copy_pieces = 1;      // bulk copies per slice (row-resident)
   int grid_clusters = 0;    // clusters to launch; 0: as many as the occupancy calculator says fit
-  bool pipelined = false;   // row-resident: a row's exchange overlaps the next row's statistics (row_resident.cu)
+  bool pipelined = false;   // row-resident: a row's exchange overlaps the next row's statistics (kernels_row_resident.cu)
 };
 
 struct PlanInputs {

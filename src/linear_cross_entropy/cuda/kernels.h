@@ -33,7 +33,7 @@ void launch_cast(const float* src, int64_t src_ld, int64_t rows, int64_t cols, v
 void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t h, int elem_bytes, void* dst,
                       int sm_count, cudaStream_t stream);
 
-// The rows' loss and lse from the fused forward's tile statistics partials [rows, tiles, 4] (hopper.h): one warp
+// The rows' loss and lse from the fused forward's tile statistics partials [rows, tiles, 4] (kernels_hopper.h): one warp
 // per row combines its tiles as a vocabulary-parallel finalize combines shards (include/logitless/vocab_parallel.h)
 // and applies the cross-entropy's row loss. target_logit: the rows' target logits, or nullptr to take them from the
 // partials. lse and z_rows (the rows' z-loss terms) may be nullptr. ce: the row kinds, class weights and options.
@@ -41,7 +41,7 @@ void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, cons
                         const float* target_logit, const ce::KernelParams& ce, const Scalars* scalars, float* loss,
                         float* lse, float* z_rows, int sm_count, cudaStream_t stream);
 
-// The gradient in forward's fused path (ExpGradParams, exp_grad.cu). Before the logits GEMM: shift[r] = the
+// The gradient in forward's fused path (ExpGradParams, kernels_exp_grad.cu). Before the logits GEMM: shift[r] = the
 // target's logit (0 for rows without one). After it and launch_finish_rows: every row's scale, the target's
 // element of E and the scaled hidden row, or (the rows the scaled form does not suit) a rewrite of the row.
 void launch_target_shift(const ExpGradParams& p, int sm_count, cudaStream_t stream);

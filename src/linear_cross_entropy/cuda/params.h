@@ -50,7 +50,7 @@ struct GradParams {
   ce::KernelParams ce;  // vocab, ignore_index, eps, inv_v, z, softcap, class weights: the family's definitions
 };
 
-// The gradient in forward on the fused Hopper path, one token group at a time. The logits GEMM (hopper.h, exp
+// The gradient in forward on the fused Hopper path, one token group at a time. The logits GEMM (kernels_hopper.h, exp
 // epilogue) writes E[r, j] = exp(z[r, j] - shift[r]) in bfloat16 next to the tile statistics, with shift[r] the
 // target's logit (a dot product before the GEMM), so that d(loss)/dZ[r, j] = scale[r] * E[r, j] for every j but the target; exp_rows puts
 // (a p_t - b) / scale[r] in the target's place. Then grad_hidden = scale ⊙ (E W) and grad_weight = Eᵀ (scale ⊙ X):

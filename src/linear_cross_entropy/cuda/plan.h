@@ -11,11 +11,11 @@ namespace logitless::lce {
 // Which implementation runs a plan's logits GEMMs.
 //  * kCublasChunked (any GPU from sm_80): cuBLAS writes float32 logits; the cross-entropy family's row kernel
 //    reads them for the statistics, this family's gradient kernel for the gradient.
-//  * kHopperFused (sm_90a, 16-bit inputs; cuda/hopper.h): the logits GEMM computes the statistics (forward) or
+//  * kHopperFused (sm_90a, 16-bit inputs; cuda/kernels_hopper.h): the logits GEMM computes the statistics (forward) or
 //    the gradient (recompute backward) in its epilogue: the forward keeps no logits, the backward writes the
 //    16-bit gradient straight from the accumulators. The gradient in forward takes it when PlanInputs::fused_exp
 //    is set (bfloat16 inputs without soft cap or label smoothing, and the exponential form switched on: it is off
-//    by default, see generic.cpp): the GEMM writes the statistics and the
+//    by default, see run.cpp): the GEMM writes the statistics and the
 //    exponentials of params.h's ExpGradParams, token groups of whole rows. Not for a bias gradient. The
 //    grad_hidden / grad_weight GEMMs are cuBLAS's either way.
 enum class Kernel : int32_t { kCublasChunked = 0, kHopperFused = 1 };
@@ -41,7 +41,7 @@ struct PlanInputs {
   bool reduction_none = false;     // per-token losses go straight to the output
   bool z_rows = false;             // the z-loss terms are reduced apart from the rest (mean with z-loss: they are
                                    // divided by the token count, the rest by the summed class weights)
-  bool fused = false;              // the device and operands take the fused Hopper kernels (hopper.h)
+  bool fused = false;              // the device and operands take the fused Hopper kernels (kernels_hopper.h)
   bool fused_exp = false;          // ... and the gradient in forward's exponential form (bfloat16, plain options)
   // The vocabulary-parallel gradient-in-forward steps (include/logitless/vocab_parallel.h): pass
   // kForwardBackward with chunks of exactly chunk_tokens (agreed between the ranks), two float32 logits slots

@@ -29,7 +29,7 @@ bool launch_rows(DType dtype, RowsVariant v, const KernelParams& p, const RowsPl
 // True when this build holds the row-resident kernel for sm_90+ and the device is Hopper or newer.
 bool rows_resident_available(int device);
 
-// Launches the row-resident kernel (rows_resident.cu: the fused pass, each row read once) over p.n_rows rows with
+// Launches the row-resident kernel (kernels_row_resident.cu: the fused pass, each row read once) over p.n_rows rows with
 // a kRowResident `plan` (p.slice must be plan.slice). Returns false, launching nothing, when no cluster of
 // plan.cluster CTAs with plan.smem_bytes of shared memory each can be placed on this device.
 bool launch_rows_resident(DType dtype, RowsVariant v, const KernelParams& p, const RowsPlan& plan,

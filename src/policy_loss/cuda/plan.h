@@ -20,7 +20,7 @@ inline constexpr int64_t kSliceBudgetPerSm = 160 * 1024;
 // 68 MB in flight on an H100 only at full occupancy, and a row that short is read in microseconds).
 inline constexpr int64_t kClusterMinRowBytes = 64 * 1024;
 
-// The row-resident kernel (rows_resident.cu) keeps each CTA's slice of a row in shared memory: 1 read + 1 write
+// The row-resident kernel (kernels_row_resident.cu) keeps each CTA's slice of a row in shared memory: 1 read + 1 write
 // of the row in the fused pass. Its plan follows the cross-entropy kernel's, measured there on H100 (bf16, fused,
 // in place): one stage per CTA, the smallest cluster whose slice lets two CTAs share an SM, 256 threads: 87.8% of
 // copy bandwidth at V = 128256 (3 CTAs) and 96.5% at 256000 (6 CTAs), where two reads through L2 reached 63-74%.

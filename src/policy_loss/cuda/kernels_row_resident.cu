@@ -5,11 +5,11 @@
 // row's lse before its first element can be written. A thread-block cluster of C CTAs therefore shares a row: CTA r
 // bulk-copies its 1/C slice into a shared-memory stage (common/cuda/resident.cuh), folds it into the online-softmax
 // state of logits / temperature (with the entropy accumulator when asked) over the shared chunk loops, and the
-// states are exchanged through distributed shared memory (rows_device.cuh). Every CTA then has the row's lse,
-// logp and entropy, computes the token's c = d(loss)/d(logp) as the streaming kernel does (rows_device.cuh), and
+// states are exchanged through distributed shared memory (device.cuh). Every CTA then has the row's lse,
+// logp and entropy, computes the token's c = d(loss)/d(logp) as the streaming kernel does (device.cuh), and
 // writes grad_j = c ([j == id] - p_j) / temperature of its slice straight from shared memory, in place or not.
 // HBM traffic per unmasked row of B bytes: B read + B written, against 2B read + B written by the streaming kernel
-// and B from HBM plus B from L2 by the cluster kernel (rows.cu).
+// and B from HBM plus B from L2 by the cluster kernel (kernels_streaming.cu).
 //
 // The plan (plan.cpp) gives each CTA one stage for long rows and two CTAs per SM; short rows, asked for explicitly,
 // get up to kResidentMaxStages stages and keep that many rows in flight per CTA. A token that is masked (or has a
@@ -22,7 +22,7 @@
 #include "common/cuda/check.cuh"
 #include "common/cuda/resident.cuh"
 #include "policy_loss/cuda/kernels.h"
-#include "policy_loss/cuda/rows_device.cuh"
+#include "policy_loss/cuda/device.cuh"
 
 namespace logitless::pl {
 namespace {

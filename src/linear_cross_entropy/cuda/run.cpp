@@ -25,7 +25,7 @@
 
 #include "common/cuda/check.cuh"
 #include "common/cuda/cublas.h"
-#include "linear_cross_entropy/cuda/hopper.h"
+#include "linear_cross_entropy/cuda/kernels_hopper.h"
 #include "linear_cross_entropy/cuda/kernels.h"
 #include "linear_cross_entropy/cuda/plan.h"
 #include "linear_cross_entropy/problem.h"

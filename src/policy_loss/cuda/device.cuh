@@ -1,5 +1,5 @@
-// Device pieces shared by the policy-loss row kernels (rows.cu streams each row from global memory,
-// rows_resident.cu keeps a CTA's slice of it in shared memory): the per-element work of the shared chunk loops,
+// Device pieces shared by the policy-loss row kernels (kernels_streaming.cu streams each row from global memory,
+// kernels_row_resident.cu keeps a CTA's slice of it in shared memory): the per-element work of the shared chunk loops,
 // a token's inputs and kind, the per-token epilogues, and the exchange of the statistics between the CTAs of a
 // cluster.
 #pragma once

@@ -1,4 +1,4 @@
-// The Hopper logits GEMM with the cross-entropy in its epilogue (see hopper.h).
+// The Hopper logits GEMM with the cross-entropy in its epilogue (see kernels_hopper.h).
 //
 // One persistent CTA per SM, three warpgroups: the first issues the TMA loads of A (tokens, [128, 64] tiles) and B
 // (classes, [256, 64] tiles) into a 4-stage ring of 128-byte-swizzled shared memory; the other two each own 64
@@ -16,7 +16,7 @@
 // gradient) goes through two 8 KB chunk buffers per consumer warpgroup and TMA stores that drain while the next
 // tile's WGMMAs run (stage_and_store). The tensor cores wait for the epilogue: it costs its own length per tile, so
 // it is kept short (no masks in interior tiles, independent chains, row data loaded during the last k block).
-#include "linear_cross_entropy/cuda/hopper.h"
+#include "linear_cross_entropy/cuda/kernels_hopper.h"
 
 #include <algorithm>
 #include <mutex>
@@ -49,7 +49,7 @@ constexpr int kEpiChunks = kBN / kEpiCols;
 constexpr int kEpiBarrier = 1;    // named barriers kEpiBarrier + w: consumer warpgroup w (0 is __syncthreads)
 constexpr int kLanes = 4;         // independent accumulation chains per row in the epilogues
 
-// hopper.h: statistics, gradient, statistics and exponentials; kNone: no epilogue (debug::launch_fused_mainloop)
+// kernels_hopper.h: statistics, gradient, statistics and exponentials; kNone: no epilogue (debug::launch_fused_mainloop)
 enum class Epi { kStats, kGrad, kExp, kNone };
 
 template <typename T>

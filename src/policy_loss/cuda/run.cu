@@ -3,7 +3,7 @@
 //      first unmasked bad id; then one CTA folds those into the batch's total, the first bad token overall and
 //      each sequence's reduction factor;
 //   2. in eager mode, read back the first bad token and throw before anything is written;
-//   3. the row kernel (rows.cu): token level, the outputs and (fused) the gradient in one pass; sequence level,
+//   3. the row kernel (kernels_streaming.cu): token level, the outputs and (fused) the gradient in one pass; sequence level,
 //      statistics only, then the sequence kernel (the shared ratio, the per-token terms, the sequence's loss),
 //      then the row kernel again from the saved lse for the gradient;
 //   4. a deterministic one-CTA sum of the loss, and zeros for the unused last position's gradient.

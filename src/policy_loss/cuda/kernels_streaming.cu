@@ -22,7 +22,7 @@
 //     CTAs x B / C) stay within an L2 budget (plan.h), so the second read comes from L2: B read + B written from
 //     HBM, as the row-resident cross-entropy kernel achieves with shared memory. (The cross-entropy kernel measured
 //     63-74% of copy bandwidth with two reads through L2, against 88-97% with residency.)
-//   * row-resident (Hopper, rows_resident.cu): the slices sit in shared memory instead of L2; the plan picks it for
+//   * row-resident (Hopper, kernels_row_resident.cu): the slices sit in shared memory instead of L2; the plan picks it for
 //     the fused pass wherever the row fits a cluster's shared memory, and this kernel serves everything else.
 // A masked row costs only its gradient write (B bytes, 0 when no gradient is asked for); the forward without a
 // gradient and the backward from a saved lse read each row once.
@@ -32,7 +32,7 @@
 
 #include "common/cuda/check.cuh"
 #include "policy_loss/cuda/kernels.h"
-#include "policy_loss/cuda/rows_device.cuh"
+#include "policy_loss/cuda/device.cuh"
 
 namespace logitless::pl {
 namespace {

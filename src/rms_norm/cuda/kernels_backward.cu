@@ -16,7 +16,7 @@
 
 #include "common/cuda/check.cuh"
 #include "rms_norm/cuda/device.cuh"
-#include "rms_norm/cuda/launch.h"
+#include "rms_norm/cuda/run.h"
 #include "rms_norm/cuda/plan.h"
 #include "rms_norm/problem.h"
 

@@ -8,7 +8,7 @@
 //               grad_weight GEMMs read.
 //   * exp:      the statistics, and E = exp(Z - shift) per element in bfloat16 for the gradient in forward
 //               (params.h, ExpGradParams; plain options only).
-// Host interface only (no CUTLASS types): the kernels live in hopper.cu.
+// Host interface only (no CUTLASS types): the kernels live in kernels_hopper.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -67,7 +67,7 @@ void set_fused_kernels(bool enabled);
 // The gradient in forward's fused path sends every valid row through its rewrite (params.h, ExpGradParams), the
 // path of rows the scaled form does not suit, which real inputs seldom reach.
 void set_exp_fixup_all(bool enabled);
-// The gradient in forward's exponential form on or off for later calls (off by default: see generic.cpp; on from
+// The gradient in forward's exponential form on or off for later calls (off by default: see run.cpp; on from
 // the start with LOGITLESS_LCE_EXP_FORM=1).
 void set_exp_form(bool enabled);
 bool fused_kernels_enabled();
