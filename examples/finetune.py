@@ -10,9 +10,12 @@ Modes, each in its own process (a clean CUDA context and peak-memory counter, an
 from one mode into the next):
 
 * ``baseline``: the model as transformers ships it (eager RMSNorm, logits, float32 upcast, torch's CE).
-* ``logitless``: ``logitless.patch(model)``: fused RMSNorm and linear cross-entropy, no logits.
-* ``liger``: Liger's RMSNorm and fused linear cross-entropy (the same two replacements; its RoPE and SwiGLU
-  kernels stay off so that the comparison is like for like), when liger_kernel is importable and on a GPU.
+* ``logitless``: ``logitless.patch(model)`` with its defaults: fused RMSNorm, SwiGLU MLPs, RoPE and linear
+  cross-entropy (no logits).
+* ``liger``: Liger's RMSNorm and fused linear cross-entropy only (its RoPE and SwiGLU kernels off): what the
+  head and the norms alone are worth, when liger_kernel is importable and on a GPU.
+* ``liger-full``: Liger's default ``apply_liger_kernel_to_llama`` (RoPE, SwiGLU, RMSNorm and fused linear
+  cross-entropy): the like-for-like peer of ``logitless``, under the same conditions as ``liger``.
 
 The data: real text tokenized with a real BPE, nothing downloaded. The corpus is the Python standard
 library's source files (``*.py`` under ``sysconfig.get_paths()["stdlib"]``, site-packages excluded, sorted
@@ -32,7 +35,7 @@ Without a GPU it runs a tiny Llama config on the CPU (logitless's CPU backend) w
 
     PYTHONPATH=build/<dir>/python python examples/finetune.py                       # whatever device there is
     PYTHONPATH=build/<dir>/python python examples/finetune.py --steps 50 --seq 2048 --batch 8 \\
-        --modes baseline,logitless,liger --find-max-batch --out finetune-out
+        --modes baseline,logitless,liger,liger-full --find-max-batch --out finetune-out
 """
 from __future__ import annotations
 
@@ -59,7 +62,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-MODES = ("baseline", "logitless", "liger")
+MODES = ("baseline", "logitless", "liger", "liger-full")
+LIGER_MODES = ("liger", "liger-full")
 
 LLAMA_3_2_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                     head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
@@ -91,8 +95,9 @@ def parse_args(argv=None):
                    help="sequences per step (default 8 on cuda, an estimated 55 GB peak for the baseline at 2048 "
                         "tokens: a batch that fills the GPU as a real run would; 4 on cpu)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048 on cuda, 128 on cpu)")
-    p.add_argument("--modes", default="baseline,logitless,liger",
-                   help="comma-separated, from " + ", ".join(MODES) + " (liger is skipped when not importable)")
+    p.add_argument("--modes", default="baseline,logitless,liger,liger-full",
+                   help="comma-separated, from " + ", ".join(MODES) + " (the liger modes are skipped when it is not "
+                   "importable)")
     p.add_argument("--find-max-batch", action="store_true",
                    help="after training, search the largest batch that fits at --seq (CUDA only)")
     p.add_argument("--max-batch-limit", type=int, default=256, help="the search stops here")
@@ -293,12 +298,18 @@ def apply_mode(model, mode):
     if mode == "logitless":
         import logitless
 
-        logitless.patch(model, rms_norm=True, cross_entropy=True)
+        # The defaults: RMSNorm, gated MLP, RoPE (what verifies on this model) and the fused loss.
+        logitless.patch(model)
     elif mode == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(model=model, rope=False, swiglu=False, rms_norm=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
+    elif mode == "liger-full":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        # Liger's own defaults for Llama: rope, swiglu, rms_norm and fused_linear_cross_entropy all on.
+        apply_liger_kernel_to_llama(model=model)
     return model
 
 
@@ -449,7 +460,7 @@ def run_modes(args, tokens_path, out):
     # Fewer fragmentation failures in the largest-batch search; the same for every mode.
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     for mode in args.mode_list:
-        why = liger_unavailable(args.device) if mode == "liger" else None
+        why = liger_unavailable(args.device) if mode in LIGER_MODES else None
         if why:
             print(f"{mode}: skipped: {why}", file=sys.stderr, flush=True)
             results[mode] = dict(mode=mode, skipped=why)
@@ -571,7 +582,7 @@ def write_report(args, out, results, corpus, chart_note):
     cfg = CONFIGS[args.config]
     mem_name = "peak memory (GiB, allocated)" if gpu else "peak RSS (GiB)"
     lines = [
-        "# End-to-end training: baseline vs logitless" + (" vs Liger" if "liger" in results else ""),
+        "# End-to-end training: baseline vs logitless" + (" vs Liger" if any(m in results for m in LIGER_MODES) else ""),
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; device: {device}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
@@ -644,7 +655,7 @@ def write_chart(out, results, args):
     done = {m: r for m, r in results.items() if "tokens_per_s" in r or "peak_allocated" in r or "peak_rss" in r}
     if not done:
         return "No mode completed: no chart."
-    colors = {"baseline": "#7f7f7f", "logitless": "#1f77b4", "liger": "#ff7f0e"}
+    colors = {"baseline": "#7f7f7f", "logitless": "#1f77b4", "liger": "#ff7f0e", "liger-full": "#d62728"}
     modes = list(done)
     gpu = args.device == "cuda"
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))

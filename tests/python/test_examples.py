@@ -30,9 +30,9 @@ def _run(script, tmp_path, *args):
 
 def test_finetune_trains_every_mode_and_writes_the_report(tmp_path):
     out, stdout = _run("finetune.py", tmp_path, "--steps", "3", "--timing-skip", "1",
-                       "--modes", "baseline,logitless,liger")
+                       "--modes", "baseline,logitless,liger,liger-full")
     results = json.loads((out / "results.json").read_text())["results"]
-    assert results["liger"]["skipped"]  # Liger needs a GPU
+    assert results["liger"]["skipped"] and results["liger-full"]["skipped"]  # Liger needs a GPU
     for mode in ("baseline", "logitless"):
         r = results[mode]
         assert r["ok"] and len(r["losses"]) == 3 and r["tokens_per_s"] > 0 and r["peak_rss"] > 0
@@ -43,7 +43,7 @@ def test_finetune_trains_every_mode_and_writes_the_report(tmp_path):
     assert {p.name for p in out.iterdir()} <= {"report.md", "report.png", "results.json"}
     report = (out / "report.md").read_text()
     assert report in stdout
-    for text in ("| baseline |", "| logitless |", "| liger |", "standard library", "## Loss curve", "## Chart"):
+    for text in ("| baseline |", "| logitless |", "| liger |", "| liger-full |", "standard library", "## Loss curve", "## Chart"):
         assert text in report
     try:
         import matplotlib  # noqa: F401 (the report has a chart when it is importable)
