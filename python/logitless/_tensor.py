@@ -42,6 +42,12 @@ def descriptor(t: Optional[torch.Tensor], name: str) -> Optional[Descriptor]:
     return (t.data_ptr(), code, dev, t.device.index or 0, tuple(t.shape), tuple(t.stride()))
 
 
+def rows_ready(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy where its last dimension is not contiguous: the C++ side takes any row strides but
+    wants the last dimension contiguous."""
+    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
 def workspace(nbytes: int, device: torch.device) -> Tuple[Optional[torch.Tensor], Optional[Tuple[int, int]]]:
     """Scratch of `nbytes` from torch's allocator (the caching allocator on CUDA, so the memory is
     recorded by CUDA graph capture and freed in stream order). Returns (owner, binding value); keep the

@@ -25,42 +25,49 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, vocab_parallel
+from ._autograd import REDUCTION_NONE, REDUCTIONS, enum, no_double_backward, scale_saved
 from ._checks import (check_float, check_int64, check_process_group, check_rows, check_tensors, check_writable_rows,
                       is_dtensor, register_fake)
 from ._tensor import descriptor, stream, workspace
 
 __all__ = ["cross_entropy"]
 
-# Must match logitless::Reduction and logitless::CrossEntropyAlgo (include/logitless/cross_entropy.h).
-REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+# Must match logitless::CrossEntropyAlgo (include/logitless/cross_entropy.h); REDUCTIONS: see _autograd.
 ALGOS = {"auto": 0, "row_resident": 1, "streaming": 2}
-_NONE = REDUCTIONS["none"]
 
 # ----------------------------------------------------------------------------------------------------
 # Calls into C++. Every op allocates its outputs with torch (so CUDA graphs and the caching allocator
 # see them) and passes torch's current stream.
 
 
-def _scratch(logits: Tensor, target: Tensor, weight: Optional[Tensor], opts: tuple):
+def _options(ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
+             check_targets: bool, algo: int) -> _C.CrossEntropyOptions:
+    """The ops' option arguments (their schema's order, reduction and algo as the C++ enum values) as the
+    binding's CrossEntropyOptions, field by field by name."""
+    return _C.CrossEntropyOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                                  z_loss=z_loss, softcap=softcap, check_targets=check_targets, algo=algo)
+
+
+def _scratch(logits: Tensor, target: Tensor, weight: Optional[Tensor], options: _C.CrossEntropyOptions):
     nbytes = _C.cross_entropy_workspace_bytes(descriptor(logits, "logits"), descriptor(target, "target"),
-                                              descriptor(weight, "weight"), *opts)
+                                              descriptor(weight, "weight"), options)
     return workspace(nbytes, logits.device)
 
 
 def _new_outputs(logits: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor, Tensor, Tensor]:
     # loss: [] for sum/mean, the leading shape [*] for none; lse and z_loss: [*]. Always float32.
     f32 = dict(dtype=torch.float32, device=logits.device)
-    loss = torch.empty(target.shape if reduction == _NONE else (), **f32)
+    loss = torch.empty(target.shape if reduction == REDUCTION_NONE else (), **f32)
     return loss, torch.empty(target.shape, **f32), torch.empty(target.shape, **f32)
 
 
-def _run_forward_backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], opts: tuple,
+def _run_forward_backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], options: _C.CrossEntropyOptions,
                           grad: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    loss, lse, z = _new_outputs(logits, target, opts[1])
-    owner, ws = _scratch(logits, target, weight, opts)
+    loss, lse, z = _new_outputs(logits, target, options.reduction)
+    owner, ws = _scratch(logits, target, weight, options)
     _C.cross_entropy_forward_backward(descriptor(logits, "logits"), descriptor(target, "target"),
-                                      descriptor(weight, "weight"), *opts, descriptor(loss, "loss"),
+                                      descriptor(weight, "weight"), options, descriptor(loss, "loss"),
                                       descriptor(lse, "lse"), descriptor(z, "z_loss"),
                                       descriptor(grad, "grad_logits"), None, ws, stream(logits.device))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
@@ -68,9 +75,8 @@ def _run_forward_backward(logits: Tensor, target: Tensor, weight: Optional[Tenso
 
 
 # ----------------------------------------------------------------------------------------------------
-# The ops. After the tensors, every op takes the CrossEntropyOptions fields in the binding's order:
-# ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo (reduction and algo as the
-# C++ enum values). Fake kernels only need the reduction (index 1) for the loss's shape.
+# The ops. After the tensors, every op takes the arguments of `_options` in its order (custom ops take plain
+# scalars). Fake kernels only need the reduction for the loss's shape.
 
 
 @torch.library.custom_op("logitless::cross_entropy_forward", mutates_args=(), device_types=("cpu", "cuda"))
@@ -78,11 +84,11 @@ def _forward(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_in
              label_smoothing: float, z_loss: float, softcap: float, check_targets: bool,
              algo: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(loss, lse, z_loss) with one read of the logits."""
-    opts = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     loss, lse, z = _new_outputs(logits, target, reduction)
-    owner, ws = _scratch(logits, target, weight, opts)
+    owner, ws = _scratch(logits, target, weight, options)
     _C.cross_entropy_forward(descriptor(logits, "logits"), descriptor(target, "target"),
-                             descriptor(weight, "weight"), *opts, descriptor(loss, "loss"),
+                             descriptor(weight, "weight"), options, descriptor(loss, "loss"),
                              descriptor(lse, "lse"), descriptor(z, "z_loss"), ws, stream(logits.device))
     del owner
     return loss, lse, z
@@ -100,8 +106,8 @@ def _forward_backward_out(logits: Tensor, target: Tensor, weight: Optional[Tenso
                           check_targets: bool, algo: int, grad_logits: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """(loss, lse, z_loss), and the gradient of the reduced loss (upstream gradient 1) written into
     `grad_logits` (the logits' shape and dtype, memory apart from them) in the same pass."""
-    opts = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
-    return _run_forward_backward(logits, target, weight, opts, grad_logits)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    return _run_forward_backward(logits, target, weight, options, grad_logits)
 
 
 @register_fake(_forward_backward_out)
@@ -115,8 +121,8 @@ def _forward_backward_inplace(logits: Tensor, target: Tensor, weight: Optional[T
                               reduction: int, label_smoothing: float, z_loss: float, softcap: float,
                               check_targets: bool, algo: int) -> Tuple[Tensor, Tensor, Tensor]:
     """As cross_entropy_forward_backward_out, but the gradient overwrites `logits` (no N x V allocation)."""
-    opts = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
-    return _run_forward_backward(logits, target, weight, opts, logits)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    return _run_forward_backward(logits, target, weight, options, logits)
 
 
 @register_fake(_forward_backward_inplace)
@@ -129,12 +135,12 @@ def _backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], lse: Ten
               ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
               check_targets: bool, algo: int) -> Tensor:
     """grad_logits from the forward's lse: float32 grad_loss is [] for sum/mean, [*] (contiguous) for none."""
-    opts = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    owner, ws = _scratch(logits, target, weight, opts)
+    owner, ws = _scratch(logits, target, weight, options)
     _C.cross_entropy_backward(descriptor(logits, "logits"), descriptor(target, "target"),
                               descriptor(weight, "weight"), descriptor(lse, "lse"),
-                              descriptor(grad_loss, "grad_loss"), *opts, descriptor(grad, "grad_logits"), ws,
+                              descriptor(grad_loss, "grad_loss"), options, descriptor(grad, "grad_logits"), ws,
                               stream(logits.device))
     del owner
     return grad
@@ -145,48 +151,11 @@ def _(logits, *rest):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
-@torch.library.custom_op("logitless::scale_rows_", mutates_args=("grad",), device_types=("cpu", "cuda"))
-def _scale_rows(grad: Tensor, scale: Tensor) -> None:
-    """grad[i, :] *= scale ([] or one per row, float32, on grad's device); rows with scale exactly 1 are
-    not touched."""
-    _C.scale_rows(descriptor(grad, "grad"), descriptor(scale, "scale"), stream(grad.device))
-
-
-@register_fake(_scale_rows)
-def _(grad, scale):
-    return None
-
-
-def _scale_saved(grad: Tensor, scale: Tensor) -> Tensor:
-    """The backward of a gradient computed in the forward: `grad` times the upstream `scale` (float32, [] or one
-    per row), in place in eager mode (free: rows with scale 1 are skipped) and out of place under torch.compile.
-
-    Functionalization turns an in-place scale of a saved tensor into a copy plus a scale of the copy, so in place
-    saves nothing there, and that copy goes wrong where inductor lays the saved tensor out differently from eager:
-    the copy is an as_strided with the strides traced in eager. Inductor pads the rows of intermediates (on CUDA by
-    default: a float32 row of 4099 gets a stride of 4128); when the logits are a view of such a buffer (a matmul's
-    output reshaped) an in-place forward writes the gradient into it and saves it with padded strides, and the copy
-    read it as if contiguous. A product reads the real strides.
-    """
-    if torch.compiler.is_compiling():
-        s = scale if scale.dim() == 0 else scale.reshape(scale.shape + (1,) * (grad.dim() - scale.dim()))
-        return (grad * s).to(grad.dtype)
-    _scale_rows(grad, scale)
-    return grad
-
-
 # ----------------------------------------------------------------------------------------------------
 # Autograd.
 
 # lse and the per-row z-loss are reported, not differentiated: their gradient is not what the C++
 # backward computes (it is the loss's), so they leave the ops detached rather than with a wrong formula.
-
-
-def _no_double_backward():
-    # Backward runs with grad mode on only under create_graph=True. The gradient computed here has no graph
-    # of its own, so a second derivative would silently miss this loss's term: refuse instead.
-    if torch.is_grad_enabled():
-        raise RuntimeError("logitless.cross_entropy: double backward (create_graph=True) is not supported")
 
 
 def _forward_setup(ctx, inputs, output):
@@ -198,7 +167,7 @@ def _forward_setup(ctx, inputs, output):
 
 
 def _forward_grad(ctx, grad_loss, grad_lse, grad_z):
-    _no_double_backward()
+    no_double_backward("cross_entropy")
     logits, target, weight, lse = ctx.saved_tensors
     # An upstream gradient may be expanded (loss.sum() gives a stride-0 one); C++ wants it contiguous.
     g = grad_loss.to(torch.float32).contiguous()
@@ -238,20 +207,13 @@ class _FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse, grad_z):
-        _no_double_backward()
+        no_double_backward("cross_entropy")
         (grad,) = ctx.saved_tensors
-        return (_scale_saved(grad, grad_loss.to(torch.float32).contiguous()),) + (None,) * 10
+        return (scale_saved(grad, grad_loss.to(torch.float32).contiguous()),) + (None,) * 10
 
 
 # ----------------------------------------------------------------------------------------------------
 # The public function.
-
-
-def _enum(table: dict, value: str, name: str) -> int:
-    code = table.get(value) if isinstance(value, str) else None
-    if code is None:
-        raise ValueError(f"{name}: expected one of {', '.join(map(repr, table))}, got {value!r}")
-    return code
 
 
 def cross_entropy(
@@ -334,8 +296,8 @@ def cross_entropy(
     torch's "modified by an inplace operation" error; reduce a reduction="none" loss yourself if you need
     that. Double backward (create_graph=True) is not supported.
     """
-    red = _enum(REDUCTIONS, reduction, "reduction")
-    algo_code = _enum(ALGOS, algo, "algo")
+    red = enum(REDUCTIONS, reduction, "reduction")
+    algo_code = enum(ALGOS, algo, "algo")
     check_process_group(process_group)
     # The vocabulary-parallel path takes DTensors (logits sharded; target and weight made local there).
     sharded = process_group is not None or is_dtensor(logits)
@@ -350,18 +312,19 @@ def cross_entropy(
         # A copy where the gradient overwrites the logits: a weight that shares their memory (a view of them, or a
         # float32 weight that .to() hands back as is) would be read while it is overwritten.
         weight = weight.detach().to(torch.float32, copy=inplace_backward)
+    # The ops' option arguments, in `_options`' order.
     params = (check_int64(ignore_index, "ignore_index"), red, check_float(label_smoothing, "label_smoothing"),
               check_float(z_loss, "z_loss"), check_float(softcap, "softcap"), bool(check_targets), algo_code)
 
     if sharded:
-        from . import vocab_parallel
-        loss, lse, z = vocab_parallel.cross_entropy(logits, target, weight, params, inplace_backward, process_group)
+        loss, lse, z = vocab_parallel.cross_entropy(logits, target, weight, _options(*params), inplace_backward,
+                                                    process_group)
         if not (return_lse or return_z_loss):
             return loss
         return (loss,) + ((lse,) if return_lse else ()) + ((z,) if return_z_loss else ())
 
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    if not needs_grad or red == _NONE:
+    if not needs_grad or red == REDUCTION_NONE:
         loss, lse, z = _forward(logits, target, weight, *params)
     else:
         # Overwriting a leaf that requires grad (or a view of one) would destroy a parameter and hand

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._tensor import descriptor, stream
+from ._autograd import enum, no_double_backward
+from ._tensor import descriptor, rows_ready, stream
 
 __all__ = ["glu", "swiglu", "geglu", "ACTIVATIONS"]
 
@@ -36,9 +37,9 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 ALGOS = {"auto": 0, "vector": 1, "scalar": 2}
 
 
-def _rows_ready(t: Tensor) -> Tensor:
-    # The C++ side takes any row strides but wants the last dimension contiguous.
-    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+def _options(activation: int, algo: int) -> _C.GLUOptions:
+    """The ops' option arguments (the C++ enum values) as the binding's GLUOptions."""
+    return _C.GLUOptions(activation=activation, algo=algo)
 
 
 def _halves(gate: Tensor, up: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -61,7 +62,7 @@ def _check_concatenated(gate: Tensor) -> None:
 
 def _run_forward(gate: Tensor, up: Optional[Tensor], activation: int, algo: int, y: Tensor) -> None:
     g, u = _halves(gate, up)
-    _C.glu_forward(descriptor(g, "gate"), descriptor(u, "up"), activation, algo, descriptor(y, "y"),
+    _C.glu_forward(descriptor(g, "gate"), descriptor(u, "up"), _options(activation, algo), descriptor(y, "y"),
                    stream(gate.device))
 
 
@@ -70,8 +71,9 @@ def _run_backward(grad_y: Tensor, gate: Tensor, up: Optional[Tensor], activation
     """The C++ backward. Without up, grad_gate is the [*, 2I] gradient of gate_up (grad_up is ignored)."""
     g, u = _halves(gate, up)
     dg, du = _halves(grad_gate, grad_up)
-    _C.glu_backward(descriptor(grad_y, "grad_y"), descriptor(g, "gate"), descriptor(u, "up"), activation, algo,
-                    descriptor(dg, "grad_gate"), descriptor(du, "grad_up"), stream(gate.device))
+    _C.glu_backward(descriptor(grad_y, "grad_y"), descriptor(g, "gate"), descriptor(u, "up"),
+                    _options(activation, algo), descriptor(dg, "grad_gate"), descriptor(du, "grad_up"),
+                    stream(gate.device))
 
 
 def _empty(shape, like: Tensor) -> Tensor:
@@ -79,14 +81,14 @@ def _empty(shape, like: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The ops. After the tensors, every op takes the GLUOptions fields: activation, algo (the C++ enum values).
+# The ops. After the tensors, every op takes the arguments of `_options` (custom ops take plain scalars).
 
 
 @torch.library.custom_op("logitless::glu_forward", mutates_args=(), device_types=("cpu", "cuda"))
 def _forward(gate: Tensor, up: Optional[Tensor], activation: int, algo: int) -> Tensor:
     """act(gate) * up, or act(gate_up[..., :I]) * gate_up[..., I:] without up."""
-    gate = _rows_ready(gate)
-    up = None if up is None else _rows_ready(up)
+    gate = rows_ready(gate)
+    up = None if up is None else rows_ready(up)
     y = _empty(_out_shape(gate, up), gate)
     _run_forward(gate, up, activation, algo, y)
     return y
@@ -101,8 +103,8 @@ def _(gate, up, activation, algo):
 def _backward(grad_y: Tensor, gate: Tensor, up: Optional[Tensor], activation: int,
               algo: int) -> Tuple[Tensor, Tensor]:
     """(grad_gate, grad_up); without up, grad_gate is the [*, 2I] gradient of gate_up and grad_up is empty."""
-    grad_y, gate = _rows_ready(grad_y), _rows_ready(gate)
-    up = None if up is None else _rows_ready(up)
+    grad_y, gate = rows_ready(grad_y), rows_ready(gate)
+    up = None if up is None else rows_ready(up)
     grad_gate = _empty(gate.shape, gate)
     grad_up = _empty(up.shape if up is not None else (0,), gate)
     _run_backward(grad_y, gate, up, activation, algo, grad_gate, None if up is None else grad_up)
@@ -118,7 +120,7 @@ def _(grad_y, gate, up, activation, algo):
 def _backward_inplace(grad_y: Tensor, gate: Tensor, up: Optional[Tensor], activation: int, algo: int) -> None:
     """grad_gate written over gate and grad_up over up (or the gradient of gate_up over gate_up). gate and up must
     have their last dimension contiguous and not overlap each other."""
-    _run_backward(_rows_ready(grad_y), gate, up, activation, algo, gate, up)
+    _run_backward(rows_ready(grad_y), gate, up, activation, algo, gate, up)
 
 
 @_backward_inplace.register_fake
@@ -153,10 +155,7 @@ def _inplace_ok(gate: Tensor, up: Optional[Tensor]) -> bool:
 
 def _grads(ctx, grad_y: Optional[Tensor], use_ops: bool):
     """(grad_gate, grad_up) from the saved gate and up; grad_up is None without up."""
-    if torch.is_grad_enabled():
-        # Backward runs with grad mode on only under create_graph=True; the gradients computed here have no graph
-        # of their own, so a second derivative would silently miss this op's terms: refuse instead.
-        raise RuntimeError("logitless.glu: double backward (create_graph=True) is not supported")
+    no_double_backward("glu")
     if grad_y is None:
         return None, None
     gate, up = ctx.saved_tensors if ctx.has_up else (ctx.saved_tensors[0], None)
@@ -207,8 +206,8 @@ class _GLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, activation, algo, inplace):
-        gate = _rows_ready(gate)
-        up = None if up is None else _rows_ready(up)
+        gate = rows_ready(gate)
+        up = None if up is None else rows_ready(up)
         y = _empty(_out_shape(gate, up), gate)
         _run_forward(gate, up, activation, algo, y)
         ctx.save_for_backward(*((gate,) if up is None else (gate, up)))
@@ -225,13 +224,6 @@ class _GLU(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------------------------------
 # The public functions.
-
-
-def _enum(table: dict, value: str, name: str) -> int:
-    code = table.get(value) if isinstance(value, str) else None
-    if code is None:
-        raise ValueError(f"{name}: expected one of {', '.join(map(repr, table))}, got {value!r}")
-    return code
 
 
 def glu(gate: Tensor, up: Optional[Tensor] = None, *, activation: str = "silu", inplace_backward: bool = False,
@@ -267,8 +259,8 @@ def glu(gate: Tensor, up: Optional[Tensor] = None, *, activation: str = "silu", 
 
     Double backward is not supported.
     """
-    act = _enum(ACTIVATIONS, activation, "activation")
-    algo_code = _enum(ALGOS, algo, "algo")
+    act = enum(ACTIVATIONS, activation, "activation")
+    algo_code = enum(ALGOS, algo, "algo")
     if up is None:
         _check_concatenated(gate)
     if torch.compiler.is_compiling():
@@ -276,8 +268,8 @@ def glu(gate: Tensor, up: Optional[Tensor] = None, *, activation: str = "silu", 
     if torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
         return _GLU.apply(gate, up, act, algo_code, bool(inplace_backward))
     # Nothing to differentiate: no graph node and nothing saved.
-    gate = _rows_ready(gate)
-    up = None if up is None else _rows_ready(up)
+    gate = rows_ready(gate)
+    up = None if up is None else rows_ready(up)
     y = _empty(_out_shape(gate, up), gate)
     _run_forward(gate, up, act, algo_code, y)
     return y

@@ -19,14 +19,15 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.nn.modules import module as module_mod
+
+from ._checks import is_dtensor  # imports nothing of torch.distributed
 
 __all__ = ["through_module", "linear_head_loss", "refuse_sharded_weight"]
 
 
 def _has_call_hooks(module: torch.nn.Module) -> bool:
     # Global hooks (torch.nn.modules.module.register_module_forward_*_hook) run for every call as well.
-    from torch.nn.modules import module as module_mod
-
     own = (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks, module._backward_pre_hooks)
     shared = (module_mod._global_forward_pre_hooks, module_mod._global_forward_hooks,
               module_mod._global_backward_hooks, module_mod._global_backward_pre_hooks)
@@ -91,8 +92,6 @@ def linear_head_loss(head: torch.nn.Module, loss: Callable[..., Any], hidden: Te
 
 def refuse_sharded_weight(weight: Tensor, bias: Optional[Tensor], vocab_parallel_remedy: bool) -> None:
     """Raise if `weight` (or `bias`) is a DTensor: the caller did not say it is a tensor-parallel shard."""
-    from ._checks import is_dtensor  # imports nothing of torch.distributed
-
     for name, t in (("weight", weight), ("bias", bias)):
         if not is_dtensor(t):
             continue

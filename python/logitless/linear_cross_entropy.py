@@ -29,28 +29,36 @@ import torch
 from torch import Tensor
 
 from . import _C
+from . import vocab_parallel as vp
+from ._autograd import (DEFAULT_MEMORY_BUDGET, REDUCTION_NONE, REDUCTIONS, SCHEDULES, enum, no_double_backward,
+                        scale_saved)
 from ._checks import (check_bias, check_float, check_int64, check_process_group, check_rows, check_tensors,
                       register_fake)
-from ._tensor import DEVICE_CODES, DTYPE_CODES, descriptor, stream, workspace
-from .cross_entropy import REDUCTIONS, _enum, _scale_saved
+from ._tensor import DEVICE_CODES, DTYPE_CODES, descriptor, rows_ready, stream, workspace
 from .heads import refuse_sharded_weight
 
 __all__ = ["linear_cross_entropy", "SCHEDULES", "DEFAULT_MEMORY_BUDGET"]
 
-SCHEDULES = ("auto", "gradient_in_forward", "recompute")
-DEFAULT_MEMORY_BUDGET = 512 << 20
-_NONE = REDUCTIONS["none"]
-
 # ----------------------------------------------------------------------------------------------------
-# Calls into C++. Every op takes, after its tensors, the LinearCrossEntropyOptions fields in the binding's
-# order: ignore_index, reduction (the C++ enum value), label_smoothing, z_loss, softcap, check_targets,
-# chunk_tokens, chunk_vocab, memory_budget (0 for the chunk counts: from the budget).
+# Calls into C++. Every op takes, after its tensors, the arguments of `_options` in its order (custom ops take
+# plain scalars; 0 for the chunk counts: from the budget).
+
+
+def _options(ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
+             check_targets: bool, chunk_tokens: int, chunk_vocab: int,
+             memory_budget: int) -> _C.LinearCrossEntropyOptions:
+    """The ops' option arguments (reduction as the C++ enum value) as the binding's LinearCrossEntropyOptions,
+    field by field by name."""
+    return _C.LinearCrossEntropyOptions(ignore_index=ignore_index, reduction=reduction,
+                                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                                        check_targets=check_targets, chunk_tokens=chunk_tokens,
+                                        chunk_vocab=chunk_vocab, memory_budget=memory_budget)
 
 
 def _new_outputs(hidden: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor, Tensor]:
     # loss: [] for sum/mean, the leading shape [*] for none; lse: [*]. Always float32.
     f32 = dict(dtype=torch.float32, device=hidden.device)
-    return torch.empty(target.shape if reduction == _NONE else (), **f32), torch.empty(target.shape, **f32)
+    return torch.empty(target.shape if reduction == REDUCTION_NONE else (), **f32), torch.empty(target.shape, **f32)
 
 
 def _grad_outputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_hidden: bool, need_weight: bool,
@@ -65,7 +73,7 @@ def _grad_outputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_h
 
 
 def _run_forward_backward(hidden, weight, bias, target, class_weight, options, grad_hidden, grad_weight, grad_bias):
-    loss, lse = _new_outputs(hidden, target, options[1])
+    loss, lse = _new_outputs(hidden, target, options.reduction)
     h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
     gh, gw, gb = (descriptor(grad_hidden, "grad_hidden"), descriptor(grad_weight, "grad_weight"),
                   descriptor(grad_bias, "grad_bias"))
@@ -78,16 +86,17 @@ def _run_forward_backward(hidden, weight, bias, target, class_weight, options, g
     return loss, lse
 
 
-def _recompute_is_faster(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], options) -> bool:
+def _recompute_is_faster(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], scalars: tuple) -> bool:
     # The library's cost model of the two CUDA plans (shapes and dtypes only, so it also runs while torch.compile
-    # traces with fake tensors); False on the CPU and for float32.
+    # traces with fake tensors); False on the CPU and for float32. `scalars`: the ops' option arguments, made the
+    # binding's struct only past that test (torch.compile cannot trace its construction).
     if hidden.device.type != "cuda" or hidden.dtype not in (torch.bfloat16, torch.float16):
         return False
     h = int(hidden.shape[-1])
     n = int(hidden.numel()) // h if h else 0
     return bool(_C.linear_cross_entropy_recompute_is_faster(
         n, h, int(weight.shape[0]), DTYPE_CODES[hidden.dtype], DEVICE_CODES["cuda"], hidden.device.index or 0,
-        hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad, options))
+        hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad, _options(*scalars)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -99,8 +108,8 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
              ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
              check_targets: bool, chunk_tokens: int, chunk_vocab: int, memory_budget: int) -> Tuple[Tensor, Tensor]:
     """(loss, lse): one GEMM over token chunks; lse is what the backward needs."""
-    options = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens, chunk_vocab,
-               memory_budget)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
+                       chunk_vocab, memory_budget)
     loss, lse = _new_outputs(hidden, target, reduction)
     h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
     owner, ws = workspace(_C.linear_cross_entropy_forward_workspace_bytes(h, w, t, options), hidden.device)
@@ -125,8 +134,8 @@ def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                           grad_bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """(loss, lse), and the gradients of the reduced loss (upstream gradient 1) written into the given buffers
     (None: not computed) in the same pass."""
-    options = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens, chunk_vocab,
-               memory_budget)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
+                       chunk_vocab, memory_budget)
     return _run_forward_backward(hidden, weight, bias, target, class_weight, options, grad_hidden, grad_weight,
                                  grad_bias)
 
@@ -144,8 +153,8 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
               need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) from the forward's lse, times grad_loss (float32: [] for sum/mean,
     [*] contiguous for none); a gradient not needed comes back empty."""
-    options = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens, chunk_vocab,
-               memory_budget)
+    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
+                       chunk_vocab, memory_budget)
     gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
     d = lambda t, need, name: descriptor(t, name) if need else None  # noqa: E731
     h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
@@ -169,13 +178,6 @@ def _(hidden, weight, bias, target, class_weight, lse, grad_loss, *rest):
 # Autograd.
 
 
-def _no_double_backward():
-    # Backward runs with grad mode on only under create_graph=True. The gradients computed here have no graph
-    # of their own, so a second derivative would silently miss this loss's term: refuse instead.
-    if torch.is_grad_enabled():
-        raise RuntimeError("logitless.linear_cross_entropy: double backward (create_graph=True) is not supported")
-
-
 def _forward_setup(ctx, inputs, output):
     hidden, weight, bias, target, class_weight, *options = inputs
     _, lse = output
@@ -185,7 +187,7 @@ def _forward_setup(ctx, inputs, output):
 
 
 def _forward_grad(ctx, grad_loss, grad_lse):
-    _no_double_backward()
+    no_double_backward("linear_cross_entropy")
     hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     if not any(need):
@@ -204,11 +206,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Loss and gradients in one pass (reduction sum/mean); backward scales the saved gradients in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, options):
+    def forward(ctx, hidden, weight, bias, target, class_weight, scalars):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_bias = bias is not None and ctx.needs_input_grad[2]
         gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
-        loss, lse = _forward_backward_out(hidden, weight, bias, target, class_weight, *options,
+        loss, lse = _forward_backward_out(hidden, weight, bias, target, class_weight, *scalars,
                                           gh if need_hidden else None, gw if need_weight else None,
                                           gb if need_bias else None)
         ctx.mark_non_differentiable(lse)
@@ -222,24 +224,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        _no_double_backward()
+        no_double_backward("linear_cross_entropy")
         grads = ctx.saved_tensors
         if grad_loss is None:  # no gradient reached the loss: nothing flows to the inputs
             return (None,) * 6
         scale = grad_loss.to(torch.float32).contiguous()
         out = []
         for g, need in zip(grads, ctx.needs):
-            out.append(_scale_saved(g, scale) if need else None)
+            out.append(scale_saved(g, scale) if need else None)
         return tuple(out) + (None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------------
 # The public function.
-
-
-def _rows_ready(t: Tensor) -> Tensor:
-    # The C++ side takes any row strides but wants the last dimension contiguous.
-    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def linear_cross_entropy(
@@ -326,10 +323,10 @@ def linear_cross_entropy(
     torch's "modified by an inplace operation" error; use schedule="recompute" for that. Double backward is
     not supported.
     """
-    red = _enum(REDUCTIONS, reduction, "reduction")
+    red = enum(REDUCTIONS, reduction, "reduction")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
-    if schedule == "gradient_in_forward" and red == _NONE:
+    if schedule == "gradient_in_forward" and red == REDUCTION_NONE:
         raise ValueError("schedule: expected 'auto' or 'recompute' for reduction='none' (its upstream gradient is "
                          "known only in the backward), got 'gradient_in_forward'")
     for name, value in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
@@ -344,14 +341,15 @@ def linear_cross_entropy(
                   dtensor_ok=("hidden", "weight", "target", "bias", "class_weight"))
     if class_weight is not None:
         class_weight = class_weight.detach().to(torch.float32)
-    hidden, weight = _rows_ready(hidden), _rows_ready(weight)
-    options = (check_int64(ignore_index, "ignore_index"), red, check_float(label_smoothing, "label_smoothing"),
+    hidden, weight = rows_ready(hidden), rows_ready(weight)
+    # The ops' option arguments, in `_options`' order.
+    scalars = (check_int64(ignore_index, "ignore_index"), red, check_float(label_smoothing, "label_smoothing"),
                check_float(z_loss, "z_loss"), check_float(softcap or 0.0, "softcap"), bool(check_targets),
                check_int64(chunk_tokens or 0, "chunk_tokens"), check_int64(chunk_vocab or 0, "chunk_vocab"),
                check_int64(memory_budget, "memory_budget"))
 
-    recompute = schedule == "recompute" or (schedule == "auto" and (red == _NONE or hidden.dtype == torch.float16))
-    from . import vocab_parallel as vp
+    recompute = schedule == "recompute" or (schedule == "auto" and
+                                            (red == REDUCTION_NONE or hidden.dtype == torch.float16))
     sharded = process_group is not None or bool(vocab_parallel)
     if not sharded:
         refuse_sharded_weight(weight, bias, vocab_parallel_remedy=True)
@@ -361,9 +359,9 @@ def linear_cross_entropy(
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                               (bias is not None and bias.requires_grad))
     if schedule == "auto" and not recompute and needs_grad and not sharded:
-        recompute = _recompute_is_faster(hidden, weight, bias, options)
+        recompute = _recompute_is_faster(hidden, weight, bias, scalars)
     if sharded:
-        loss, lse = vp.linear_cross_entropy(hidden, weight, target, bias, class_weight, options, recompute,
+        loss, lse = vp.linear_cross_entropy(hidden, weight, target, bias, class_weight, _options(*scalars), recompute,
                                             process_group, bool(sequence_parallel))
         return (loss, lse) if return_lse else loss
     if sequence_parallel:
@@ -373,7 +371,7 @@ def linear_cross_entropy(
     check_bias(bias, weight, hidden)
     check_rows(hidden.dim() - 1, (("hidden", hidden), ("target", target)), jointly=False)
     if not needs_grad or recompute:
-        loss, lse = _forward(hidden, weight, bias, target, class_weight, *options)
+        loss, lse = _forward(hidden, weight, bias, target, class_weight, *scalars)
     else:
-        loss, lse = _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, options)
+        loss, lse = _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, scalars)
     return (loss, lse) if return_lse else loss

@@ -26,22 +26,38 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._autograd import DEFAULT_MEMORY_BUDGET, SCHEDULES, enum, no_double_backward, scale_saved
 from ._checks import check_bias, check_float, check_index_dtype, check_int64, check_rows, check_tensors, register_fake
-from ._tensor import descriptor, stream, workspace
-from .cross_entropy import _scale_saved
+from ._tensor import descriptor, rows_ready, stream, workspace
 from .heads import refuse_sharded_weight
-from .linear_cross_entropy import DEFAULT_MEMORY_BUDGET, SCHEDULES, _rows_ready
-from .policy_loss import (_MASK_DTYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, PolicyLossOutputs, _as,
-                          _check_mask_dtype, _enum)
+from .policy_loss import _MASK_DTYPES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, PolicyLossOutputs, _as, _check_mask_dtype
 
 __all__ = ["linear_grpo_loss", "linear_selective_log_softmax"]
 
 # ----------------------------------------------------------------------------------------------------
-# Calls into C++. The policy ops take, after their tensors, the options in the binding's order: loss_type,
-# importance_sampling_level (the C++ enum values), beta, eps_low, eps_high, temperature, max_completion_length,
-# num_items_in_batch, check_ids, chunk_tokens, memory_budget.
+# Calls into C++. The policy ops take, after their tensors, the arguments of `_options` in its order (custom ops
+# take plain scalars).
 
 _PASS_FORWARD, _PASS_FORWARD_BACKWARD, _PASS_BACKWARD = 0, 1, 2
+
+
+def _options(loss_type: int, level: int, beta: float, eps_low: float, eps_high: float, temperature: float,
+             max_completion_length: int, num_items_in_batch: float, check_ids: bool, chunk_tokens: int,
+             memory_budget: int) -> _C.LinearPolicyLossOptions:
+    """The policy ops' option arguments (loss_type and level as the C++ enum values) as the binding's
+    LinearPolicyLossOptions, field by field by name (the row kernel's tiles stay the planner's choice)."""
+    policy = _C.PolicyLossOptions(loss_type=loss_type, importance_sampling_level=level, beta=beta, eps_low=eps_low,
+                                  eps_high=eps_high, temperature=temperature,
+                                  max_completion_length=max_completion_length,
+                                  num_items_in_batch=num_items_in_batch, check_ids=check_ids)
+    return _C.LinearPolicyLossOptions(policy=policy, chunk_tokens=chunk_tokens, memory_budget=memory_budget)
+
+
+def _selective_options(temperature: float, check_ids: bool, chunk_tokens: int,
+                       memory_budget: int) -> _C.LinearSelectiveLogSoftmaxOptions:
+    """The selective ops' option arguments as the binding's LinearSelectiveLogSoftmaxOptions."""
+    return _C.LinearSelectiveLogSoftmaxOptions(temperature=temperature, check_ids=check_ids,
+                                               chunk_tokens=chunk_tokens, memory_budget=memory_budget)
 
 
 def _outputs(hidden: Tensor, ids: Tensor, want_per_token: bool, want_entropy: bool):
@@ -110,8 +126,8 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], completion_
              want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, per_token_loss, kl, is_clipped, logp, entropy, lse): one GEMM over token chunks; logp and lse are
     what the backward needs."""
-    options = (loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length, num_items_in_batch,
-               check_ids, chunk_tokens, memory_budget)
+    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+                       num_items_in_batch, check_ids, chunk_tokens, memory_budget)
     return _run(hidden, weight, bias, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                 want_per_token, want_entropy, None)
 
@@ -132,8 +148,8 @@ def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                           grad_bias: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """As linear_policy_loss_forward, and the gradients of the loss (upstream gradient 1) written into the given
     buffers (None: not computed) in the same call."""
-    options = (loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length, num_items_in_batch,
-               check_ids, chunk_tokens, memory_budget)
+    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+                       num_items_in_batch, check_ids, chunk_tokens, memory_budget)
     return _run(hidden, weight, bias, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                 want_per_token, want_entropy, (grad_hidden, grad_weight, grad_bias))
 
@@ -152,8 +168,8 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], completion
               need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) times grad_loss (float32 []), from the forward's logp and lse; a
     gradient not needed comes back empty."""
-    options = (loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length, num_items_in_batch,
-               False, chunk_tokens, memory_budget)
+    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+                       num_items_in_batch, False, chunk_tokens, memory_budget)
     gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
     tensors = _inputs(hidden, weight, bias, completion_ids, advantages, completion_mask, old_logp, ref_logp)
     g = [descriptor(t, n) if need else None
@@ -171,13 +187,6 @@ def _(hidden, weight, bias, *rest):
     return _grad_outputs(hidden, weight, bias, *rest[-3:])
 
 
-def _no_double_backward(name: str):
-    # Backward runs with grad mode on only under create_graph=True. The gradients computed here have no graph of
-    # their own, so a second derivative would silently miss this loss's term: refuse instead.
-    if torch.is_grad_enabled():
-        raise RuntimeError(f"logitless.{name}: double backward (create_graph=True) is not supported")
-
-
 def _forward_setup(ctx, inputs, output):
     hidden, weight, bias, ids, adv, mask, old, ref, *options = inputs
     _, ptl, kl, clipped, logp, entropy, lse = output
@@ -188,7 +197,7 @@ def _forward_setup(ctx, inputs, output):
 
 
 def _forward_grad(ctx, grad_loss, *unused):
-    _no_double_backward("linear_grpo_loss")
+    no_double_backward("linear_grpo_loss")
     hidden, weight, bias, ids, adv, mask, old, ref, logp, lse = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     if not any(need):
@@ -222,9 +231,9 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        _no_double_backward("linear_grpo_loss")
+        no_double_backward("linear_grpo_loss")
         scale = grad_loss.to(torch.float32).contiguous()
-        out = [_scale_saved(g, scale) if need else None for g, need in zip(ctx.saved_tensors, ctx.needs)]
+        out = [scale_saved(g, scale) if need else None for g, need in zip(ctx.saved_tensors, ctx.needs)]
         return tuple(out) + (None,) * 18
 
 
@@ -300,8 +309,8 @@ def linear_grpo_loss(
     use schedule="recompute" for that. Double backward is not supported. Masked tokens' and the unused position's
     hidden rows get gradient 0 (their logits are computed in the GEMMs but never read; those rows must be finite).
     """
-    ltype = _enum(LOSS_TYPES, loss_type, "loss_type")
-    level = _enum(IMPORTANCE_SAMPLING_LEVELS, importance_sampling_level, "importance_sampling_level")
+    ltype = enum(LOSS_TYPES, loss_type, "loss_type")
+    level = enum(IMPORTANCE_SAMPLING_LEVELS, importance_sampling_level, "importance_sampling_level")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
     refuse_sharded_weight(weight, bias, vocab_parallel_remedy=False)
@@ -323,7 +332,8 @@ def linear_grpo_loss(
         if mask.dtype not in _MASK_DTYPES:
             mask = mask.to(torch.float32)
     old, ref = _as(old_logp, torch.float32), _as(ref_logp, torch.float32)
-    hidden, weight = _rows_ready(hidden), _rows_ready(weight)
+    hidden, weight = rows_ready(hidden), rows_ready(weight)
+    # The ops' option arguments, in `_options`' order, then want_per_token and want_entropy.
     options = (ltype, level, check_float(beta, "beta"), check_float(eps_low, "eps_low"),
                check_float(eps_high, "eps_high"), check_float(temperature, "temperature"),
                int(max_completion_length or 0), check_float(num_items_in_batch or 0.0, "num_items_in_batch"),
@@ -361,7 +371,7 @@ def _sel_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Te
     """(logp, entropy, lse) of the logits hidden [*, H] · weightᵀ (+ bias) at ids [*]; entropy is empty unless
     asked for."""
     logp, entropy, lse = _sel_outputs(hidden, ids, want_entropy)
-    options = (temperature, check_ids, chunk_tokens, memory_budget)
+    options = _selective_options(temperature, check_ids, chunk_tokens, memory_budget)
     h, w, i = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(ids, "ids")
     owner, ws = workspace(_C.linear_selective_log_softmax_workspace_bytes(_PASS_FORWARD, h, w, i, options, None, None,
                                                                           None), hidden.device)
@@ -384,7 +394,7 @@ def _sel_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: T
                   need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) of sum(grad_logp * logp), from the forward's lse."""
     gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
-    options = (temperature, False, chunk_tokens, memory_budget)
+    options = _selective_options(temperature, False, chunk_tokens, memory_budget)
     h, w, i = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(ids, "ids")
     g = [descriptor(t, n) if need else None
          for t, n, need in ((gh, "grad_hidden", need_hidden), (gw, "grad_weight", need_weight),
@@ -412,7 +422,7 @@ def _sel_setup(ctx, inputs, output):
 
 
 def _sel_grad(ctx, grad_logp, grad_entropy, grad_lse):
-    _no_double_backward("linear_selective_log_softmax")
+    no_double_backward("linear_selective_log_softmax")
     hidden, weight, bias, ids, lse = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     if not any(need):
@@ -454,7 +464,7 @@ def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, ids: Tensor, bi
     check_index_dtype(ids, "ids")
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
-    hidden, weight = _rows_ready(hidden), _rows_ready(weight)
+    hidden, weight = rows_ready(hidden), rows_ready(weight)
     check_rows(hidden.dim() - 1, (("hidden", hidden), ("ids", ids)), jointly=False)
     logp, entropy, _ = _sel_forward(hidden, weight, bias, ids, check_float(temperature, "temperature"), bool(check_ids),
                                     int(chunk_tokens or 0), int(memory_budget), bool(return_entropy))

@@ -30,8 +30,8 @@ from torch import Tensor
 from . import _C
 from ._checks import (check_float, check_index_dtype, check_int64, check_rows, check_tensors, check_writable_rows,
                       register_fake)
+from ._autograd import enum, no_double_backward, scale_saved
 from ._tensor import descriptor, stream, workspace
-from .cross_entropy import _scale_saved
 
 __all__ = ["grpo_loss", "selective_log_softmax", "PolicyLossOutputs", "LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS"]
 
@@ -55,9 +55,19 @@ class PolicyLossOutputs(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------------
 # Calls into C++. Outputs are allocated with torch (so CUDA graphs and the caching allocator see them) and run on
-# torch's current stream. After the tensors, the policy ops take the PolicyLossOptions fields in the binding's
-# order: loss_type, importance_sampling_level, beta, eps_low, eps_high, temperature, max_completion_length,
-# num_items_in_batch, check_ids, algo, cluster_size, threads; then want_per_token and want_entropy.
+# torch's current stream. After the tensors, the policy ops take the arguments of `_options` in its order (custom
+# ops take plain scalars), then want_per_token and want_entropy.
+
+
+def _options(loss_type: int, level: int, beta: float, eps_low: float, eps_high: float, temperature: float,
+             max_completion_length: int, num_items_in_batch: float, check_ids: bool, algo: int, cluster_size: int,
+             threads: int) -> _C.PolicyLossOptions:
+    """The policy ops' option arguments (loss_type, level and algo as the C++ enum values) as the binding's
+    PolicyLossOptions, field by field by name."""
+    return _C.PolicyLossOptions(loss_type=loss_type, importance_sampling_level=level, beta=beta, eps_low=eps_low,
+                                eps_high=eps_high, temperature=temperature,
+                                max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
+                                check_ids=check_ids, algo=algo, cluster_size=cluster_size, threads=threads)
 
 
 def _policy_outputs(logits: Tensor, ids: Tensor, want_per_token: bool, want_entropy: bool):
@@ -79,18 +89,18 @@ def _views(outs, want_per_token: bool, want_entropy: bool):
     return [loss, ptl, kl, clipped, logp, entropy if want_entropy else None]
 
 
-def _run_policy(logits, ids, adv, mask, old, ref, opts, want_per_token, want_entropy, grad):
+def _run_policy(logits, ids, adv, mask, old, ref, options, want_per_token, want_entropy, grad):
     outs = _policy_outputs(logits, ids, want_per_token, want_entropy)
     tensors = [descriptor(logits, "logits"), descriptor(ids, "completion_ids"), descriptor(adv, "advantages"),
                descriptor(mask, "completion_mask"), descriptor(old, "old_logp"), descriptor(ref, "ref_logp")]
-    owner, ws = workspace(_C.policy_loss_workspace_bytes(*tensors, *opts), logits.device)
+    owner, ws = workspace(_C.policy_loss_workspace_bytes(*tensors, options), logits.device)
     views = _views(outs, want_per_token, want_entropy)
     names = ["loss", "per_token_loss", "kl", "is_clipped", "logp", "entropy"]
     out_desc = [descriptor(t, n) for t, n in zip(views, names)] + [None]  # lse: not kept
     if grad is None:
-        _C.policy_loss_forward(*tensors, *opts, *out_desc, ws, stream(logits.device))
+        _C.policy_loss_forward(*tensors, options, *out_desc, ws, stream(logits.device))
     else:
-        _C.policy_loss_forward_backward(*tensors, *opts, *out_desc, descriptor(grad, "grad_logits"), None, ws,
+        _C.policy_loss_forward_backward(*tensors, options, *out_desc, descriptor(grad, "grad_logits"), None, ws,
                                         stream(logits.device))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
     return outs
@@ -104,9 +114,9 @@ def _policy_forward(logits: Tensor, completion_ids: Tensor, advantages: Tensor, 
                     want_per_token: bool, want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, per_token_loss, kl, is_clipped, logp, entropy), one read of the unmasked rows; the per-token
     outputs are empty unless asked for."""
-    opts = (loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length, num_items_in_batch,
-            check_ids, algo, cluster_size, threads)
-    return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, opts,
+    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+                       num_items_in_batch, check_ids, algo, cluster_size, threads)
+    return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                        want_per_token, want_entropy, None)
 
 
@@ -126,9 +136,9 @@ def _policy_forward_backward_out(logits: Tensor, completion_ids: Tensor, advanta
                                  grad_logits: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """As policy_loss_forward, and the gradient of the loss (upstream gradient 1) written into `grad_logits`
     (the logits' shape and dtype, memory apart from them)."""
-    opts = (loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length, num_items_in_batch,
-            check_ids, algo, cluster_size, threads)
-    return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, opts,
+    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+                       num_items_in_batch, check_ids, algo, cluster_size, threads)
+    return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                        want_per_token, want_entropy, grad_logits)
 
 
@@ -148,22 +158,15 @@ def _policy_forward_backward_inplace(logits: Tensor, completion_ids: Tensor, adv
                                      want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """As policy_loss_forward_backward_out, with the gradient written over `logits` (no extra logits-sized
     memory; the unused last position becomes 0 too)."""
-    opts = (loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length, num_items_in_batch,
-            check_ids, algo, cluster_size, threads)
-    return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, opts,
+    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+                       num_items_in_batch, check_ids, algo, cluster_size, threads)
+    return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                        want_per_token, want_entropy, logits)
 
 
 @register_fake(_policy_forward_backward_inplace)
 def _(logits, completion_ids, *rest):
     return _policy_outputs(logits, completion_ids, rest[-2], rest[-1])
-
-
-def _no_double_backward():
-    # Backward runs with grad mode on only under create_graph=True. The gradient computed here has no graph of
-    # its own, so a second derivative would silently miss this loss's term: refuse instead.
-    if torch.is_grad_enabled():
-        raise RuntimeError("logitless.grpo_loss: double backward (create_graph=True) is not supported")
 
 
 class _FusedPolicyLoss(torch.autograd.Function):
@@ -192,16 +195,9 @@ class _FusedPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        _no_double_backward()
+        no_double_backward("grpo_loss")
         (grad,) = ctx.saved_tensors
-        return (_scale_saved(grad, grad_loss.to(torch.float32).contiguous()),) + (None,) * 20
-
-
-def _enum(table: dict, value, name: str) -> int:
-    code = table.get(value) if isinstance(value, str) else None
-    if code is None:
-        raise ValueError(f"{name}: expected one of {', '.join(map(repr, table))}, got {value!r}")
-    return code
+        return (scale_saved(grad, grad_loss.to(torch.float32).contiguous()),) + (None,) * 20
 
 
 def _as(t: Optional[Tensor], dtype: torch.dtype, copy: bool = False) -> Optional[Tensor]:
@@ -303,9 +299,9 @@ def grpo_loss(
     consumed once: a second backward through the same call (retain_graph=True) raises torch's "modified by an
     inplace operation" error. Double backward (create_graph=True) is not supported.
     """
-    ltype = _enum(LOSS_TYPES, loss_type, "loss_type")
-    level = _enum(IMPORTANCE_SAMPLING_LEVELS, importance_sampling_level, "importance_sampling_level")
-    algo_code = _enum(ALGOS, algo, "algo")
+    ltype = enum(LOSS_TYPES, loss_type, "loss_type")
+    level = enum(IMPORTANCE_SAMPLING_LEVELS, importance_sampling_level, "importance_sampling_level")
+    algo_code = enum(ALGOS, algo, "algo")
     check_tensors((("logits", logits), ("completion_ids", completion_ids), ("advantages", advantages),
                    ("completion_mask", completion_mask), ("old_logp", old_logp), ("ref_logp", ref_logp)),
                   optional=("completion_mask", "old_logp", "ref_logp"))
@@ -326,6 +322,7 @@ def grpo_loss(
         mask = mask.detach()
         mask = mask.to(mask.dtype if mask.dtype in _MASK_DTYPES else torch.float32, copy=copy)
     old, ref = _as(old_logp, torch.float32, copy), _as(ref_logp, torch.float32, copy)
+    # The ops' option arguments, in `_options`' order, then want_per_token and want_entropy.
     opts = (ltype, level, check_float(beta, "beta"), check_float(eps_low, "eps_low"),
             check_float(eps_high, "eps_high"), check_float(temperature, "temperature"),
             int(max_completion_length or 0), check_float(num_items_in_batch or 0.0, "num_items_in_batch"),
@@ -365,8 +362,9 @@ def _selective_forward(logits: Tensor, ids: Tensor, temperature: float, check_id
     """(logp, entropy, lse) of logits [*, V] at ids [*]; entropy is empty unless asked for."""
     logp, entropy, lse = _selective_outputs(logits, ids, want_entropy)
     ld, idd = descriptor(logits, "logits"), descriptor(ids, "ids")
-    owner, ws = workspace(_C.selective_log_softmax_workspace_bytes(ld, idd, temperature, check_ids), logits.device)
-    _C.selective_log_softmax_forward(ld, idd, temperature, check_ids, descriptor(logp, "logp"),
+    options = _C.SelectiveLogSoftmaxOptions(temperature=temperature, check_ids=check_ids)
+    owner, ws = workspace(_C.selective_log_softmax_workspace_bytes(ld, idd, options), logits.device)
+    _C.selective_log_softmax_forward(ld, idd, options, descriptor(logp, "logp"),
                                      descriptor(entropy, "entropy") if want_entropy else None,
                                      descriptor(lse, "lse"), ws, stream(logits.device))
     del owner
@@ -383,9 +381,13 @@ def _selective_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Ten
     """grad_logits = grad_logp ([j == id] - p_j) / temperature from the forward's lse."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     ld, idd = descriptor(logits, "logits"), descriptor(ids, "ids")
-    owner, ws = workspace(_C.selective_log_softmax_workspace_bytes(ld, idd, temperature, False), logits.device)
+    # The workspace is sized without the id check (the forward checked the ids); the backward call itself keeps
+    # check_ids at its default.
+    owner, ws = workspace(_C.selective_log_softmax_workspace_bytes(
+        ld, idd, _C.SelectiveLogSoftmaxOptions(temperature=temperature, check_ids=False)), logits.device)
     _C.selective_log_softmax_backward(ld, idd, descriptor(lse, "lse"), descriptor(grad_logp, "grad_logp"),
-                                      temperature, descriptor(grad, "grad_logits"), ws, stream(logits.device))
+                                      _C.SelectiveLogSoftmaxOptions(temperature=temperature),
+                                      descriptor(grad, "grad_logits"), ws, stream(logits.device))
     del owner
     return grad
 
@@ -404,8 +406,7 @@ def _selective_setup(ctx, inputs, output):
 
 
 def _selective_grad(ctx, grad_logp, grad_entropy, grad_lse):
-    if torch.is_grad_enabled():
-        raise RuntimeError("logitless.selective_log_softmax: double backward (create_graph=True) is not supported")
+    no_double_backward("selective_log_softmax")
     logits, ids, lse = ctx.saved_tensors
     grad = None
     if ctx.needs_input_grad[0]:

@@ -30,8 +30,9 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._autograd import enum, no_double_backward
 from ._checks import check_float, check_int64, check_rows, check_tensors, register_fake, rows_collapse
-from ._tensor import descriptor, stream, workspace
+from ._tensor import descriptor, rows_ready, stream, workspace
 
 __all__ = ["rms_norm", "CASTING_MODES"]
 
@@ -40,9 +41,10 @@ CASTING_MODES = {"llama": 0, "gemma": 1, "none": 2}
 ALGOS = {"auto": 0, "registers": 1, "generic": 2}
 
 
-def _rows_ready(t: Tensor) -> Tensor:
-    # The C++ side takes any row strides but wants the last dimension contiguous.
-    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+def _options(eps: float, offset: float, casting: int, algo: int, vectors_per_thread: int) -> _C.RMSNormOptions:
+    """The ops' option arguments (casting and algo as the C++ enum values) as the binding's RMSNormOptions, field by
+    field by name. The eager path builds it once per call and keeps it for the backward."""
+    return _C.RMSNormOptions(eps=eps, offset=offset, casting=casting, algo=algo, vectors_per_thread=vectors_per_thread)
 
 
 def _forward_outputs(x: Tensor, has_residual: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -56,42 +58,42 @@ def _weight_grad_output(weight: Tensor, need: bool) -> Tensor:
     return torch.empty(weight.shape if need else (0,), dtype=weight.dtype, device=weight.device)
 
 
-def _run_forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], options: tuple, y: Tensor,
+def _run_forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], options: _C.RMSNormOptions, y: Tensor,
                  s: Optional[Tensor], rstd: Optional[Tensor]) -> None:
     """The C++ forward into the given outputs; x, weight and residual already _rows_ready / contiguous."""
     _C.rms_norm_forward(descriptor(x, "x"), descriptor(residual, "residual"), descriptor(weight, "weight"),
-                        *options, descriptor(y, "y"), descriptor(s, "residual_out"), descriptor(rstd, "rstd"), None,
+                        options, descriptor(y, "y"), descriptor(s, "residual_out"), descriptor(rstd, "rstd"), None,
                         stream(x.device))
 
 
 def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
-                  options: tuple, grad_x: Tensor, need_weight_grad: bool) -> Tensor:
+                  options: _C.RMSNormOptions, grad_x: Tensor, need_weight_grad: bool) -> Tensor:
     """The C++ backward into grad_x (a fresh buffer); returns grad_weight (empty unless needed)."""
     grad_weight = _weight_grad_output(weight, need_weight_grad)
     xd, wd = descriptor(x, "x"), descriptor(weight, "weight")
     owner, ws = None, None
     if need_weight_grad and x.device.type == "cuda":
-        owner, ws = workspace(_C.rms_norm_backward_workspace_bytes(xd, wd, *options), x.device)
+        owner, ws = workspace(_C.rms_norm_backward_workspace_bytes(xd, wd, options), x.device)
     _C.rms_norm_backward(descriptor(grad_y, "grad_y"), descriptor(grad_residual_out, "grad_residual_out"), xd, wd,
-                         descriptor(rstd, "rstd"), *options, descriptor(grad_x, "grad_x"),
+                         descriptor(rstd, "rstd"), options, descriptor(grad_x, "grad_x"),
                          descriptor(grad_weight, "grad_weight") if need_weight_grad else None, ws, stream(x.device))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
     return grad_weight
 
 
 # ----------------------------------------------------------------------------------------------------
-# The ops. After the tensors, every op takes the RMSNormOptions fields in the binding's order: eps, offset,
-# casting, algo, vectors_per_thread (casting and algo as the C++ enum values).
+# The ops. After the tensors, every op takes the arguments of `_options` in its order (custom ops take plain
+# scalars).
 
 
 @torch.library.custom_op("logitless::rms_norm_forward", mutates_args=(), device_types=("cpu", "cuda"))
 def _forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float, offset: float, casting: int,
              algo: int, vectors_per_thread: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(y, residual_out, rstd); residual_out = x + residual (empty without a residual)."""
-    x, weight = _rows_ready(x), weight.contiguous()
-    residual = None if residual is None else _rows_ready(residual)
+    x, weight = rows_ready(x), weight.contiguous()
+    residual = None if residual is None else rows_ready(residual)
     y, s, rstd = _forward_outputs(x, residual is not None)
-    _run_forward(x, weight, residual, (eps, offset, casting, algo, vectors_per_thread), y,
+    _run_forward(x, weight, residual, _options(eps, offset, casting, algo, vectors_per_thread), y,
                  s if residual is not None else None, rstd)
     return y, s, rstd
 
@@ -107,10 +109,10 @@ def _backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, we
               need_weight_grad: bool) -> Tuple[Tensor, Tensor]:
     """(grad_x, grad_weight); grad_weight is empty unless need_weight_grad. x is what the forward normalized
     (x, or residual_out), rstd the forward's."""
-    grad_y, x, weight = _rows_ready(grad_y), _rows_ready(x), weight.contiguous()
-    grad_residual_out = None if grad_residual_out is None else _rows_ready(grad_residual_out)
+    grad_y, x, weight = rows_ready(grad_y), rows_ready(x), weight.contiguous()
+    grad_residual_out = None if grad_residual_out is None else rows_ready(grad_residual_out)
     grad_x = torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device)
-    options = (eps, offset, casting, algo, vectors_per_thread)
+    options = _options(eps, offset, casting, algo, vectors_per_thread)
     grad_weight = _run_backward(grad_y, grad_residual_out, x, weight, rstd.contiguous(), options, grad_x,
                                 need_weight_grad)
     return grad_x, grad_weight
@@ -129,10 +131,7 @@ def _(grad_y, grad_residual_out, x, weight, rstd, eps, offset, casting, algo, ve
 
 def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], use_ops: bool):
     """(grad_x, grad_weight, grad_residual) from the saved (what was normalized, weight, rstd)."""
-    if torch.is_grad_enabled():
-        # Backward runs with grad mode on only under create_graph=True; the gradient computed here has no graph
-        # of its own, so a second derivative would silently miss this op's term: refuse instead.
-        raise RuntimeError("logitless.rms_norm: double backward (create_graph=True) is not supported")
+    no_double_backward("rms_norm")
     xs, weight, rstd = ctx.saved_tensors
     need_x = ctx.needs_input_grad[0] or (ctx.has_residual and ctx.needs_input_grad[2])
     need_w = ctx.needs_input_grad[1]
@@ -141,9 +140,9 @@ def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], use_ops: boo
     if grad_y is None:  # only residual_out was used
         grad_y = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
     grad_s = grad_s if ctx.has_residual else None
-    opts = ctx.options
-    grad_y = _rows_ready(grad_y)
-    grad_s = None if grad_s is None else _rows_ready(grad_s)
+    opts = ctx.options  # the op's option arguments (use_ops), or the RMSNormOptions of the eager path
+    grad_y = rows_ready(grad_y)
+    grad_s = None if grad_s is None else rows_ready(grad_s)
     # Incoming gradients have whatever layout autograd produced (e.g. a permuted view's gradient). Where their rows
     # and those of what was normalized do not collapse jointly to the strided dimensions the kernels index, they are
     # copied: they are not the caller's arguments to fix (contiguous ones merge wherever xs merges).
@@ -166,6 +165,8 @@ def _forward_setup(ctx, inputs, output):
     # The backward needs what was normalized: x itself, or x + residual (already in memory as an output).
     ctx.save_for_backward(s if residual is not None else x, weight, rstd)
     ctx.has_residual = residual is not None
+    # The op's own arguments, passed on to the backward op: what torch.compile traces here may be symbolic, which
+    # the binding's struct could not hold.
     ctx.options = (eps, offset, casting, algo, vpt)
     # An output nobody used arrives as None instead of a materialized tensor of zeros (a wasted N x H read).
     ctx.set_materialize_grads(False)
@@ -185,8 +186,8 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, residual, options):
-        x, weight = _rows_ready(x), weight.contiguous()
-        residual = None if residual is None else _rows_ready(residual)
+        x, weight = rows_ready(x), weight.contiguous()
+        residual = None if residual is None else rows_ready(residual)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         s = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -205,13 +206,6 @@ class _RMSNorm(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------------------------------
 # The public function.
-
-
-def _enum(table: dict, value: str, name: str) -> int:
-    code = table.get(value) if isinstance(value, str) else None
-    if code is None:
-        raise ValueError(f"{name}: expected one of {', '.join(map(repr, table))}, got {value!r}")
-    return code
 
 
 def rms_norm(
@@ -268,23 +262,24 @@ def rms_norm(
     grad_weight is reduced in float32 without atomics: the same inputs on the same GPU give the same bits on
     every run. Double backward is not supported.
     """
-    options = (check_float(eps, "eps"), check_float(offset, "offset"),
-               _enum(CASTING_MODES, casting_mode, "casting_mode"), _enum(ALGOS, algo, "algo"),
+    # The ops' option arguments, in `_options`' order.
+    scalars = (check_float(eps, "eps"), check_float(offset, "offset"),
+               enum(CASTING_MODES, casting_mode, "casting_mode"), enum(ALGOS, algo, "algo"),
                check_int64(vectors_per_thread, "vectors_per_thread"))
     check_tensors((("x", x), ("weight", weight), ("residual", residual)), optional=("residual",))
     if x.dim() > 4:  # (rows of fewer dimensions always collapse) judged as the C++ side will see them
-        res = None if residual is None else _rows_ready(residual)
-        check_rows(x.dim() - 1, (("x", _rows_ready(x)), ("residual", res)))
+        res = None if residual is None else rows_ready(residual)
+        check_rows(x.dim() - 1, (("x", rows_ready(x)), ("residual", res)))
     if torch.compiler.is_compiling():
-        y, s, _ = _forward(x, weight, residual, *options)
+        y, s, _ = _forward(x, weight, residual, *scalars)
         return y if residual is None else (y, s)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                     (residual is not None and residual.requires_grad)):
-        return _RMSNorm.apply(x, weight, residual, options)
+        return _RMSNorm.apply(x, weight, residual, _options(*scalars))
     # Nothing to differentiate: no graph node, and no rstd to keep.
-    x, weight = _rows_ready(x), weight.contiguous()
-    residual = None if residual is None else _rows_ready(residual)
+    x, weight = rows_ready(x), weight.contiguous()
+    residual = None if residual is None else rows_ready(residual)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _run_forward(x, weight, residual, options, y, s, None)
+    _run_forward(x, weight, residual, _options(*scalars), y, s, None)
     return y if s is None else (y, s)

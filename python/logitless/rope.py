@@ -23,16 +23,13 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._tensor import descriptor, stream
+from ._autograd import enum
+from ._tensor import descriptor, rows_ready, stream
 
 __all__ = ["rope"]
 
 # Must match logitless::RopeAlgo (include/logitless/rope.h).
 ALGOS = {"auto": 0, "vector": 1, "scalar": 2}
-
-
-def _last_contiguous(t: Tensor) -> Tensor:
-    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def _out_like(t: Tensor) -> Tensor:
@@ -44,8 +41,8 @@ def _out_like(t: Tensor) -> Tensor:
 def _run(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], inverse: bool,
          algo: int, q_out: Tensor, k_out: Optional[Tensor]) -> None:
     _C.rope_apply(descriptor(q, "q"), descriptor(k, "k"), descriptor(cos, "cos"), descriptor(sin, "sin"),
-                  descriptor(position_ids, "position_ids"), bool(inverse), algo, descriptor(q_out, "q_out"),
-                  descriptor(k_out, "k_out"), stream(q.device))
+                  descriptor(position_ids, "position_ids"), _C.RopeOptions(inverse=bool(inverse), algo=algo),
+                  descriptor(q_out, "q_out"), descriptor(k_out, "k_out"), stream(q.device))
 
 
 def _rotated(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids: Optional[Tensor],
@@ -58,8 +55,8 @@ def _rotated(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_
 
 
 def _ready(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids: Optional[Tensor]):
-    return (_last_contiguous(q), None if k is None else _last_contiguous(k), _last_contiguous(cos),
-            _last_contiguous(sin), position_ids)
+    return (rows_ready(q), None if k is None else rows_ready(k), rows_ready(cos),
+            rows_ready(sin), position_ids)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -77,7 +74,7 @@ def _rope(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids
 
 @_rope.register_fake
 def _(q, k, cos, sin, position_ids, inverse, algo):
-    return _out_like(_last_contiguous(q)), (_out_like(_last_contiguous(k)) if k is not None else q.new_empty((0,)))
+    return _out_like(rows_ready(q)), (_out_like(rows_ready(k)) if k is not None else q.new_empty((0,)))
 
 
 def _grads(grad_q: Optional[Tensor], grad_k: Optional[Tensor], cos, sin, position_ids, inverse: bool, algo: int,
@@ -154,7 +151,7 @@ def _tables(t: Tensor) -> Tensor:
     # is what the kernels index.
     if t.dim() == 4 and t.shape[1] == 1:
         t = t.squeeze(1)
-    return _last_contiguous(t)
+    return rows_ready(t)
 
 
 def rope(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids: Optional[Tensor] = None,
@@ -186,9 +183,7 @@ def rope(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids:
     Raises:
         ValueError: on a bad argument (dtype, shape, rotary width, position out of range on the CPU), naming it.
     """
-    code = ALGOS.get(algo) if isinstance(algo, str) else None
-    if code is None:
-        raise ValueError(f"algo: expected one of {', '.join(map(repr, ALGOS))}, got {algo!r}")
+    code = enum(ALGOS, algo, "algo")
     cos, sin = _tables(cos), _tables(sin)
     if torch.is_grad_enabled():
         for t, name in ((cos, "cos"), (sin, "sin")):
@@ -217,7 +212,7 @@ def rope(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids:
         if k is not None:
             k = _Rope.apply(k, None, cos, sin, position_ids, code, True)
         return q, k
-    q, k = _last_contiguous(q), None if k is None else _last_contiguous(k)
+    q, k = rows_ready(q), None if k is None else rows_ready(k)
     if needs_graph:
         return _apply(q, k, cos, sin, position_ids, code, False)
     return _rotated(q, k, cos, sin, position_ids, False, code)

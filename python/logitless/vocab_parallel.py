@@ -30,6 +30,7 @@ torch.compile treats it as an opaque region (a graph break).
 """
 from __future__ import annotations
 
+import copy
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -37,12 +38,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
+from ._autograd import REDUCTION_NONE, no_double_backward, scale_saved
 from ._tensor import descriptor, stream, workspace
 
 __all__ = ["VocabShard", "shard_of_group", "shard_of_dtensor", "is_dtensor"]
 
 _STEP_LOGITS, _STEP_GRADIENT = 0, 1
-_NONE = 0  # Reduction::kNone
 
 
 class VocabShard(NamedTuple):
@@ -156,11 +157,11 @@ def _gather_tokens(hidden: Tensor, target: Tensor, shard: VocabShard) -> Tuple[T
 
 def _ce_outputs(target: Tensor, reduction: int):
     f32 = dict(dtype=torch.float32, device=target.device)
-    loss = torch.empty(target.shape if reduction == _NONE else (), **f32)
+    loss = torch.empty(target.shape if reduction == REDUCTION_NONE else (), **f32)
     return loss, torch.empty(target.shape, **f32), torch.empty(target.shape, **f32)
 
 
-def _ce_forward(logits, target, weight, shard: VocabShard, params):
+def _ce_forward(logits, target, weight, shard: VocabShard, params: _C.CrossEntropyOptions):
     """(loss, lse, z_loss): this shard's partials, one all_gather, finalize (the same bits on every rank)."""
     dev = target.device
     owner, ws = workspace(_C.cross_entropy_shard_workspace_bytes(descriptor(target, "target"), params), dev)
@@ -169,7 +170,7 @@ def _ce_forward(logits, target, weight, shard: VocabShard, params):
                                     descriptor(weight, "weight"), shard.offset, shard.vocab, params,
                                     descriptor(partials, "partials"), ws, stream(dev))
     gathered = _all_gather(partials.view(-1, 4), shard)
-    loss, lse, z = _ce_outputs(target, params[1])
+    loss, lse, z = _ce_outputs(target, params.reduction)
     _C.cross_entropy_shard_finalize(descriptor(gathered, "partials"), descriptor(target, "target"),
                                     descriptor(weight, "weight"), shard.vocab, params, descriptor(loss, "loss"),
                                     descriptor(lse, "lse"), descriptor(z, "z_loss"), ws, stream(dev))
@@ -211,13 +212,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse, grad_z):
-        from .cross_entropy import _no_double_backward, _scale_saved
-
-        _no_double_backward()
+        no_double_backward("cross_entropy")
         g = grad_loss.to(torch.float32).contiguous()
         if ctx.inplace:
             (grad,) = ctx.saved_tensors
-            return (_scale_saved(grad, g),) + (None,) * 5
+            return (scale_saved(grad, g),) + (None,) * 5
         logits, target, weight, lse = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return (None,) * 6
@@ -225,8 +224,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (_ce_backward(logits, target, weight, ctx.shard, lse, g, ctx.params, grad),) + (None,) * 5
 
 
-def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor], params: tuple, inplace: bool,
-                  process_group) -> Tuple[Tensor, Tensor, Tensor]:
+def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor], params: _C.CrossEntropyOptions,
+                  inplace: bool, process_group) -> Tuple[Tensor, Tensor, Tensor]:
     """The vocabulary-parallel path of logitless.cross_entropy: (loss, lse, z_loss)."""
     given = logits
     if is_dtensor(target):
@@ -245,7 +244,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor], para
         raise ValueError(f"weight: expected shape [{shard.vocab}] (the whole vocabulary's class weights), "
                          f"got {list(weight.shape)}")
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    inplace = bool(inplace) and needs_grad and params[1] != _NONE
+    inplace = bool(inplace) and needs_grad and params.reduction != REDUCTION_NONE
     if inplace:
         # The caller's tensor, not its local shard: to_local() of a DTensor parameter is never a leaf, yet it is the
         # parameter's own storage.
@@ -262,10 +261,12 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor], para
 # Linear cross-entropy.
 
 
-def _ce_params(options: tuple) -> tuple:
-    # The cross-entropy family's options tuple from the linear one's (targets were checked by the partials call).
-    ignore_index, reduction, eps, z, softcap = options[:5]
-    return (ignore_index, reduction, eps, z, softcap, False, 0)
+def _ce_params(options: _C.LinearCrossEntropyOptions) -> _C.CrossEntropyOptions:
+    # The cross-entropy family's options from the linear one's (targets were checked by the partials call; the
+    # kernel choice stays automatic).
+    return _C.CrossEntropyOptions(ignore_index=options.ignore_index, reduction=options.reduction,
+                                  label_smoothing=options.label_smoothing, z_loss=options.z_loss,
+                                  softcap=options.softcap, check_targets=False)
 
 
 def _rank_rows(t: Tensor, shard: VocabShard) -> Tensor:
@@ -290,7 +291,7 @@ def _tokens(hidden, target, shard, sequence_parallel) -> _Tokens:
 def _lce_finalize(tok: _Tokens, class_weight, shard, options, gathered):
     dev = tok.target.device
     params = _ce_params(options)
-    loss, lse, _ = _ce_outputs(tok.target, options[1])
+    loss, lse, _ = _ce_outputs(tok.target, options.reduction)
     owner, ws = workspace(_C.cross_entropy_shard_workspace_bytes(descriptor(tok.target, "target"), params), dev)
     _C.cross_entropy_shard_finalize(descriptor(gathered, "partials"), descriptor(tok.target, "target"),
                                     descriptor(class_weight, "class_weight"), shard.vocab, params,
@@ -318,7 +319,7 @@ def _local_outputs(tok: _Tokens, shard, loss, lse, reduction):
     if not tok.sequence_parallel:
         return loss, lse
     lse = _rank_rows(lse.reshape(-1), shard).reshape(tok.local_shape)
-    if reduction == _NONE:
+    if reduction == REDUCTION_NONE:
         loss = _rank_rows(loss.reshape(-1), shard).reshape(tok.local_shape)
     return loss, lse
 
@@ -348,15 +349,13 @@ class _VocabParallelLinearRecompute(torch.autograd.Function):
         else:
             ctx.full = None
             ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
-        out_loss, out_lse = _local_outputs(tok, shard, loss, lse, options[1])
+        out_loss, out_lse = _local_outputs(tok, shard, loss, lse, options.reduction)
         ctx.mark_non_differentiable(out_lse)
         return out_loss, out_lse
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        from .linear_cross_entropy import _no_double_backward
-
-        _no_double_backward()
+        no_double_backward("linear_cross_entropy")
         shard, options = ctx.shard, ctx.options
         if ctx.sp:
             weight, bias, class_weight, lse = ctx.saved_tensors
@@ -368,7 +367,7 @@ class _VocabParallelLinearRecompute(torch.autograd.Function):
         if not (need_h or need_w or need_b):
             return (None,) * 8
         g = grad_loss.to(torch.float32).contiguous()
-        if ctx.sp and options[1] == _NONE:  # every token's upstream gradient, in rank order
+        if ctx.sp and options.reduction == REDUCTION_NONE:  # every token's upstream gradient, in rank order
             g = _all_gather(g.reshape(-1), shard).view(-1)
         dev = target.device
         # float32 partial sums of grad_hidden: summed over the ranks before the one rounding to hidden's dtype.
@@ -400,7 +399,8 @@ def _lce_forward_backward_steps(tok: _Tokens, weight, bias, class_weight, shard,
     gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
     gb = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
     chunk = _C.linear_cross_entropy_shard_chunk_tokens(N, max(shard.widths), options)
-    options = options[:6] + (chunk,) + options[7:]
+    options = copy.copy(options)  # the caller's, unchanged
+    options.chunk_tokens = chunk
     d = descriptor
     h, w, t, b, cw = (d(tok.hidden, "hidden"), d(weight, "weight"), d(tok.target, "target"), d(bias, "bias"),
                       d(class_weight, "class_weight"))
@@ -453,31 +453,28 @@ class _VocabParallelLinearFused(torch.autograd.Function):
         ctx.shard, ctx.sp, ctx.need = shard, sequence_parallel, need
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         ctx.save_for_backward(gh, gw, gb)
-        _, out_lse = _local_outputs(tok, shard, loss, lse, options[1])
+        _, out_lse = _local_outputs(tok, shard, loss, lse, options.reduction)
         ctx.mark_non_differentiable(out_lse)
         return loss, out_lse
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        from .cross_entropy import _scale_saved
-        from .linear_cross_entropy import _no_double_backward
-
-        _no_double_backward()
+        no_double_backward("linear_cross_entropy")
         gh, gw, gb = ctx.saved_tensors
         scale = grad_loss.to(torch.float32).contiguous()
         dx = dw = db = None
         if ctx.need[0]:
-            dx = _finish_grad_hidden(_scale_saved(gh, scale), *ctx.hidden_meta, ctx.shard, ctx.sp)
+            dx = _finish_grad_hidden(scale_saved(gh, scale), *ctx.hidden_meta, ctx.shard, ctx.sp)
         if ctx.need[1]:
-            dw = _scale_saved(gw, scale)
+            dw = scale_saved(gw, scale)
         if ctx.need[2]:
-            db = _scale_saved(gb, scale)
+            db = scale_saved(gb, scale)
         return dx, dw, db, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
-                         class_weight: Optional[Tensor], options: tuple, recompute: bool, process_group,
-                         sequence_parallel: bool) -> Tuple[Tensor, Tensor]:
+                         class_weight: Optional[Tensor], options: _C.LinearCrossEntropyOptions, recompute: bool,
+                         process_group, sequence_parallel: bool) -> Tuple[Tensor, Tensor]:
     """The vocabulary-parallel path of logitless.linear_cross_entropy: (loss, lse)."""
     if is_dtensor(hidden):
         hidden = hidden.to_local()
@@ -509,7 +506,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     if not needs_grad:
         tok = _tokens(hidden, target, shard, sequence_parallel)
         loss, lse = _lce_forward_recompute(tok, weight, bias, class_weight, shard, options)
-        return _local_outputs(tok, shard, loss, lse, options[1])
+        return _local_outputs(tok, shard, loss, lse, options.reduction)
     # No tokens at all: no steps to walk; the recompute schedule's calls handle the empty case.
     n_tokens = target.numel() * (shard.world if sequence_parallel else 1)
     fn = _VocabParallelLinearRecompute if recompute or n_tokens == 0 else _VocabParallelLinearFused

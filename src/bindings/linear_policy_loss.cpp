@@ -3,39 +3,6 @@
 namespace logitless::bindings {
 
 namespace {
-// The policy options travel as one tuple: (loss_type, importance_sampling_level (the C++ enum values), beta,
-// eps_low, eps_high, temperature, max_completion_length, num_items_in_batch, check_ids, chunk_tokens,
-// memory_budget).
-LinearPolicyLossOptions make_options(nb::handle options) {
-  const auto t = nb::cast<nb::tuple>(options);
-  if (t.size() != 11) throw Error(Error::Kind::kInvalidArgument, "linear_policy_loss options: expected an 11-tuple");
-  LinearPolicyLossOptions o;
-  o.policy.loss_type = static_cast<PolicyLossType>(nb::cast<int>(t[0]));
-  o.policy.importance_sampling_level = static_cast<ImportanceSamplingLevel>(nb::cast<int>(t[1]));
-  o.policy.beta = nb::cast<double>(t[2]);
-  o.policy.eps_low = nb::cast<double>(t[3]);
-  o.policy.eps_high = nb::cast<double>(t[4]);
-  o.policy.temperature = nb::cast<double>(t[5]);
-  o.policy.max_completion_length = nb::cast<int64_t>(t[6]);
-  o.policy.num_items_in_batch = nb::cast<double>(t[7]);
-  o.policy.check_ids = nb::cast<bool>(t[8]);
-  o.chunk_tokens = nb::cast<int64_t>(t[9]);
-  o.memory_budget = nb::cast<size_t>(t[10]);
-  return o;
-}
-
-// (temperature, check_ids, chunk_tokens, memory_budget)
-LinearSelectiveLogSoftmaxOptions make_selective_options(nb::handle options) {
-  const auto t = nb::cast<nb::tuple>(options);
-  if (t.size() != 4)
-    throw Error(Error::Kind::kInvalidArgument, "linear_selective_log_softmax options: expected a 4-tuple");
-  LinearSelectiveLogSoftmaxOptions o;
-  o.temperature = nb::cast<double>(t[0]);
-  o.check_ids = nb::cast<bool>(t[1]);
-  o.chunk_tokens = nb::cast<int64_t>(t[2]);
-  o.memory_budget = nb::cast<size_t>(t[3]);
-  return o;
-}
 
 LinearPolicyLossInputs make_inputs(nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids,
                                    nb::handle adv, nb::handle mask, nb::handle old, nb::handle ref) {
@@ -65,29 +32,41 @@ LinearPolicyLossGrads make_grads(nb::handle grad_hidden, nb::handle grad_weight,
 // forward-backward, 2 backward (selective: 0 forward, 2 backward).
 void bind_linear_policy_loss(nb::module_& m) {
   using namespace nb::literals;
+  using O = LinearPolicyLossOptions;
+  OptionsClass<O>(m, "LinearPolicyLossOptions")
+      .field("policy", &O::policy)
+      .field("chunk_tokens", &O::chunk_tokens)
+      .field("memory_budget", &O::memory_budget);
+  using S = LinearSelectiveLogSoftmaxOptions;
+  OptionsClass<S>(m, "LinearSelectiveLogSoftmaxOptions")
+      .field("temperature", &S::temperature)
+      .field("check_ids", &S::check_ids)
+      .field("chunk_tokens", &S::chunk_tokens)
+      .field("memory_budget", &S::memory_budget);
+
   m.def(
       "linear_policy_loss_workspace_bytes",
       [](int pass, nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids, nb::handle adv,
-         nb::handle mask, nb::handle old, nb::handle ref, nb::handle options, nb::handle grad_hidden,
-         nb::handle grad_weight, nb::handle grad_bias) {
+         nb::handle mask, nb::handle old, nb::handle ref, const LinearPolicyLossOptions& options,
+         nb::handle grad_hidden, nb::handle grad_weight, nb::handle grad_bias) {
         const LinearPolicyLossInputs in = make_inputs(hidden, weight, bias, ids, adv, mask, old, ref);
-        const LinearPolicyLossOptions o = make_options(options);
+        const LinearPolicyLossOptions o = options;
         const LinearPolicyLossGrads g = make_grads(grad_hidden, grad_weight, grad_bias);
         if (pass == 0) return linear_policy_loss_forward_workspace_bytes(in, o);
         if (pass == 1) return linear_policy_loss_forward_backward_workspace_bytes(in, o, g);
         return linear_policy_loss_backward_workspace_bytes(in, o, g);
       },
-      "pass"_a, "hidden"_a.none(), "weight"_a.none(), "bias"_a.none(), "completion_ids"_a.none(),
-      "advantages"_a.none(), "completion_mask"_a.none(), "old_logp"_a.none(), "ref_logp"_a.none(), "options"_a,
-      "grad_hidden"_a.none(), "grad_weight"_a.none(), "grad_bias"_a.none());
+      "pass"_a, "hidden"_a.none(), "weight"_a.none(), "bias"_a.none(), "completion_ids"_a.none(), "advantages"_a.none(),
+      "completion_mask"_a.none(), "old_logp"_a.none(), "ref_logp"_a.none(), "options"_a, "grad_hidden"_a.none(),
+      "grad_weight"_a.none(), "grad_bias"_a.none());
   m.def(
       "linear_policy_loss_forward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids, nb::handle adv, nb::handle mask,
-         nb::handle old, nb::handle ref, nb::handle options, nb::handle loss, nb::handle per_token_loss, nb::handle kl,
-         nb::handle is_clipped, nb::handle logp, nb::handle entropy, nb::handle lse, nb::handle workspace,
-         uintptr_t stream) {
+         nb::handle old, nb::handle ref, const LinearPolicyLossOptions& options, nb::handle loss,
+         nb::handle per_token_loss, nb::handle kl, nb::handle is_clipped, nb::handle logp, nb::handle entropy,
+         nb::handle lse, nb::handle workspace, uintptr_t stream) {
         const LinearPolicyLossInputs in = make_inputs(hidden, weight, bias, ids, adv, mask, old, ref);
-        const LinearPolicyLossOptions o = make_options(options);
+        const LinearPolicyLossOptions o = options;
         const PolicyLossOutputs out = policy_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
         const Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
@@ -100,11 +79,12 @@ void bind_linear_policy_loss(nb::module_& m) {
   m.def(
       "linear_policy_loss_forward_backward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids, nb::handle adv, nb::handle mask,
-         nb::handle old, nb::handle ref, nb::handle options, nb::handle loss, nb::handle per_token_loss, nb::handle kl,
-         nb::handle is_clipped, nb::handle logp, nb::handle entropy, nb::handle lse, nb::handle grad_hidden,
-         nb::handle grad_weight, nb::handle grad_bias, nb::handle grad_scale, nb::handle workspace, uintptr_t stream) {
+         nb::handle old, nb::handle ref, const LinearPolicyLossOptions& options, nb::handle loss,
+         nb::handle per_token_loss, nb::handle kl, nb::handle is_clipped, nb::handle logp, nb::handle entropy,
+         nb::handle lse, nb::handle grad_hidden, nb::handle grad_weight, nb::handle grad_bias, nb::handle grad_scale,
+         nb::handle workspace, uintptr_t stream) {
         const LinearPolicyLossInputs in = make_inputs(hidden, weight, bias, ids, adv, mask, old, ref);
-        const LinearPolicyLossOptions o = make_options(options);
+        const LinearPolicyLossOptions o = options;
         const PolicyLossOutputs out = policy_outputs(loss, per_token_loss, kl, is_clipped, logp, entropy, lse);
         const LinearPolicyLossGrads g = make_grads(grad_hidden, grad_weight, grad_bias);
         const TensorView gs = to_view(grad_scale);
@@ -120,11 +100,11 @@ void bind_linear_policy_loss(nb::module_& m) {
   m.def(
       "linear_policy_loss_backward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids, nb::handle adv, nb::handle mask,
-         nb::handle old, nb::handle ref, nb::handle options, nb::handle logp, nb::handle lse, nb::handle grad_loss,
-         nb::handle grad_hidden, nb::handle grad_weight, nb::handle grad_bias, nb::handle workspace,
-         uintptr_t stream) {
+         nb::handle old, nb::handle ref, const LinearPolicyLossOptions& options, nb::handle logp, nb::handle lse,
+         nb::handle grad_loss, nb::handle grad_hidden, nb::handle grad_weight, nb::handle grad_bias,
+         nb::handle workspace, uintptr_t stream) {
         const LinearPolicyLossInputs in = make_inputs(hidden, weight, bias, ids, adv, mask, old, ref);
-        const LinearPolicyLossOptions o = make_options(options);
+        const LinearPolicyLossOptions o = options;
         const LinearPolicyLossGrads g = make_grads(grad_hidden, grad_weight, grad_bias);
         const TensorView lp = to_view(logp), s = to_view(lse), gl = to_view(grad_loss);
         const Workspace ws = to_workspace(workspace);
@@ -138,9 +118,8 @@ void bind_linear_policy_loss(nb::module_& m) {
 
   m.def(
       "linear_selective_log_softmax_workspace_bytes",
-      [](int pass, nb::handle hidden, nb::handle weight, nb::handle ids, nb::handle options, nb::handle grad_hidden,
-         nb::handle grad_weight, nb::handle grad_bias) {
-        const LinearSelectiveLogSoftmaxOptions o = make_selective_options(options);
+      [](int pass, nb::handle hidden, nb::handle weight, nb::handle ids, const LinearSelectiveLogSoftmaxOptions& o,
+         nb::handle grad_hidden, nb::handle grad_weight, nb::handle grad_bias) {
         if (pass == 0)
           return linear_selective_log_softmax_forward_workspace_bytes(to_view(hidden), to_view(weight), to_view(ids),
                                                                       o);
@@ -151,9 +130,10 @@ void bind_linear_policy_loss(nb::module_& m) {
       "grad_weight"_a.none(), "grad_bias"_a.none());
   m.def(
       "linear_selective_log_softmax_forward",
-      [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids, nb::handle options, nb::handle logp,
-         nb::handle entropy, nb::handle lse, nb::handle workspace, uintptr_t stream) {
-        const LinearSelectiveLogSoftmaxOptions o = make_selective_options(options);
+      [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids,
+         const LinearSelectiveLogSoftmaxOptions& options, nb::handle logp, nb::handle entropy, nb::handle lse,
+         nb::handle workspace, uintptr_t stream) {
+        const LinearSelectiveLogSoftmaxOptions o = options;
         const TensorView h = to_view(hidden), w = to_view(weight), b = to_view(bias), i = to_view(ids),
                          lp = to_view(logp), e = to_view(entropy), s = to_view(lse);
         const Workspace ws = to_workspace(workspace);
@@ -165,9 +145,9 @@ void bind_linear_policy_loss(nb::module_& m) {
   m.def(
       "linear_selective_log_softmax_backward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids, nb::handle lse, nb::handle grad_logp,
-         nb::handle options, nb::handle grad_hidden, nb::handle grad_weight, nb::handle grad_bias, nb::handle workspace,
-         uintptr_t stream) {
-        const LinearSelectiveLogSoftmaxOptions o = make_selective_options(options);
+         const LinearSelectiveLogSoftmaxOptions& options, nb::handle grad_hidden, nb::handle grad_weight,
+         nb::handle grad_bias, nb::handle workspace, uintptr_t stream) {
+        const LinearSelectiveLogSoftmaxOptions o = options;
         const TensorView h = to_view(hidden), w = to_view(weight), b = to_view(bias), i = to_view(ids),
                          s = to_view(lse), gl = to_view(grad_logp);
         const LinearPolicyLossGrads g = make_grads(grad_hidden, grad_weight, grad_bias);

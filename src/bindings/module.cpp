@@ -19,8 +19,8 @@ TensorView to_view(nb::handle obj) {
   const auto strides = nb::cast<std::vector<int64_t>>(t[5]);
   if (sizes.size() != strides.size() || sizes.size() > static_cast<size_t>(kMaxDims))
     throw Error(Error::Kind::kInvalidArgument, "tensor descriptor: sizes and strides must match, at most 8 dims");
-  return TensorView::make(reinterpret_cast<void*>(ptr), dtype, dev, static_cast<int32_t>(sizes.size()),
-                          sizes.data(), strides.data());
+  return TensorView::make(reinterpret_cast<void*>(ptr), dtype, dev, static_cast<int32_t>(sizes.size()), sizes.data(),
+                          strides.data());
 }
 
 Workspace to_workspace(nb::handle obj) {

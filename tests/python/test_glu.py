@@ -302,12 +302,12 @@ def test_bad_arguments_raise_value_error_naming_them():
     with pytest.raises(ValueError, match="gate: expected dtype"):
         swiglu(g.to(torch.int32), u.to(torch.int32))
     # The C++ entry point names its own arguments: an output that overlaps an input other than in place.
-    d = logitless._tensor.descriptor
+    d, silu = logitless._tensor.descriptor, logitless._C.GLUOptions()
     with pytest.raises(ValueError, match="grad_up: expected memory that does not overlap grad_y"):
-        logitless._C.glu_backward(d(u, "grad_y"), d(g, "gate"), d(u.clone(), "up"), 0, 0, d(torch.empty(4, 6), "gg"),
+        logitless._C.glu_backward(d(u, "grad_y"), d(g, "gate"), d(u.clone(), "up"), silu, d(torch.empty(4, 6), "gg"),
                                   d(u, "grad_up"), 0)
     with pytest.raises(ValueError, match="y: expected rows that do not overlap"):
-        logitless._C.glu_forward(d(g, "gate"), d(u, "up"), 0, 0, d(torch.empty(6).expand(4, 6), "y"), 0)
+        logitless._C.glu_forward(d(g, "gate"), d(u, "up"), silu, d(torch.empty(6).expand(4, 6), "y"), 0)
 
 
 # ----------------------------------------------------------------------------------------------------
