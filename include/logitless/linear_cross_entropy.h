@@ -101,8 +101,8 @@ size_t linear_cross_entropy_backward_workspace_bytes(const TensorView& hidden, c
 // gradient outputs in the inputs' dtype and hidden rows a GEMM can read in place. A cost model of the two CUDA
 // plans (src/linear_cross_entropy/cuda/plan.cpp): the recompute schedule's fourth GEMM against the
 // gradient-in-forward schedule's float32 grad_weight accumulation over token groups, which the budget forces at
-// large V·H (on H100 at 8192 x 2304 x 256000 with 512 MiB: 1.66x against 1.92x the three GEMMs). False on the
-// CPU and for float32 inputs. The Python package's schedule="auto" asks it for bfloat16.
+// large V·H (e.g. 8192 x 2304 x 256000 with 512 MiB, where recompute is faster on H100; bench/RESULTS.md). False on
+// the CPU and for float32 inputs. The Python package's schedule="auto" asks it for bfloat16.
 bool linear_cross_entropy_recompute_is_faster(int64_t n_tokens, int64_t hidden, int64_t vocab, DType dtype,
                                               Device device, bool need_grad_hidden, bool need_grad_weight,
                                               bool need_grad_bias, const LinearCrossEntropyOptions& options);

@@ -17,7 +17,7 @@ The forward's registered autograd saves what the forward normalized (x, or resid
 
 Eager calls do not go through those ops: `_RMSNorm` (an autograd.Function) calls the same C++ entry points
 directly, because the custom-op machinery costs more CPU time per call than the kernels take on a GPU at
-small shapes (the dispatcher, schema default filling and alias checks measured 3x the op's own Python work),
+small shapes (the dispatcher, schema default filling and alias checks cost several times the op's own Python work),
 and a GPU that waits for the CPU between the forward and the backward kernel loses bandwidth. Under
 torch.compile (and for anyone calling torch.ops.logitless.*) the ops are the path; both run the same code
 below, so they agree to the bit.

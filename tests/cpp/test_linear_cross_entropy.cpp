@@ -982,7 +982,7 @@ TEST(LinearCrossEntropyPlan, GradientInForwardAtLlamaShapes) {
   EXPECT_EQ(lce::plan_linear_cross_entropy(in).group_rows, 1280);
 }
 
-// The schedule "auto" takes for bf16 (recompute_is_faster): the three shapes measured on H100 (plan.cpp), and
+// The schedule "auto" takes for bf16 (recompute_is_faster): the three shapes measured on H100 (bench/RESULTS.md), and
 // where the model does not apply.
 TEST(LinearCrossEntropyPlan, RecomputeWhereTheGradientAccumulatorCostsMore) {
   using lce::Pass;

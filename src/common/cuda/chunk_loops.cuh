@@ -12,8 +12,8 @@
 //   };
 //
 // Straight-line code matters here: with only 16 warps per SM to hide latency, per-element branches cost a
-// factor of several (measured on the cross-entropy kernels: 28% of copy bandwidth with them, see
-// bench/RESULTS.md), so an Elem decides what it does per row or at compile time, never per element.
+// factor of several (the cross-entropy kernels with them: bench/RESULTS.md), so an Elem decides what it does per
+// row or at compile time, never per element.
 //
 // `src` is where whole chunks live: a shared-memory stage or the row in global memory; chunk q is src + 16 q
 // either way, and slot i of chunk q is class j0 + q kVec + i.

@@ -45,8 +45,8 @@ struct RowState {
 
 // Pipelined mode publishes row k's partials and waits for its peers' only after computing the statistics of
 // row k+1 (which it publishes once row k's exchange completed: one exchange is outstanding at a time). It hides
-// the exchange but holds a second stage while it does, which leaves one fewer row in flight; measured on H100
-// it lost at 3 stages (see plan.h), so it is a plan option.
+// the exchange but holds a second stage while it does, which leaves one fewer row in flight; on H100 it lost at
+// 3 stages (bench/RESULTS.md), so it is a plan option.
 template <typename T, bool kGeneral>
 __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
     row_resident_kernel(const __grid_constant__ KernelParams p, const ResidentShape shape) {

@@ -29,13 +29,11 @@ Plan plan_cross_entropy(const PlanInputs& in) {
   // +16: the slice lands at the row's misalignment inside the stage (at most 15 bytes of lead-in).
   auto stage_of = [&](int64_t slice) { return round_up(slice * in.elem_bytes + 16, 128); };
   // First choice for long rows: the smallest cluster whose slices let two stages share an SM, as one CTA of two
-  // stages where the row is split (a cluster of 2 or more), as two CTAs of one stage otherwise. Measured on H100,
-  // fused in place, bf16, with the partials exchanged through st.async and an mbarrier: 16384 x 128256 93.1% of
-  // copy bandwidth with 3-CTA clusters of two 85 KB stages, against 90.7% with two one-stage CTAs per SM; 4096 x
-  // 256000 92.3% with 5-CTA clusters of two stages, against 90.7%; 65536 x 32000 (one CTA a row) 90.4% with two
-  // one-stage CTAs, against 80.5% with 3-CTA clusters of two stages. (While the exchange was a cluster barrier,
-  // whose release fenced every warp's outstanding stores, two one-stage CTAs were ahead: 87.8% against 76.6%
-  // at 16384 x 128256; see bench/RESULTS.md.)
+  // stages where the row is split (a cluster of 2 or more), as two CTAs of one stage otherwise. With the partials
+  // exchanged through st.async and an mbarrier, the two-stage clusters beat two one-stage CTAs per SM on H100
+  // wherever the row is split, and lose where one CTA holds a row (bench/RESULTS.md, commits b29e50a, bc253ae).
+  // While the exchange was a cluster barrier, whose release fenced every warp's outstanding stores, two one-stage
+  // CTAs were ahead even at 16384 x 128256.
   if (in.smem_per_sm > 0) {
     for (int c = 1; c <= kMaxCluster; ++c) {
       const int64_t stage = stage_of(slice_of(c));
@@ -52,9 +50,8 @@ Plan plan_cross_entropy(const PlanInputs& in) {
       return p;
     }
   }
-  // Otherwise the smallest cluster whose slices fit two stages: measured on H100 (16384 x 128256 bf16, fused in place),
-  // 3 CTAs with 2 stages reached 77.5% of copy bandwidth, 4 with 3 stages 70.5%, 6 with 4 stages 51%, 8 with 4
-  // stages 47% (per-row cluster overhead grows with the cluster; see bench/RESULTS.md).
+  // Otherwise the smallest cluster whose slices fit two stages: on H100 every larger cluster was slower, since the
+  // per-row cluster overhead grows with the cluster (bench/RESULTS.md).
   for (int c = 1; c <= kMaxCluster; ++c) {
     // Slices are whole 16-byte chunks so that every CTA's slice has the same alignment as the row start.
     const int64_t slice = slice_of(c);

@@ -16,9 +16,9 @@ inline constexpr int kMaxStages = 4;
 inline constexpr int kMaxCluster = 16;  // 16 needs the non-portable cluster size (H100 allows it)
 inline constexpr int kStreamingThreads = 256;
 // The row-resident kernel's thread bound: 256 threads and three CTAs per SM cap it at 80 registers a thread (a
-// few bytes of spills), against 128 under a 512-thread bound. Measured on H100 (fused, bf16, in place): 90.4%
-// of copy bandwidth at 65536 x 32000 against 85.4%, 87.3% with 4-CTA clusters at 128256 against 83.3%; the
-// planned 3-CTA case unchanged (87.9%).
+// few bytes of spills), against 128 under a 512-thread bound. On H100 the tighter bound was faster with one CTA a
+// row and with 4-CTA clusters, and no slower for the planned 3-CTA clusters (bench/RESULTS.md, "the row-resident
+// kernel's thread bound").
 inline constexpr int kMaxThreads = 256;
 inline constexpr int kMinCtasPerSm = 3;
 // Shared memory each resident CTA costs beyond its dynamic stages: its static shared memory (about 2 KB) and

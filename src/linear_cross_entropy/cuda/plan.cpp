@@ -57,8 +57,9 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   p.dlogits_in_place = grads && es == 4;
   // The fused kernels serve the forward, the recompute backward and, in its exponential form (bfloat16, plain
   // options), the gradient in forward; none of them a bias gradient. The gradient in forward's earlier fused
-  // form (statistics from the GEMM, float32 logits still kept for the gradient kernel) measured slower than the
-  // generic path (bench/RESULTS.md, 2026-11-22): the exponential form keeps no float32 logits at all.
+  // form (statistics from the GEMM, float32 logits still kept for the gradient kernel) was slower than the
+  // generic path (bench/RESULTS.md, "the gradient in forward on the fused GEMM"): the exponential form keeps no
+  // float32 logits at all.
   const bool fused_pass = in.pass == Pass::kForward || (in.pass == Pass::kBackward && !in.need_db) ||
                           (in.pass == Pass::kForwardBackward && in.fused_exp && !in.need_db);
   if (in.fused && es == 2 && !in.steps && fused_pass) p.kernel = Kernel::kHopperFused;
@@ -121,8 +122,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       // narrows them into a separate 16-bit buffer that the grad_hidden / grad_weight GEMMs read. Only the
       // 16-bit gradient has to be held for a whole group. The split of the budget weighs two costs: each chunk's
       // logits GEMM re-reads the weight (2 V H bytes a chunk), each group past the first reads and writes the
-      // float32 grad_weight accumulator (8 V H bytes a group). Their sum over the tokens is least with 41% of
-      // the budget (1 / (1 + sqrt 2)) for the float32 chunk; 2/5 of it, in 64-token steps (384-token chunks
+      // float32 grad_weight accumulator (8 V H bytes a group). Their sum over the tokens is least with 1 / (1 +
+      // sqrt 2) of the budget for the float32 chunk; 2/5 of it, in 64-token steps (384-token chunks
       // and 1280-token groups at V=128256 with 512 MiB, 192 and 640 at V=256000).
       const int64_t grad_row = es * p.ld_logits;
       const int64_t max_rows = std::max<int64_t>(N, 1);
@@ -234,11 +235,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
 //  * gradient in forward: its float32 grad_weight accumulator, read and written by every token group's GEMM
 //    (counted at 10 V H bytes a group, below), and each chunk's re-read of the weight where a chunk is too short for its logits
 //    GEMM to be compute-bound (2 V H (1 - chunk / kFlopsPerByte) bytes a chunk).
-// Measured on H100, bf16, default 512 MiB budget, × the three cuBLAS GEMMs (bench/RESULTS.md), generic kernels:
-// 8192×2304×256000 gradient in forward 1.92x, recompute 1.66x (the model: 88 against 50 GB); 16384×2048×128256
-// 1.52x against 1.79x (34 against 49 GB); 8192×4096×128256 1.13x against 1.55x (no accumulator, 1024-token chunks:
-// 0 against 42 GB). Fused (2026-11-22): 1.51x against 1.46x (59 against 40 GB), 1.31x against 1.56x (24 against
-// 36 GB), 1.08x against 1.43x (no accumulator). The model orders all of them.
+// The model orders the two schedules as they were measured on H100, with the generic kernels and with the fused
+// ones, at the three shapes of bench/RESULTS.md's "which schedule "auto" takes for bf16".
 bool recompute_is_faster(const PlanInputs& gif) {
   if (gif.pass != Pass::kForwardBackward || gif.steps || gif.elem_bytes != 2 || gif.n <= 0) return false;
   const Plan fb = plan_linear_cross_entropy(gif);
@@ -247,7 +245,8 @@ bool recompute_is_faster(const PlanInputs& gif) {
   const Plan bw = plan_linear_cross_entropy(bw_in);
   const double N = static_cast<double>(gif.n), H = static_cast<double>(gif.h), V = static_cast<double>(gif.v);
   // An accumulating grad_weight GEMM reads and writes its float32 output in its epilogue, which does not overlap
-  // its math: 2.1 ms a group at V=256000, H=2304 (8 V H bytes at 2.2 TB/s), so 10 bytes per element here.
+  // its math: it takes longer than its 8 V H bytes at copy bandwidth (bench/RESULTS.md), so 10 bytes per element
+  // here.
   double gif_cost = 0.0;
   if (fb.dw_accumulator) gif_cost += static_cast<double>(ceil_div(gif.n, fb.group_rows)) * 10.0 * V * H;
   const double chunk = static_cast<double>(fb.chunk_rows);

@@ -108,9 +108,10 @@ Plan plan_linear_cross_entropy(const PlanInputs& in);
 
 // Whether the recompute schedule is expected to finish sooner than the gradient-in-forward plan of `gif` (a
 // kForwardBackward, one-device input with 16-bit hidden and weight; false otherwise): a cost model in bytes at
-// copy bandwidth, a GEMM's FLOPs counted at kFlopsPerByte. See plan.cpp for the terms and the measurements.
+// copy bandwidth, a GEMM's FLOPs counted at kFlopsPerByte. See plan.cpp for the terms, bench/RESULTS.md for the
+// measurements.
 bool recompute_is_faster(const PlanInputs& gif);
-inline constexpr double kFlopsPerByte = 250.0;  // H100: ~700 TFLOP/s bf16 over ~2.8 TB/s
+inline constexpr double kFlopsPerByte = 250.0;  // an H100's bf16 GEMM rate over its copy bandwidth
 
 // The token chunk of the vocabulary-parallel steps: `chunk_tokens` when > 0, else a quarter of the budget over a
 // float32 logits row of the widest shard (the two slots take half of it), in multiples of 128, at most n (>= 1).

@@ -65,9 +65,9 @@ bool fused_default() {
 }
 std::atomic<bool> g_fused_enabled{fused_default()};
 // The gradient in forward's exponential form (params.h, ExpGradParams) is the fastest plan for bfloat16, but its
-// grad_weight error measures 1.6-1.9x torch's own bfloat16 error (the target element and hidden scaled by row are
-// each rounded to bfloat16), above the library's bound of 1.5x; grad_hidden 1.35-1.4x. So it is off unless the
-// environment says LOGITLESS_LCE_EXP_FORM=1 (benchmarks); tests switch it with debug::set_exp_form.
+// grad_weight error exceeds the library's bound relative to torch's own bfloat16 error (the target element and
+// hidden scaled by row are each rounded to bfloat16; bench/RESULTS.md, "Accuracy against float64"). So it is off
+// unless the environment says LOGITLESS_LCE_EXP_FORM=1 (benchmarks); tests switch it with debug::set_exp_form.
 bool exp_form_default() {
   const char* v = std::getenv("LOGITLESS_LCE_EXP_FORM");
   return v != nullptr && std::strcmp(v, "1") == 0;

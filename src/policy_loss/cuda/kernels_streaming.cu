@@ -15,13 +15,13 @@
 // HBM traffic per unmasked row of B bytes, against the 2B (one read, one write) floor:
 //   * streaming (one CTA per row, 256 threads, up to 8 CTAs per SM): the gradient pass re-reads the row. With 8
 //     rows in flight per SM (2.4 MB per SM at B = 300 KB, 317 MB on an H100, six times its 50 MB L2) that read
-//     misses L2: 2B read + B written. The cross-entropy kernel of the same design measured 63.6% of copy
-//     bandwidth this way (bench/RESULTS.md).
+//     misses L2: 2B read + B written, which is where the cross-entropy kernel of the same design stopped short
+//     (bench/RESULTS.md).
 //   * cluster (Hopper): C CTAs share a row, each streaming a slice of B / C bytes through both passes and
 //     exchanging only the 16-byte state between them. The plan picks C so that the slices in flight (resident
 //     CTAs x B / C) stay within an L2 budget (plan.h), so the second read comes from L2: B read + B written from
-//     HBM, as the row-resident cross-entropy kernel achieves with shared memory. (The cross-entropy kernel measured
-//     63-74% of copy bandwidth with two reads through L2, against 88-97% with residency.)
+//     HBM, as the row-resident cross-entropy kernel achieves with shared memory. (The cross-entropy kernel with two
+//     reads through L2 stayed well below its row-resident version; bench/RESULTS.md.)
 //   * row-resident (Hopper, kernels_row_resident.cu): the slices sit in shared memory instead of L2; the plan picks it for
 //     the fused pass wherever the row fits a cluster's shared memory, and this kernel serves everything else.
 // A masked row costs only its gradient write (B bytes, 0 when no gradient is asked for); the forward without a

@@ -13,17 +13,17 @@ inline constexpr int kMaxCluster = 16;   // above 8 needs the non-portable clust
 
 // The L2 budget for the rows a cluster kernel holds between its two passes, per SM: the gradient pass re-reads a
 // CTA's slice, and that read comes from L2 only if every slice in flight on the GPU still fits there. 160 KB per
-// SM is 21 MB on an H100's 132 SMs, 40% of its 50 MB L2; the rest holds the gradient's dirty lines on their way to
-// HBM. (A first choice from that budget; bench/cpp/bench_policy_loss.cu sweeps the alternatives.)
+// SM is 21 MB on an H100's 132 SMs, under half of its 50 MB L2; the rest holds the gradient's dirty lines on their
+// way to HBM. (A first choice from that budget; bench/cpp/bench_policy_loss.cu sweeps the alternatives.)
 inline constexpr int64_t kSliceBudgetPerSm = 160 * 1024;
 // Below this many bytes per row the streaming kernel's second read hits L2 already (8 rows of 64 KB per SM are
 // 68 MB in flight on an H100 only at full occupancy, and a row that short is read in microseconds).
 inline constexpr int64_t kClusterMinRowBytes = 64 * 1024;
 
 // The row-resident kernel (kernels_row_resident.cu) keeps each CTA's slice of a row in shared memory: 1 read + 1 write
-// of the row in the fused pass. Its plan follows the cross-entropy kernel's, measured there on H100 (bf16, fused,
-// in place): one stage per CTA, the smallest cluster whose slice lets two CTAs share an SM, 256 threads: 87.8% of
-// copy bandwidth at V = 128256 (3 CTAs) and 96.5% at 256000 (6 CTAs), where two reads through L2 reached 63-74%.
+// of the row in the fused pass. Its plan follows the one the cross-entropy kernel settled on (bench/RESULTS.md):
+// one stage per CTA, the smallest cluster whose slice lets two CTAs share an SM, 256 threads, well ahead of two
+// reads through L2.
 inline constexpr int kResidentMaxThreads = 256;  // its __launch_bounds__ (two CTAs per SM: up to 128 registers)
 inline constexpr int kResidentMaxStages = 4;     // rows in flight per CTA (more than one only for short rows)
 // Shared memory a resident CTA costs beyond its stages: its static shared memory (under 1 KB) and the 1 KB the

@@ -7,8 +7,8 @@
 //      across its rows (smem_dw: reads it from L1 where used) and may load a slot's next row before it
 //      reduces the current one (plan.prefetch), so the loads stay in flight through the reduction;
 //   2. reduce_dw adds the workspace rows column by column in a fixed order and rounds once to dW's dtype.
-// Nothing depends on timing, so the bits repeat from run to run. The workspace is (CTAs x H) floats (about
-// 1% of the bytes the row kernel moves at N = 16384), written once and read once.
+// Nothing depends on timing, so the bits repeat from run to run. The workspace is (CTAs x H) floats (a small
+// fraction of the bytes the row kernel moves once N is many times the CTA count), written once and read once.
 #include <algorithm>
 #include <map>
 #include <mutex>

@@ -57,22 +57,17 @@ const char* register_plan(const PlanInputs& in, const KernelVariant& k, int cta_
 }  // namespace
 
 DefaultVariant default_variant(bool backward, bool residual, int64_t row_bytes) {
-  // Measured, % of a device-to-device copy (16384 rows, bf16; the residual rows count its extra bytes):
-  //   forward:           4 KB rows 4 prefetch cta128 persistent 89%, 8 KB cta256 91%, 16 KB cta128 91%
-  //   forward + residual: 4 vectors, 256-thread CTAs, one row group a CTA, 100% at every size
-  //   backward:          4 and 8 KB rows 2 vectors prefetch cta128 86%, 16 KB 4 prefetch cta128 69%
-  //   backward + residual: 4 KB 2 prefetch cta256 96%, 8 KB 2 prefetch cta512 98%, 16 KB 4 prefetch cta512 89%
-  // (the kernels without the residual were measured built with its registers; see register_cap).
-  // 16 KB rows, remeasured with the kernels that sum dW in shared memory and read the weight from L1 (a thread
-  // then holds only its rows, and two CTAs fit on an SM where one did): backward 8 vectors cta256 86.5% (69.7%
-  // with dW in registers), fwd+bwd 90.8% (79.0%); with the residual 4 vectors prefetch cta128/256 94.8/94.5%
-  // (89.4%). At 4 KB rows the same kernels lose (77-78% against 88.6%); 8 KB rows were not measured.
+  // The fastest variant of each kind and row size in a sweep on H100 (16384 rows, bf16, against a device-to-device
+  // copy; bench/RESULTS.md, "RMSNorm kernels at the new forward default" and "RMSNorm with dW sums in shared memory
+  // for long rows"). Rows over 8 KB take the kernels that sum dW in shared memory and read the weight from L1: a
+  // thread then holds only its rows, and two CTAs fit on an SM where one did; at 4 KB rows those kernels lose, and
+  // 8 KB rows keep the register plan, not having been swept.
   if (!backward) {
     if (residual) return {4, false, 256, false};
-    // Remeasured with the kernels built without the residual's registers (H100, 16384 rows, bf16): 8 vectors,
-    // 128-thread CTAs, one row group a CTA 92.7% / 96.0% / 98.5% at 4 / 8 / 16 KB rows, against 90.8% / 92.2% /
-    // 93.3% for 4 vectors with prefetch in a persistent grid. Only rows of whole warps at 8 vectors (multiples of
-    // 4 KB) take it: others (H = 5120 bf16, short rows) keep the 4-vector plan, whose thread counts fit them.
+    // 8 vectors, 128-thread CTAs, one row group a CTA beat 4 vectors with prefetch in a persistent grid at every
+    // row size once the kernels without a residual stopped being built with its registers. Only rows of whole
+    // warps at 8 vectors (multiples of 4 KB) take it: others (H = 5120 bf16, short rows) keep the 4-vector plan,
+    // whose thread counts fit them.
     if (row_bytes % (8 * 16 * 32) == 0) return {8, false, 128, false};
     return {4, true, row_bytes > 4096 && row_bytes <= 8192 ? 256 : 128, true};
   }

@@ -118,7 +118,7 @@ size_t plan_smem_bytes(const Plan& p, const PlanInputs& in);
 
 // A persistent grid: as many CTAs as fit on the device at once, but no more than the rows need, and sized
 // so that every CTA runs the same number of row iterations where the rows allow it (16384 rows on 1056
-// slots would otherwise leave 3% of the time to a last, partly empty iteration).
+// slots would otherwise end with a 16th iteration that is half empty).
 struct PersistentGrid {
   int64_t ctas = 0;
   int64_t partial_rows = 0;  // backward: float32 rows of H in the workspace: one per CTA, or one per row slot
