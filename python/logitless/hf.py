@@ -64,7 +64,7 @@ from .rms_norm import rms_norm
 __all__ = ["patch", "unpatch", "is_patched", "describe", "PatchRefused", "SUPPORTED_ARCHITECTURES"]
 
 # The tested set: the causal LMs of transformers 5.24 that tests/python/test_hf_patch.py patched and checked (loss and
-# every parameter's gradient against the unpatched model) as tiny random-init instances, 150 classes. Documentation,
+# every parameter's gradient against the unpatched model) as tiny random-init instances, 151 classes. Documentation,
 # and a list that test holds the sweep to (none of these may be refused): `patch` itself never reads it, and accepts
 # any model of the same structure.
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = (
@@ -91,14 +91,14 @@ SUPPORTED_ARCHITECTURES: Tuple[str, ...] = (
     "MambaForCausalLM", "MegatronBertForCausalLM", "MellumForCausalLM", "MiMoV2FlashForCausalLM",
     "MiniCPM3ForCausalLM", "MiniMaxForCausalLM", "MiniMaxM2ForCausalLM", "MiniMaxM3VLForCausalLM",
     "Ministral3ForCausalLM", "MinistralForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-    "ModernBertDecoderForCausalLM", "NanoChatForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM",
-    "OPTForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "OlmoHybridForCausalLM",
-    "OlmoeForCausalLM", "OpenAIGPTLMHeadModel", "PersimmonForCausalLM", "Phi3ForCausalLM", "PhiForCausalLM",
-    "PhimoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen4ExpForCausalLM",
-    "RecurrentGemmaForCausalLM", "ReformerModelWithLMHead", "RemBertForCausalLM", "RoCBertForCausalLM",
-    "RoFormerForCausalLM", "RobertaForCausalLM", "RobertaPreLayerNormForCausalLM", "RwkvForCausalLM",
-    "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM", "StableLmForCausalLM",
+    "ModernBertDecoderForCausalLM", "MptForCausalLM", "NanoChatForCausalLM", "NemotronForCausalLM",
+    "NemotronHForCausalLM", "OPTForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM",
+    "OlmoHybridForCausalLM", "OlmoeForCausalLM", "OpenAIGPTLMHeadModel", "PersimmonForCausalLM", "Phi3ForCausalLM",
+    "PhiForCausalLM", "PhimoeForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    "Qwen4ExpForCausalLM", "RecurrentGemmaForCausalLM", "ReformerModelWithLMHead", "RemBertForCausalLM",
+    "RoCBertForCausalLM", "RoFormerForCausalLM", "RobertaForCausalLM", "RobertaPreLayerNormForCausalLM",
+    "RwkvForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "SolarOpenForCausalLM", "StableLmForCausalLM",
     "Starcoder2ForCausalLM", "VaultGemmaForCausalLM", "XGLMForCausalLM", "XLMRobertaForCausalLM",
     "XLMRobertaXLForCausalLM", "XmodForCausalLM", "YoutuForCausalLM", "Zamba2ForCausalLM", "ZambaForCausalLM",
     "ZayaForCausalLM", "xLSTMForCausalLM",
@@ -198,15 +198,22 @@ def _width(module: torch.nn.Module) -> int:
 
 
 def _run_with(module: torch.nn.Module, weight: Optional[Tensor], x: Tensor) -> Any:
-    # The probe weight stands in for the module's own (which may be on another device, on meta, or sharded);
-    # nothing of the module is changed.
-    params = {} if weight is None else {"weight": weight}
+    # The probe weight stands in for the module's own (which may be on another device, on meta, or sharded), and
+    # copies for its buffers: nothing of the module is read on its device or changed.
+    tensors = {name: b.detach().to("cpu", copy=True) for name, b in module.named_buffers(recurse=False)}
+    if weight is not None:
+        tensors["weight"] = weight
     with torch.no_grad():
-        return torch.func.functional_call(module, params, (x,))
+        return torch.func.functional_call(module, tensors, (x,))
 
 
 def _probe_rms_norm(module: torch.nn.Module) -> Optional[_Verdict]:
-    if next(module.children(), None) is not None or next(module.buffers(recurse=False), None) is not None:
+    if next(module.children(), None) is not None:
+        return None
+    # Buffers a checkpoint does not carry are constants of the module (Gemma 3n's weightless norm kept a scalar
+    # weight of one as such in early 5.x); a persistent one is state that no RMSNorm has.
+    buffers = dict(module.named_buffers(recurse=False))
+    if any(name not in module._non_persistent_buffers_set or b.is_meta for name, b in buffers.items()):
         return None
     params = dict(module.named_parameters(recurse=False))
     weight = params.get("weight")
@@ -265,9 +272,14 @@ def _probe_rms_norm(module: torch.nn.Module) -> Optional[_Verdict]:
                                 f"modes of logitless.rms_norm in bfloat16 (closest {closest[2]!r}: "
                                 f"{closest[1]:.0%} of the elements differ)")
     if weight is None:
-        return _Verdict(replacement=_UnscaledRMSNorm(eps, mode))
-    norm = RMSNorm.from_module(module, offset=offset, casting_mode=mode)
-    norm.eps = eps
+        norm = _UnscaledRMSNorm(eps, mode)
+    else:
+        norm = RMSNorm.from_module(module, offset=offset, casting_mode=mode)
+        norm.eps = eps
+    # The same buffers, still out of the state dict: code that reads them off the module (FalconMamba's mixer
+    # passes its weightless norms' `weight` buffers to a kernel) finds them where they were.
+    for name, b in buffers.items():
+        norm.register_buffer(name, b, persistent=False)
     return _Verdict(replacement=norm)
 
 
@@ -634,8 +646,6 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
     unknown = sorted(set(loss_options) - set(_LOSS_OPTIONS))
     if unknown:
         raise ValueError(f"loss_options: expected any of {', '.join(_LOSS_OPTIONS)}, got {', '.join(unknown)}")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     earlier: Optional[_PatchState] = model.__dict__.get(_STATE)
     if earlier is not None:
         _revert(model, earlier)
@@ -686,6 +696,9 @@ def describe(model: torch.nn.Module) -> str:
 
 
 def _unwrap(model):
+    # Anything else would fail on a missing __dict__ with an AttributeError that names nothing of the call.
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     # torch.compile(model) returns an OptimizedModule around the original module.
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) else model

@@ -111,9 +111,11 @@ def build(model_type: str, class_name: str, seed: int = 0):
         raise Skip(f"its default config does not validate: {type(e).__name__}: {_message(e)}")
     if getattr(default, "is_encoder_decoder", False):
         raise Skip("the decoder of an encoder-decoder model")
-    sub = [k for k in getattr(config_class, "sub_configs", {}) or {}]
+    # Sub-configs of a text model's own parts (DBRX's attn_config / ffn_config) are fine; a text_config, vision or
+    # audio config makes a composite model whose text decoder is an entry of its own.
+    sub = [k for k in getattr(config_class, "sub_configs", {}) or {} if k not in ("attn_config", "ffn_config")]
     if sub:
-        raise Skip(f"a composite config ({', '.join(sub)}): multimodal or otherwise not a text decoder of its own")
+        raise Skip(f"a composite config ({', '.join(sub)}): multimodal, or a text decoder built from sub-models")
     fields = dict(default.to_dict())
     # Only the fields the config has (a read-only property, such as Falcon's head_dim, is derived: left out).
     values = {k: v for k, v in SMALL.items() if (k in fields or hasattr(default, k))
@@ -123,10 +125,11 @@ def build(model_type: str, class_name: str, seed: int = 0):
     values.update(EXTRA.get(model_type, {}))
     if values.get("layer_types") is ONE_OF_EACH:
         # One layer of each kind the default pattern has, in the order they first come (a hybrid keeps an
-        # attention layer, which its cache needs).
-        kinds = list(dict.fromkeys(default.layer_types))
-        values["layer_types"] = (kinds * 2)[:max(2, len(kinds))]
-        values["num_hidden_layers"] = len(values["layer_types"])
+        # attention layer, which its cache needs). Releases whose config has no pattern get none.
+        kinds = list(dict.fromkeys(getattr(default, "layer_types", None) or ()))
+        values["layer_types"] = (kinds * 2)[:max(2, len(kinds))] or None
+        if kinds:
+            values["num_hidden_layers"] = len(values["layer_types"])
     values = {k: v for k, v in values.items() if v is not None}  # None in EXTRA: the config's default
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
