@@ -29,6 +29,7 @@ module global inside a traced region would cost a graph break at every attention
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -247,6 +248,12 @@ class RopeSite:
     replacement: Callable
     calls: str                                   # what the probe verified, for describe()
     modules: List[Tuple[torch.nn.Module, str]] = field(default_factory=list)
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model) copies the modules; the modeling module's globals and its functions are shared (a
+        # namespace holds modules, which cannot be copied, and the copy's forwards swap the same global).
+        return RopeSite(self.namespace, self.module_name, self.original, self.replacement, self.calls,
+                        copy.deepcopy(self.modules, memo))
 
 
 def _names_in(code: types.CodeType) -> set:

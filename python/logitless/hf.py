@@ -33,6 +33,12 @@ model computes, checked before anything is changed:
   FSDP2's ``fully_shard`` or partitioned by ZeRO-3 has its weight gathered for it and its gradient reduced as
   when the original forward calls it.
 
+* ``swiglu=True``: every gated MLP (children ``gate_proj``, ``up_proj``, ``down_proj``, or ``gate_up_proj`` and
+  ``down_proj``) whose probe shows ``down(act(gate(x)) * up(x))`` with SiLU or GELU runs its own projections around
+  ``logitless.glu``. ``rope="auto"``: each attention's ``apply_rotary_pos_emb`` is ``logitless.rope`` while that
+  attention runs, where a probe shows the two compute the same; the module-level function is never changed for
+  good. Both are in python/logitless/_hf_layers.py, which says how they are recognized.
+
 Patching is all or nothing: every check runs before the first change, and a refusal (`PatchRefused`, a
 ValueError, listing every reason and what to pass instead) leaves the model as it was. `unpatch` restores it
 exactly.
@@ -57,6 +63,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import _hf_layers
 from .linear_cross_entropy import linear_cross_entropy
 from .nn import RMSNorm
 from .rms_norm import rms_norm
@@ -606,6 +613,9 @@ class _PatchState:
     loss_options: Dict[str, Any]
     swaps: List[_Swap] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    # Gated MLPs and the rotary function's sites (python/logitless/_hf_layers.py).
+    mlps: List[Any] = field(default_factory=list)
+    ropes: List[Any] = field(default_factory=list)
     loss: Optional[_LossPlan] = None
     # The instance attributes patch() set, as they were: (had one, its value).
     forward_before: Tuple[bool, Any] = (False, None)
@@ -619,8 +629,8 @@ class _PatchState:
     call: Optional[_Call] = None  # set while a labeled forward runs
 
 
-def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = True,
-          **loss_options) -> torch.nn.Module:
+def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = True, *, swiglu: bool = True,
+          rope: Any = "auto", **loss_options) -> torch.nn.Module:
     """Patch a transformers causal LM in place (see the module docstring) and return `model`.
 
     Args:
@@ -629,6 +639,13 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
             recompilation.
         rms_norm: replace the modules that compute an RMSNorm by ``logitless.nn.RMSNorm``.
         cross_entropy: compute the loss with ``logitless.linear_cross_entropy`` when labels are given.
+        swiglu: run the gated MLPs (SwiGLU, GeGLU: gate_proj, up_proj and down_proj, or gate_up_proj and
+            down_proj) through ``logitless.glu``, calling their own projections. Experts held as fused tensors are
+            left as they are.
+        rope: run each attention's ``apply_rotary_pos_emb`` as ``logitless.rope`` while it runs, where a probe shows
+            that the two compute the same (Hugging Face's rotate_half form, partial rotary included; interleaved
+            pairs are not). "auto" (default): swap what verifies and note in `describe` what does not; True: refuse
+            the patch if any does not; False: leave them all.
         **loss_options: passed on to ``linear_cross_entropy``: z_loss, schedule, chunk_tokens, chunk_vocab,
             memory_budget, check_targets, vocab_parallel (z_loss adds a term the original loss does not have;
             vocab_parallel=True for an lm_head whose weight is a tensor-parallel DTensor sharded along the
@@ -643,6 +660,8 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
         ValueError: an unknown loss option.
     """
     given, model = model, _unwrap(model)
+    if not (rope is True or rope is False or rope == "auto"):
+        raise ValueError(f"rope: expected True, False or 'auto', got {rope!r}")
     unknown = sorted(set(loss_options) - set(_LOSS_OPTIONS))
     if unknown:
         raise ValueError(f"loss_options: expected any of {', '.join(_LOSS_OPTIONS)}, got {', '.join(unknown)}")
@@ -650,7 +669,7 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
     if earlier is not None:
         _revert(model, earlier)
     try:
-        state = _plan(model, bool(rms_norm), bool(cross_entropy), dict(loss_options))
+        state = _plan(model, bool(rms_norm), bool(cross_entropy), dict(loss_options), bool(swiglu), rope)
     except BaseException:
         if earlier is not None:  # the earlier patch stays
             _apply(model, earlier)
@@ -687,6 +706,7 @@ def describe(model: torch.nn.Module) -> str:
     for swap in state.swaps:
         lines.append(f"{swap.path}: {type(swap.original).__name__} -> {type(swap.replacement).__name__}"
                      f"({swap.replacement.extra_repr()})")
+    lines += _hf_layers.describe_lines(state.mlps, state.ropes)
     if state.loss is not None:
         fold = [] if state.loss.scale == 1.0 else [f"hidden scaled by {state.loss.scale:g}"]
         fold += [] if state.loss.softcap is None else [f"softcap {state.loss.softcap:g}"]
@@ -711,13 +731,18 @@ def _original_forward_function(model):
     raise RuntimeError(f"{type(model).__name__} has no forward")
 
 
-def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, Any]) -> _PatchState:
+def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, Any], swiglu: bool = False,
+          rope: Any = False) -> _PatchState:
     """Every check; returns what to change, or raises PatchRefused. Changes nothing."""
     state = _PatchState(rms_norm=rms_norm, cross_entropy=cross_entropy, loss_options=loss_options)
     reasons: List[str] = []
     kinds = tuple(k for k in _KINDS if {"rms_norm": rms_norm}.get(k.option, False))
     if kinds:
         state.swaps = _plan_swaps(model, kinds, reasons, state.notes)
+    if swiglu:
+        state.mlps = _hf_layers.plan_mlps(model, reasons, state.notes)
+    if rope is not False:
+        state.ropes = _hf_layers.plan_rope(model, rope, reasons, state.notes)
     if cross_entropy:
         had_forward = "forward" in model.__dict__
         state.forward_before = (had_forward, model.__dict__.get("forward"))
@@ -747,6 +772,8 @@ def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, An
 def _apply(model, state: _PatchState) -> None:
     for swap in state.swaps:
         setattr(swap.parent, swap.attr, swap.replacement)
+    _hf_layers.apply_mlps(state.mlps)
+    _hf_layers.apply_rope(state.ropes)
     if state.loss is not None:
         head = state.loss.head
         object.__setattr__(head, _STATE, state)
@@ -770,6 +797,8 @@ def _restore(obj, name: str, before: Tuple[bool, Any]) -> None:
 def _revert(model, state: _PatchState) -> None:
     for swap in reversed(state.swaps):
         setattr(swap.parent, swap.attr, swap.original)
+    _hf_layers.revert_rope(state.ropes)
+    _hf_layers.revert_mlps(state.mlps)
     if state.loss is not None:
         head = state.loss.head
         _restore(head, "forward", state.head_forward_before)
