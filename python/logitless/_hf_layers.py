@@ -14,7 +14,8 @@ leaves the MLPs alone). Experts held as fused parameter tensors (a mixture of ex
 ``gate_up_proj`` as a Parameter) have no such children: they are left as they are, noted, and do not refuse.
 
 Rotary embeddings. Attention forwards call a function of their modeling module, ``apply_rotary_pos_emb(q, k, cos,
-sin, ...)``, looked up as a module global at each call. The global is shared by every model of that architecture,
+sin, ...)`` (or ``apply_rotary_pos_emb(x, cos, sin, ...)``, one tensor a call, in Gemma 3n and 4), looked up as a
+module global at each call. The global is shared by every model of that architecture,
 so the patch never changes it for good: the forward of each module whose code names it becomes an instance
 attribute that swaps the global for a replacement while it runs and puts back what was there in a ``finally``.
 The replacement is installed only after a probe showed that ``logitless.rope`` computes what the original does,
@@ -289,8 +290,13 @@ def _bind(signature: inspect.Signature, args, kwargs):
 
 def _usable(arguments, widths: set, layouts: set) -> bool:
     """Whether a call is one the probe verified: q and k [B, H, T, D] (or [B, T, H, D] with unsqueeze_dim 2), tables
-    [B or 1, T, Dr] of q's dtype that need no gradient, no position_ids."""
-    q, k, cos, sin = (arguments.get(n) for n in ("q", "k", "cos", "sin"))
+    [B or 1, T, Dr] of q's dtype that need no gradient, no position_ids. The one-tensor form (x, cos, sin) is
+    checked as q = k = x."""
+    if "x" in arguments:
+        q = k = arguments["x"]
+        cos, sin = arguments.get("cos"), arguments.get("sin")
+    else:
+        q, k, cos, sin = (arguments.get(n) for n in ("q", "k", "cos", "sin"))
     if not all(isinstance(t, Tensor) for t in (q, k, cos, sin)):
         return False
     if arguments.get("position_ids") is not None:
@@ -312,10 +318,13 @@ def _usable(arguments, widths: set, layouts: set) -> bool:
 
 
 def _fused_rope(q, k, cos, sin, layout):
+    """(q_rot, k_rot); q_rot alone when k is None (the one-tensor form)."""
     if layout == 2:  # [B, T, H, D]: the same rotation seen as [B, H, T, D] (views, no copy)
-        q_rot, k_rot = _rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
-    return _rope(q, k, cos, sin)
+        q_rot, k_rot = _rope(q.transpose(1, 2), None if k is None else k.transpose(1, 2), cos, sin)
+        q_rot, k_rot = q_rot.transpose(1, 2), (None if k is None else k_rot.transpose(1, 2))
+    else:
+        q_rot, k_rot = _rope(q, k, cos, sin)
+    return q_rot if k is None else (q_rot, k_rot)
 
 
 def _replacement(original: Callable, signature: inspect.Signature, widths: set, layouts: set) -> Callable:
@@ -323,8 +332,8 @@ def _replacement(original: Callable, signature: inspect.Signature, widths: set, 
         arguments = _bind(signature, args, kwargs)
         if arguments is None or not _usable(arguments, widths, layouts):
             return original(*args, **kwargs)
-        return _fused_rope(arguments["q"], arguments["k"], arguments["cos"], arguments["sin"],
-                           arguments.get("unsqueeze_dim", 1))
+        q, k = (arguments["x"], None) if "x" in arguments else (arguments["q"], arguments["k"])
+        return _fused_rope(q, k, arguments["cos"], arguments["sin"], arguments.get("unsqueeze_dim", 1))
 
     apply_rotary_pos_emb.__wrapped__ = original
     apply_rotary_pos_emb.__doc__ = "logitless.rope in place of the modeling module's apply_rotary_pos_emb " \
@@ -339,11 +348,14 @@ def _probe_rope(original: Callable) -> Tuple[Optional[Callable], str]:
     except (TypeError, ValueError):
         return None, "its signature cannot be read"
     names = list(signature.parameters)
-    if names[:4] != ["q", "k", "cos", "sin"]:
-        return None, f"its arguments are ({', '.join(names)}), not (q, k, cos, sin, ...)"
-    rest = [p for n, p in signature.parameters.items() if n not in ("q", "k", "cos", "sin")]
+    # Two forms: q and k rotated by one call, or one tensor per call (Gemma 3n and 4 rotate q and k apart).
+    single = names[:3] == ["x", "cos", "sin"]
+    first = names[:3] if single else names[:4]
+    if not single and first != ["q", "k", "cos", "sin"]:
+        return None, f"its arguments are ({', '.join(names)}), not (q, k, cos, sin, ...) nor (x, cos, sin, ...)"
+    rest = [p for n, p in signature.parameters.items() if n not in first]
     if any(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in rest):
-        return None, f"it requires more arguments than (q, k, cos, sin): ({', '.join(names)})"
+        return None, f"it requires more arguments than ({', '.join(first)}): ({', '.join(names)})"
     b, hq, hk, t, d = 2, 3, 1, 5, 16
     g = torch.Generator().manual_seed(0)
     layouts = {1} | ({2} if "unsqueeze_dim" in signature.parameters else set())
@@ -363,14 +375,18 @@ def _probe_rope(original: Callable) -> Tuple[Optional[Callable], str]:
                 kwargs = {} if layout == 1 else {"unsqueeze_dim": 2}
                 try:
                     with torch.no_grad():
-                        want = original(q.clone(), k.clone(), cos, sin, **kwargs)
+                        if single:
+                            want = (original(q.clone(), cos, sin, **kwargs), original(k.clone(), cos, sin, **kwargs))
+                        else:
+                            want = original(q.clone(), k.clone(), cos, sin, **kwargs)
                 except Exception:
                     ok = False  # a call the original does not accept: the replacement passes it on
                     break
                 if not isinstance(want, (tuple, list)) or len(want) != 2:
                     return None, "it does not return (q_embed, k_embed)"
                 with torch.no_grad():
-                    got = _fused_rope(q, k, cos, sin, layout)
+                    got = (_fused_rope(q, None, cos, sin, layout), _fused_rope(k, None, cos, sin, layout)) \
+                        if single else _fused_rope(q, k, cos, sin, layout)
                 tol = 1e-5 if dtype == torch.float32 else 2.0 ** -6
                 errs = [_relative_error(gv, wv) if isinstance(wv, Tensor) else float("inf")
                         for gv, wv in zip(got, want)]

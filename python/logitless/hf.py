@@ -134,8 +134,9 @@ class _Refusal(Exception):
 # ----------------------------------------------------------------------------------------------------
 # Module replacements. A kind is a family of modules that patch() swaps for a logitless module: its probe looks
 # at one module and says whether it is of the kind (by what it computes), and if so returns the replacement, or
-# a refusal when it is of the kind but cannot be reproduced. Gated MLPs and rotary embeddings come as further
-# kinds (a probe that recognizes the module whose forward computes them, a replacement that computes the same).
+# a refusal when it is of the kind but cannot be reproduced. Gated MLPs and rotary embeddings are not swapped
+# modules but forwards set on the module's instance (its children, and the attention, stay where they are):
+# they live in _hf_layers.py.
 
 
 @dataclass(frozen=True)

@@ -174,11 +174,13 @@ def table() -> str:
 
 
 # Architectures whose form the sweep must find (what each stands for): silu, tanh GELU, the concatenated
-# projection, a shared expert beside fused experts; rope kept for GLM's interleaved pairs and GPT-J's signature.
+# projection, the one-tensor rotary function, a shared expert beside fused experts; rope kept for GLM's
+# interleaved pairs and GPT-J's signature.
 EXPECTED = {
     "llama": dict(activations=["silu"], rope=1),
     "gemma": dict(activations=["gelu_tanh"], rope=1),
     "phi3": dict(concatenated=True, rope=1),
+    "gemma4_text": dict(activations=["gelu_tanh"], rope=1),  # the one-tensor apply_rotary_pos_emb(x, cos, sin)
     "qwen2_moe": dict(fused_experts=True, rope=1),
     "glm": dict(rope=0),
     "gptj": dict(rope=0),
