@@ -25,7 +25,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _C, vocab_parallel
+from . import _C
 from ._autograd import REDUCTION_NONE, REDUCTIONS, enum, no_double_backward, scale_saved
 from ._checks import (check_float, check_int64, check_process_group, check_rows, check_tensors, check_writable_rows,
                       is_dtensor, register_fake)
@@ -317,6 +317,10 @@ def cross_entropy(
               check_float(z_loss, "z_loss"), check_float(softcap, "softcap"), bool(check_targets), algo_code)
 
     if sharded:
+        # Imported here, not at the top, only so that `import logitless` does not load the vocabulary-parallel module
+        # for single-device use (it imports nothing that imports back: no cycle).
+        from . import vocab_parallel
+
         loss, lse, z = vocab_parallel.cross_entropy(logits, target, weight, _options(*params), inplace_backward,
                                                     process_group)
         if not (return_lse or return_z_loss):

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from . import _C
-from . import vocab_parallel as vp
 from ._autograd import (DEFAULT_MEMORY_BUDGET, REDUCTION_NONE, REDUCTIONS, SCHEDULES, enum, no_double_backward,
                         scale_saved)
 from ._checks import (check_bias, check_float, check_int64, check_process_group, check_rows, check_tensors,
@@ -351,6 +350,10 @@ def linear_cross_entropy(
     recompute = schedule == "recompute" or (schedule == "auto" and
                                             (red == REDUCTION_NONE or hidden.dtype == torch.float16))
     sharded = process_group is not None or bool(vocab_parallel)
+    # Imported here, not at the top, only so that `import logitless` does not load the vocabulary-parallel module for
+    # single-device use (it imports nothing that imports back: no cycle).
+    from . import vocab_parallel as vp
+
     if not sharded:
         refuse_sharded_weight(weight, bias, vocab_parallel_remedy=True)
     elif vocab_parallel and process_group is None and not vp.is_dtensor(weight):
