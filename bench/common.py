@@ -16,8 +16,9 @@ Writing a suite (bench/suites/<op>.py, picked up by `python bench/bench.py --ops
 fresh copy of inputs the call overwrites, or one of several rotated inputs (`ctx.rotation`) so the L2 cache
 does not hold them between iterations. `traffic_bytes` is the minimum memory traffic of the call (what the
 GB/s column counts); `copy_bytes` is the size of the device copy timed as the yardstick (a copy of the
-op's input: its GB/s count one read and one write), reported as the last row of each shape. A suite may return Rows of its own; any exception in
-one Impl becomes a row with the error as its note, so one broken peer does not stop the run.
+op's input: its GB/s count one read and one write), reported as the last row of each shape. A suite may return
+Rows of its own; any exception in one Impl becomes a row with the error as its note, so one broken peer does not
+stop the run.
 """
 from __future__ import annotations
 

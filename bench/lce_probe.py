@@ -59,8 +59,8 @@ def profile_rounds(names, fns, rounds=3):
                     fn()
                     torch.cuda.synchronize()
     events = prof.events()
-    calls = sorted(((ev.time_range.start, ev.time_range.end, int(ev.name.split(":")[1])) for ev in events
-                    if ev.name.startswith("probe_call:") and ev.device_type == torch.autograd.DeviceType.CPU))
+    calls = sorted((ev.time_range.start, ev.time_range.end, int(ev.name.split(":")[1])) for ev in events
+                   if ev.name.startswith("probe_call:") and ev.device_type == torch.autograd.DeviceType.CPU)
     # The device-side copies of the record_function ranges are annotations, not kernels.
     kernels = sorted((ev for ev in events
                       if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("probe_call:")),

@@ -582,7 +582,8 @@ def write_report(args, out, results, corpus, chart_note):
     cfg = CONFIGS[args.config]
     mem_name = "peak memory (GiB, allocated)" if gpu else "peak RSS (GiB)"
     lines = [
-        "# End-to-end training: baseline vs logitless" + (" vs Liger" if any(m in results for m in LIGER_MODES) else ""),
+        "# End-to-end training: baseline vs logitless"
+        + (" vs Liger" if any(m in results for m in LIGER_MODES) else ""),
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; device: {device}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),

@@ -99,8 +99,8 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
 
             return check
 
-        check_swi = checker((F.silu(gates[0].float()) * ups[0].float()))
-        check_gel = checker((F.gelu(gates[0].float(), approximate="tanh") * ups[0].float()))
+        check_swi = checker(F.silu(gates[0].float()) * ups[0].float())
+        check_gel = checker(F.gelu(gates[0].float(), approximate="tanh") * ups[0].float())
 
         def plain(i):
             return gates[i % k], ups[i % k]

@@ -102,7 +102,8 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
             # Relative to the largest element: the two products cancel where an output is small, and torch rounds
             # each product and their sum to bf16.
             q_rot, k_rot = out
-            err = max(((a.float() - w).abs().max() / w.abs().max()).item() for a, w in ((q_rot, want_q), (k_rot, want_k)))
+            err = max(((a.float() - w).abs().max() / w.abs().max()).item()
+                      for a, w in ((q_rot, want_q), (k_rot, want_k)))
             return "q, k ok" if err < 1e-2 else f"MISMATCH: max err {err:.3g} of the largest element"
 
         def views(i, fresh=False, source=False):

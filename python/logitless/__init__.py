@@ -3,8 +3,7 @@
 # already brought into the process rather than to whichever one the system's library path finds first.
 import torch  # noqa: F401
 
-from . import _C
-from . import heads, hf, integrations, nn
+from . import _C, heads, hf, integrations, nn
 from .cross_entropy import cross_entropy
 from .glu import geglu, glu, swiglu
 from .heads import linear_head_loss, through_module

@@ -27,8 +27,16 @@ from torch import Tensor
 
 from . import _C
 from ._autograd import REDUCTION_NONE, REDUCTIONS, enum, no_double_backward, scale_saved
-from ._checks import (check_float, check_int64, check_process_group, check_rows, check_tensors, check_writable_rows,
-                      is_dtensor, register_fake)
+from ._checks import (
+    check_float,
+    check_int64,
+    check_process_group,
+    check_rows,
+    check_tensors,
+    check_writable_rows,
+    is_dtensor,
+    register_fake,
+)
 from ._tensor import descriptor, stream, workspace
 
 __all__ = ["cross_entropy"]

@@ -29,10 +29,16 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._autograd import (DEFAULT_MEMORY_BUDGET, REDUCTION_NONE, REDUCTIONS, SCHEDULES, enum, no_double_backward,
-                        scale_saved)
-from ._checks import (check_bias, check_float, check_int64, check_process_group, check_rows, check_tensors,
-                      register_fake)
+from ._autograd import (
+    DEFAULT_MEMORY_BUDGET,
+    REDUCTION_NONE,
+    REDUCTIONS,
+    SCHEDULES,
+    enum,
+    no_double_backward,
+    scale_saved,
+)
+from ._checks import check_bias, check_float, check_int64, check_process_group, check_rows, check_tensors, register_fake
 from ._tensor import DEVICE_CODES, DTYPE_CODES, descriptor, rows_ready, stream, workspace
 from .heads import refuse_sharded_weight
 
@@ -78,9 +84,10 @@ def _run_forward_backward(hidden, weight, bias, target, class_weight, options, g
                   descriptor(grad_bias, "grad_bias"))
     owner, ws = workspace(_C.linear_cross_entropy_forward_backward_workspace_bytes(h, w, t, gh, gw, gb, options),
                           hidden.device)
-    _C.linear_cross_entropy_forward_backward(h, w, descriptor(bias, "bias"), t, descriptor(class_weight, "class_weight"),
-                                             options, descriptor(loss, "loss"), descriptor(lse, "lse"), gh, gw, gb,
-                                             None, ws, stream(hidden.device))
+    _C.linear_cross_entropy_forward_backward(h, w, descriptor(bias, "bias"), t,
+                                             descriptor(class_weight, "class_weight"), options,
+                                             descriptor(loss, "loss"), descriptor(lse, "lse"), gh, gw, gb, None, ws,
+                                             stream(hidden.device))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
     return loss, lse
 

@@ -150,7 +150,7 @@ class RMSNorm(torch.nn.Module):
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, *, offset: Optional[float] = None,
-                    casting_mode: Optional[str] = None) -> "RMSNorm":
+                    casting_mode: Optional[str] = None) -> RMSNorm:
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
             raise ValueError(f"module: expected an RMSNorm module with a 1-d weight Parameter, got "

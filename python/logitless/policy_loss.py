@@ -28,9 +28,16 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import (check_float, check_index_dtype, check_int64, check_rows, check_tensors, check_writable_rows,
-                      register_fake)
 from ._autograd import enum, no_double_backward, scale_saved
+from ._checks import (
+    check_float,
+    check_index_dtype,
+    check_int64,
+    check_rows,
+    check_tensors,
+    check_writable_rows,
+    register_fake,
+)
 from ._tensor import descriptor, stream, workspace
 
 __all__ = ["grpo_loss", "selective_log_softmax", "PolicyLossOutputs", "LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS"]

@@ -2,9 +2,10 @@
 
 Reached through ``logitless.cross_entropy(..., process_group=pg)`` and ``logitless.linear_cross_entropy(...,
 process_group=pg)``, or by passing a DTensor sharded along the vocabulary (logits ``Shard(-1)``; an LM head's
-weight ``Shard(0)`` with ``vocab_parallel=True``, since an FSDP2 parameter shard has that placement too). Every rank holds a slice of the vocabulary, in rank order, and sees every token: the logits
-are never gathered. The C++ core (include/logitless/vocab_parallel.h) computes per-shard partial statistics and
-the gradients; this module does the communication, with torch.distributed only:
+weight ``Shard(0)`` with ``vocab_parallel=True``, since an FSDP2 parameter shard has that placement too). Every
+rank holds a slice of the vocabulary, in rank order, and sees every token: the logits are never gathered. The C++
+core (include/logitless/vocab_parallel.h) computes per-shard partial statistics and the gradients; this module does
+the communication, with torch.distributed only:
 
 * forward: one all_gather of the per-token partial statistics (4 floats a token and rank), after which every rank
   finalizes the same loss and lse. The linear variant's gradient-in-forward schedule gathers them a token chunk at
@@ -31,7 +32,7 @@ torch.compile treats it as an opaque region (a graph break).
 from __future__ import annotations
 
 import copy
-from typing import List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist

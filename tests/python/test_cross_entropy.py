@@ -10,10 +10,21 @@ import torch
 import torch.nn.functional as F
 
 import logitless
-from _helpers import (CPU_GRAD_TOL, DTYPES, REDUCTIONS, assert_compiled_matches_eager,
-                      assert_grads_match_central_differences, assert_graph_replays_match_eager, capture_cuda_graph,
-                      check_dynamic_shapes_against_torch, extra_peak_memory, needs_cuda,
-                      on_a_side_stream_behind_a_sleep, run_or_skip_unavailable, upstream_grad)
+from _helpers import (
+    CPU_GRAD_TOL,
+    DTYPES,
+    REDUCTIONS,
+    assert_compiled_matches_eager,
+    assert_grads_match_central_differences,
+    assert_graph_replays_match_eager,
+    capture_cuda_graph,
+    check_dynamic_shapes_against_torch,
+    extra_peak_memory,
+    needs_cuda,
+    on_a_side_stream_behind_a_sleep,
+    run_or_skip_unavailable,
+    upstream_grad,
+)
 from logitless import cross_entropy
 
 # Error budget against the float64 reference evaluated on the same (already rounded) inputs: the loss is

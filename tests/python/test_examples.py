@@ -43,7 +43,8 @@ def test_finetune_trains_every_mode_and_writes_the_report(tmp_path):
     assert {p.name for p in out.iterdir()} <= {"report.md", "report.png", "results.json"}
     report = (out / "report.md").read_text()
     assert report in stdout
-    for text in ("| baseline |", "| logitless |", "| liger |", "| liger-full |", "standard library", "## Loss curve", "## Chart"):
+    for text in ("| baseline |", "| logitless |", "| liger |", "| liger-full |", "standard library", "## Loss curve",
+                 "## Chart"):
         assert text in report
     try:
         import matplotlib  # noqa: F401 (the report has a chart when it is importable)

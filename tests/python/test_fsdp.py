@@ -16,9 +16,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import spawn
 
 import logitless
+from _ranks import spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,7 +134,8 @@ def _zero3_case(rank, world, dev, tied):
 
     logitless.patch(model)
     config = {"train_micro_batch_size_per_gpu": _SEQS_PER_RANK, "gradient_accumulation_steps": 1,
-              "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+              "zero_allow_untested_optimizer": True, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                       config=config)
     rows = slice(rank * _SEQS_PER_RANK, (rank + 1) * _SEQS_PER_RANK)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _helpers import DTYPES, capture_cuda_graph, needs_cuda, on_a_side_stream_behind_a_sleep
 import logitless
+from _helpers import DTYPES, capture_cuda_graph, needs_cuda, on_a_side_stream_behind_a_sleep
 from logitless import geglu, glu, swiglu
 
 ACTIVATIONS = ["silu", "gelu_tanh", "gelu"]

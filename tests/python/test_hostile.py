@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import HAS_CUDA, needs_cuda
 import _hostile
+from _helpers import HAS_CUDA, needs_cuda
 
 HERE = Path(__file__).resolve().parent
 TWO_GPUS = HAS_CUDA and torch.cuda.device_count() >= 2

@@ -9,10 +9,22 @@ import torch
 import torch.nn.functional as F
 
 import logitless
-from _helpers import (CPU_GRAD_TOL, DTYPES, REDUCTIONS, SCHEDULES, assert_compiled_matches_eager,
-                      assert_grads_match_central_differences, assert_graph_replays_match_eager, capture_cuda_graph,
-                      check_dynamic_shapes_against_torch, check_second_backward, extra_peak_memory, needs_cuda,
-                      on_a_side_stream_behind_a_sleep, upstream_grad)
+from _helpers import (
+    CPU_GRAD_TOL,
+    DTYPES,
+    REDUCTIONS,
+    SCHEDULES,
+    assert_compiled_matches_eager,
+    assert_grads_match_central_differences,
+    assert_graph_replays_match_eager,
+    capture_cuda_graph,
+    check_dynamic_shapes_against_torch,
+    check_second_backward,
+    extra_peak_memory,
+    needs_cuda,
+    on_a_side_stream_behind_a_sleep,
+    upstream_grad,
+)
 from logitless import linear_cross_entropy
 
 # Error budget against the float64 reference evaluated on the same (already rounded) inputs. The loss is

@@ -9,13 +9,33 @@ import pytest
 import torch
 
 import logitless
-from _helpers import (CPU_GRAD_TOL, DTYPES, SCHEDULES, assert_compiled_matches_eager,
-                      assert_grads_match_central_differences, assert_graph_replays_match_eager, capture_cuda_graph,
-                      check_second_backward, extra_peak_memory, needs_cuda, on_a_side_stream_behind_a_sleep)
+from _helpers import (
+    CPU_GRAD_TOL,
+    DTYPES,
+    SCHEDULES,
+    assert_compiled_matches_eager,
+    assert_grads_match_central_differences,
+    assert_graph_replays_match_eager,
+    capture_cuda_graph,
+    check_second_backward,
+    extra_peak_memory,
+    needs_cuda,
+    on_a_side_stream_behind_a_sleep,
+)
 from logitless import grpo_loss, linear_grpo_loss, linear_selective_log_softmax
-from test_policy_loss import (BAD_POLICY_ARGUMENTS, LEVELS, LOSS_TYPES, OPTIONS, assert_close,
-                              assert_loss_and_per_token_close, assert_per_token_outputs_close, policy_arguments,
-                              reference, reference_grad_unit, reference_kwargs)
+from test_policy_loss import (
+    BAD_POLICY_ARGUMENTS,
+    LEVELS,
+    LOSS_TYPES,
+    OPTIONS,
+    assert_close,
+    assert_loss_and_per_token_close,
+    assert_per_token_outputs_close,
+    policy_arguments,
+    reference,
+    reference_grad_unit,
+    reference_kwargs,
+)
 
 # Error budget against the float64 reference on the same (already rounded) inputs. The loss and per-token values
 # are float32 (CUDA: from float32 logits of a GEMM); the gradients are stored in the inputs' dtype (CUDA: the
@@ -442,7 +462,8 @@ def _op_samples(device="cpu"):
                                           None, None, ref) + opts(2, 1, False)),
         (ops.linear_policy_loss_forward_backward_out,
          tensors + opts(1, 1, True) + (torch.empty_like(hidden), torch.empty_like(weight), torch.empty_like(bias))),
-        (ops.linear_policy_loss_forward_backward_out, tensors + opts(3, 0, False) + (None, torch.empty_like(weight), None)),
+        (ops.linear_policy_loss_forward_backward_out,
+         tensors + opts(3, 0, False) + (None, torch.empty_like(weight), None)),
         (ops.linear_policy_loss_backward,
          tensors + (logp, lse, torch.tensor(1.5, device=device)) + bopts(0, 1) + (True, True, True)),
         (ops.linear_selective_log_softmax_forward, (flat_h, weight, bias, flat_ids, 0.7, True, 0, 1 << 20, True)),

@@ -7,9 +7,17 @@ import pytest
 import torch
 
 import logitless
-from _helpers import (CPU_GRAD_TOL, DTYPES, assert_compiled_matches_eager, assert_graph_replays_match_eager,
-                      capture_cuda_graph, extra_peak_memory, needs_cuda, on_a_side_stream_behind_a_sleep,
-                      run_or_skip_unavailable)
+from _helpers import (
+    CPU_GRAD_TOL,
+    DTYPES,
+    assert_compiled_matches_eager,
+    assert_graph_replays_match_eager,
+    capture_cuda_graph,
+    extra_peak_memory,
+    needs_cuda,
+    on_a_side_stream_behind_a_sleep,
+    run_or_skip_unavailable,
+)
 from logitless import grpo_loss, selective_log_softmax
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from _helpers import DTYPES, capture_cuda_graph, needs_cuda, on_a_side_stream_behind_a_sleep
-import logitless
 from logitless import rope
 
 # One rounding of a float32 (or double) result, relative to the element, with a floor relative to the tensor's

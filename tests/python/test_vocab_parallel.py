@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _ranks import spawn
 
 import logitless
+from _ranks import spawn
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +252,8 @@ def _regathered_weight_case(rank, world, dev, schedule, how):
 
 def _bad_target_case(rank, world, dev, linear):
     device = _device(dev, rank)
-    v, widths = 12, [5, 7, 0][:world] if world == 3 else [5, 7]
-    off, width = sum(widths[:rank]), widths[rank]
+    widths = [5, 7, 0][:world] if world == 3 else [5, 7]  # V = 12
+    width = widths[rank]
     target = torch.tensor([3, 11, 12, -100], device=device)  # 12 is outside [0, 12) on every rank
     with pytest.raises(ValueError, match=r"expected values in \[0, 12\).*row 2"):
         if linear:
@@ -285,7 +285,7 @@ def _dtensor_leaf_inplace_case(rank, world, dev):
 def _no_tokens_case(rank, world, dev, schedule):
     device = _device(dev, rank)
     widths = [3, 4, 2][:world] if world == 3 else [3, 4]
-    off, width = sum(widths[:rank]), widths[rank]
+    width = widths[rank]
     hl = torch.randn(0, 5, device=device, requires_grad=True)
     wl = torch.randn(width, 5, device=device, requires_grad=True)
     loss = logitless.linear_cross_entropy(hl, wl, torch.zeros(0, dtype=torch.long, device=device), schedule=schedule,
