@@ -9,9 +9,9 @@
 #include <cstdlib>
 #include <vector>
 
+#include "bench_util.cuh"
 #include "cross_entropy/cuda/kernels.h"
 #include "logitless/logitless.h"
-#include "bench_util.cuh"
 
 using namespace logitless;
 
@@ -42,7 +42,6 @@ static void describe(const char* what) {
               what, static_cast<int>(r.plan.algo), r.plan.cluster, r.plan.stages, r.plan.threads,
               (long long)r.plan.slice, r.plan.pipelined ? 1 : 0, r.clusters, ce::debug::row_resident_max_clusters());
 }
-
 
 __global__ void fill_random(__nv_bfloat16* x, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -123,28 +122,26 @@ int main(int argc, char** argv) {
       row(name, median_ms([&] { cross_entropy_forward(lv, tv, {}, o, scalar_loss, lsev, {}, w, nullptr); }),
           double(bytes));
       std::snprintf(name, sizeof name, "%s fwd+bwd sep (1R+1W)", an);
-      row(name, median_ms([&] {
-            cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr);
-          }),
+      row(name,
+          median_ms([&] { cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr); }),
           2.0 * bytes);
       // In place overwrites x with the gradient; timing repeated calls on gradients is still one read + one
       // write per call, and refilling would add a pass. The values stay finite (gradients are in [-1, 1]).
       std::snprintf(name, sizeof name, "%s fwd+bwd in place (1R+1W)", an);
-      row(name, median_ms([&] {
-            cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, lv, {}, w, nullptr);
-          }),
+      row(name,
+          median_ms([&] { cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, lv, {}, w, nullptr); }),
           2.0 * bytes);
       fill_random<<<1024, 256>>>(x, int64_t(N) * V, 1);
     }
     o.algo = CrossEntropyAlgo::kAuto;
     const TensorView gl = TensorView::make(loss, DType::kFloat32, dev, {});
-    row("backward from lse (1R+1W)", median_ms([&] {
-          cross_entropy_backward(lv, tv, {}, lsev, gl, o, gv, w, nullptr);
-        }),
-        2.0 * bytes);
+    row("backward from lse (1R+1W)",
+        median_ms([&] { cross_entropy_backward(lv, tv, {}, lsev, gl, o, gv, w, nullptr); }), 2.0 * bytes);
     // Row-resident variants: copy pieces, threads, cluster size, grid.
     ce::debug::set_plan_hook(tweak);
-    struct Var { int pieces, threads, cluster, grid, pipe, stages; };
+    struct Var {
+      int pieces, threads, cluster, grid, pipe, stages;
+    };
     const int sms = prop.multiProcessorCount;
     (void)sms;
     const bool all_variants = std::getenv("BENCH_VARIANTS") != nullptr;
@@ -158,13 +155,13 @@ int main(int argc, char** argv) {
       g_stages = v.stages;
       o.algo = CrossEntropyAlgo::kRowResident;
       try {
-      char name[96];
-      std::snprintf(name, sizeof name, "rr t%d c%d s%d pipe%d fwdbwd", v.threads, v.cluster, v.stages, v.pipe);
-      row(name, median_ms([&] {
-            cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr);
-          }),
-          2.0 * bytes);
-      describe("fwdbwd");
+        char name[96];
+        std::snprintf(name, sizeof name, "rr t%d c%d s%d pipe%d fwdbwd", v.threads, v.cluster, v.stages, v.pipe);
+        row(name, median_ms([&] {
+              cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr);
+            }),
+            2.0 * bytes);
+        describe("fwdbwd");
       } catch (const std::exception& e) {
         std::printf("   [variant refused: %s]\n", e.what());
       }
@@ -173,9 +170,8 @@ int main(int argc, char** argv) {
     g_pieces = g_threads = g_cluster = g_grid = g_pipe = g_stages = 0;
     ce::debug::set_plan_hook(nullptr);
     o.check_targets = true;
-    row("auto fwd+bwd, eager target check", median_ms([&] {
-          cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr);
-        }),
+    row("auto fwd+bwd, eager target check",
+        median_ms([&] { cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr); }),
         2.0 * bytes);
     o.check_targets = false;
     CK(cudaGetLastError());

@@ -25,20 +25,20 @@
 #include <string>
 #include <vector>
 
-#include "linear_cross_entropy/cuda/kernels_hopper.h"
-#include "linear_cross_entropy/cuda/kernels.h"
 #include "bench_util.cuh"
+#include "linear_cross_entropy/cuda/kernels.h"
+#include "linear_cross_entropy/cuda/kernels_hopper.h"
 
 using namespace logitless;
 using namespace logitless::lce;
 
-#define CB(x)                                                   \
-  do {                                                          \
-    cublasStatus_t s = (x);                                     \
-    if (s != CUBLAS_STATUS_SUCCESS) {                           \
-      std::fprintf(stderr, "%s failed: %d\n", #x, int(s));      \
-      std::exit(1);                                             \
-    }                                                           \
+#define CB(x)                                              \
+  do {                                                     \
+    cublasStatus_t s = (x);                                \
+    if (s != CUBLAS_STATUS_SUCCESS) {                      \
+      std::fprintf(stderr, "%s failed: %d\n", #x, int(s)); \
+      std::exit(1);                                        \
+    }                                                      \
   } while (0)
 
 // Normal-ish values of standard deviation `sd` (a sum of four uniforms), from a counter-based hash.
@@ -145,9 +145,24 @@ int main(int argc, char** argv) {
                          CUDA_R_16BF, static_cast<int>(V), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
        }},
       {"mainloop", [&] { debug::launch_fused_mainloop(f, sms, nullptr); }},
-      {"spin1000", [&] { FusedGemmParams g = f; g.debug_spin = 1000; debug::launch_fused_mainloop(g, sms, nullptr); }},
-      {"spin2000", [&] { FusedGemmParams g = f; g.debug_spin = 2000; debug::launch_fused_mainloop(g, sms, nullptr); }},
-      {"spin4000", [&] { FusedGemmParams g = f; g.debug_spin = 4000; debug::launch_fused_mainloop(g, sms, nullptr); }},
+      {"spin1000",
+       [&] {
+         FusedGemmParams g = f;
+         g.debug_spin = 1000;
+         debug::launch_fused_mainloop(g, sms, nullptr);
+       }},
+      {"spin2000",
+       [&] {
+         FusedGemmParams g = f;
+         g.debug_spin = 2000;
+         debug::launch_fused_mainloop(g, sms, nullptr);
+       }},
+      {"spin4000",
+       [&] {
+         FusedGemmParams g = f;
+         g.debug_spin = 4000;
+         debug::launch_fused_mainloop(g, sms, nullptr);
+       }},
       // The gradient in forward's other two products, on the E the exp variant wrote: dX = E W (float32 out, as
       // the library runs it, and bfloat16 out) and dW = E^T X (bfloat16 out).
       {"dx_f32", [&] { gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, N, V, w, H, z, V, dx, CUDA_R_32F, H); }},

@@ -24,12 +24,11 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.cuh"
 #include "logitless/logitless.h"
 #include "rms_norm/cuda/plan.h"
-#include "bench_util.cuh"
 
 using namespace logitless;
-
 
 __global__ void fill_random(__nv_bfloat16* x, int64_t n, uint64_t seed, float scale, float shift) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -51,10 +50,10 @@ __global__ void count_mismatches(const __nv_bfloat16* a, const __nv_bfloat16* b,
 // ---- plan variants -------------------------------------------------------------------------------------------
 struct Variant {
   const char* name;
-  int vpt;            // 0: the default plan (no hook)
+  int vpt;  // 0: the default plan (no hook)
   bool prefetch;
-  int cta_threads;    // target CTA size: rows_per_cta = max(1, cta_threads / threads_per_row)
-  int ctas_per_sm;    // 0: forward one CTA per row group / backward as many as fit; else a persistent cap
+  int cta_threads;       // target CTA size: rows_per_cta = max(1, cta_threads / threads_per_row)
+  int ctas_per_sm;       // 0: forward one CTA per row group / backward as many as fit; else a persistent cap
   bool smem_dw = false;  // backward: dW sums in shared memory, the weight from L1
 };
 
@@ -101,8 +100,10 @@ static std::string short_name(const Variant& v) {
   if (v.vpt == 0) return "def";
   std::string n = "v" + std::to_string(v.vpt) + (v.prefetch ? "p" : "") + (v.smem_dw ? "s" : "") + "c" +
                   std::to_string(v.cta_threads);
-  if (v.ctas_per_sm >= rms::kPersistentCtasPerSm) n += "P";
-  else if (v.ctas_per_sm > 0) n += "/" + std::to_string(v.ctas_per_sm);
+  if (v.ctas_per_sm >= rms::kPersistentCtasPerSm)
+    n += "P";
+  else if (v.ctas_per_sm > 0)
+    n += "/" + std::to_string(v.ctas_per_sm);
   return n;
 }
 
@@ -181,8 +182,8 @@ int main(int argc, char** argv) {
   struct Best {
     std::string name;
     double pct = 0;
-    double def_pct = 0;     // the default plan's
-    std::string def_plan;   // what the default launched
+    double def_pct = 0;    // the default plan's
+    std::string def_plan;  // what the default launched
   };
   std::map<std::string, Best> best;  // "shape pass" -> fastest variant
   std::vector<std::string> order;
@@ -231,8 +232,8 @@ int main(int argc, char** argv) {
     auto forward = [&](int i, bool residual) {
       const Set& st = sets[i % kSets];
       rms_norm_forward(view(st.x), residual ? view(st.res) : TensorView{}, wv, o, view(st.y),
-                       residual ? view(st.s) : TensorView{}, TensorView::make(st.rstd, DType::kFloat32, dev, {N}),
-                       {}, nullptr);
+                       residual ? view(st.s) : TensorView{}, TensorView::make(st.rstd, DType::kFloat32, dev, {N}), {},
+                       nullptr);
     };
     auto backward = [&](int i, bool residual) {
       const Set& st = sets[i % kSets];
@@ -240,9 +241,8 @@ int main(int argc, char** argv) {
                         TensorView::make(st.rstd, DType::kFloat32, dev, {N}), o, view(st.dx), dwv, work, nullptr);
     };
 
-    const float copy_ms = per_call_ms([&](int i) {
-      CK(cudaMemcpyAsync(sets[i % kSets].y, sets[i % kSets].x, bytes, cudaMemcpyDeviceToDevice));
-    });
+    const float copy_ms = per_call_ms(
+        [&](int i) { CK(cudaMemcpyAsync(sets[i % kSets].y, sets[i % kSets].x, bytes, cudaMemcpyDeviceToDevice)); });
     const double copy_bw = 2.0 * bytes / copy_ms / 1e6;  // GB/s, read + write
     char shape[32];
     std::snprintf(shape, sizeof shape, "%lldx%lld", (long long)N, (long long)H);
@@ -319,8 +319,7 @@ int main(int argc, char** argv) {
             if (mx || mw)
               std::printf("MISMATCH %s %s %s: %llu of dx, %llu of dW\n", shape, bpass, short_name(v).c_str(), mx, mw);
           }
-          row(bpass, v, per_call_ms([&](int i) { backward(i, residual); }), residual ? 8.0 : 6.0, launched,
-              mx || mw);
+          row(bpass, v, per_call_ms([&](int i) { backward(i, residual); }), residual ? 8.0 : 6.0, launched, mx || mw);
           row(fbpass, v, per_call_ms([&](int i) {
                 forward(i, residual);  // default plan (the hook rewrites the backward only)
                 backward(i, residual);
@@ -338,8 +337,8 @@ int main(int argc, char** argv) {
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     for (Set& st : sets)
-      for (void* p : {(void*)st.x, (void*)st.res, (void*)st.dy, (void*)st.dres, (void*)st.y, (void*)st.s,
-                      (void*)st.dx, (void*)st.rstd})
+      for (void* p : {(void*)st.x, (void*)st.res, (void*)st.dy, (void*)st.dres, (void*)st.y, (void*)st.s, (void*)st.dx,
+                      (void*)st.rstd})
         CK(cudaFree(p));
     for (void* p : {(void*)w, (void*)dw, (void*)ref_dw, (void*)ref_y, (void*)ref_dx, (void*)bad, ws}) CK(cudaFree(p));
   }

@@ -60,8 +60,8 @@ struct CrossEntropyOptions {
 };
 
 // Bytes of scratch the CUDA entry points need for these arguments (0 on the CPU).
-size_t cross_entropy_workspace_bytes(const TensorView& logits, const TensorView& target,
-                                     const TensorView& weight, const CrossEntropyOptions& options);
+size_t cross_entropy_workspace_bytes(const TensorView& logits, const TensorView& target, const TensorView& weight,
+                                     const CrossEntropyOptions& options);
 
 // Loss (and optional lse / z_loss) only: one read of the logits.
 void cross_entropy_forward(const TensorView& logits, const TensorView& target, const TensorView& weight,
@@ -71,18 +71,16 @@ void cross_entropy_forward(const TensorView& logits, const TensorView& target, c
 // Loss and d(loss)/d(logits) in one pass: one read of the logits and one write of the gradient.
 // The gradient is that of the reduced loss times `grad_scale` when given (float32, [] for sum/mean or
 // [*] per row for none; read on the device, so no synchronization), times 1 otherwise.
-void cross_entropy_forward_backward(const TensorView& logits, const TensorView& target,
-                                    const TensorView& weight, const CrossEntropyOptions& options,
-                                    const TensorView& loss, const TensorView& lse, const TensorView& z_loss,
-                                    const TensorView& grad_logits, const TensorView& grad_scale,
-                                    Workspace workspace, StreamHandle stream);
+void cross_entropy_forward_backward(const TensorView& logits, const TensorView& target, const TensorView& weight,
+                                    const CrossEntropyOptions& options, const TensorView& loss, const TensorView& lse,
+                                    const TensorView& z_loss, const TensorView& grad_logits,
+                                    const TensorView& grad_scale, Workspace workspace, StreamHandle stream);
 
 // The gradient from a saved lse (the forward's): grad_logits = d(loss)/d(logits) * grad_loss, where
 // grad_loss is float32 [] for sum/mean or [*] for none. One read of the logits, one write.
 void cross_entropy_backward(const TensorView& logits, const TensorView& target, const TensorView& weight,
-                            const TensorView& lse, const TensorView& grad_loss,
-                            const CrossEntropyOptions& options, const TensorView& grad_logits,
-                            Workspace workspace, StreamHandle stream);
+                            const TensorView& lse, const TensorView& grad_loss, const CrossEntropyOptions& options,
+                            const TensorView& grad_logits, Workspace workspace, StreamHandle stream);
 
 // grad *= scale in place, rows of `grad` [*, V] by a device-resident float32 `scale` ([] or [*]); rows
 // whose scale is exactly 1 are not touched, so the common case (upstream gradient 1.0) costs one launch.

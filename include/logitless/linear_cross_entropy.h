@@ -52,9 +52,9 @@
 // grad_weight accumulator (4·V·H bytes); the gradient-in-forward schedule holds the logits' gradient of
 // every token at once instead whenever that takes no more than the budget plus that accumulator (one
 // weight-gradient GEMM, no accumulation), and its float32 chunk then grows into the rest of that allowance (up
-// to 1024 tokens: each chunk's logits GEMM re-reads the weight). The recompute backward's float32 grad_hidden accumulator (4·N·H
-// bytes, when grad_hidden is 16-bit and the vocabulary takes more than one chunk) comes on top of the budget
-// likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB before), so the GEMMs allocate
+// to 1024 tokens: each chunk's logits GEMM re-reads the weight). The recompute backward's float32 grad_hidden
+// accumulator (4·N·H bytes, when grad_hidden is 16-bit and the vocabulary takes more than one chunk) comes on top of
+// the budget likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB before), so the GEMMs allocate
 // nothing and the calls can be captured in a CUDA graph. cuBLAS runs through one handle per device and host
 // thread, created by the first call (make that call before any graph capture, as a warm-up does).
 #pragma once
@@ -86,11 +86,11 @@ struct LinearCrossEntropyOptions {
 // Bytes of scratch each CUDA entry point needs for these arguments (0 on the CPU). Pass the tensors the call
 // will get (undefined gradient outputs: not computed).
 size_t linear_cross_entropy_forward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
-                                                    const TensorView& target,
-                                                    const LinearCrossEntropyOptions& options);
-size_t linear_cross_entropy_forward_backward_workspace_bytes(
-    const TensorView& hidden, const TensorView& weight, const TensorView& target, const TensorView& grad_hidden,
-    const TensorView& grad_weight, const TensorView& grad_bias, const LinearCrossEntropyOptions& options);
+                                                    const TensorView& target, const LinearCrossEntropyOptions& options);
+size_t linear_cross_entropy_forward_backward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                             const TensorView& target, const TensorView& grad_hidden,
+                                                             const TensorView& grad_weight, const TensorView& grad_bias,
+                                                             const LinearCrossEntropyOptions& options);
 size_t linear_cross_entropy_backward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
                                                      const TensorView& target, const TensorView& grad_hidden,
                                                      const TensorView& grad_weight, const TensorView& grad_bias,
@@ -116,21 +116,19 @@ void linear_cross_entropy_forward(const TensorView& hidden, const TensorView& we
 // The gradient-in-forward schedule: the loss and the gradients of the reduced loss, times `grad_scale` when
 // given (float32 on the device: [] for sum/mean, [*] per token for none; read on the device, so no
 // synchronization), times 1 otherwise.
-void linear_cross_entropy_forward_backward(const TensorView& hidden, const TensorView& weight,
-                                           const TensorView& bias, const TensorView& target,
-                                           const TensorView& class_weight, const LinearCrossEntropyOptions& options,
-                                           const TensorView& loss, const TensorView& lse,
-                                           const TensorView& grad_hidden, const TensorView& grad_weight,
-                                           const TensorView& grad_bias, const TensorView& grad_scale,
-                                           Workspace workspace, StreamHandle stream);
+void linear_cross_entropy_forward_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                           const TensorView& target, const TensorView& class_weight,
+                                           const LinearCrossEntropyOptions& options, const TensorView& loss,
+                                           const TensorView& lse, const TensorView& grad_hidden,
+                                           const TensorView& grad_weight, const TensorView& grad_bias,
+                                           const TensorView& grad_scale, Workspace workspace, StreamHandle stream);
 
 // The recompute schedule's backward: the gradients times grad_loss (float32: [] for sum/mean, [*] for none),
 // from the lse the forward returned. Targets are not checked again (the forward did).
 void linear_cross_entropy_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
-                                   const TensorView& target, const TensorView& class_weight,
-                                   const TensorView& lse, const TensorView& grad_loss,
-                                   const LinearCrossEntropyOptions& options, const TensorView& grad_hidden,
-                                   const TensorView& grad_weight, const TensorView& grad_bias, Workspace workspace,
-                                   StreamHandle stream);
+                                   const TensorView& target, const TensorView& class_weight, const TensorView& lse,
+                                   const TensorView& grad_loss, const LinearCrossEntropyOptions& options,
+                                   const TensorView& grad_hidden, const TensorView& grad_weight,
+                                   const TensorView& grad_bias, Workspace workspace, StreamHandle stream);
 
 }  // namespace logitless

@@ -79,9 +79,9 @@ enum class ImportanceSamplingLevel : int32_t { kToken = 0, kSequence = 1 };
 // Which kernel runs on CUDA. kAuto picks; the others exist to test and benchmark each path on one GPU.
 enum class PolicyLossAlgo : int32_t {
   kAuto = 0,
-  kStreaming = 1,  // any GPU: one CTA per row; the fused gradient pass re-reads the row (mostly from HBM)
-  kCluster = 2,    // Hopper: a thread-block cluster shares each row, so each CTA's slice is small enough for
-                   // the gradient pass to re-read it from L2 (raises where clusters are unavailable)
+  kStreaming = 1,    // any GPU: one CTA per row; the fused gradient pass re-reads the row (mostly from HBM)
+  kCluster = 2,      // Hopper: a thread-block cluster shares each row, so each CTA's slice is small enough for
+                     // the gradient pass to re-read it from L2 (raises where clusters are unavailable)
   kRowResident = 3,  // Hopper: a cluster shares each row and every CTA keeps its slice in shared memory, so the
                      // fused pass reads the row once (passes that read each row once stream; at most 256
                      // threads; raises where clusters are unavailable or the row does not fit 16 CTAs)

@@ -62,7 +62,7 @@ enum class RMSNormAlgo : int32_t {
 };
 
 struct RMSNormOptions {
-  double eps = 1e-6;  // > 0, finite
+  double eps = 1e-6;    // > 0, finite
   double offset = 0.0;  // added to the weight: 1.0 for Gemma's zero-centered weights
   RMSNormCasting casting = RMSNormCasting::kLlama;
   RMSNormAlgo algo = RMSNormAlgo::kAuto;
@@ -76,10 +76,8 @@ struct RMSNormOptions {
 // slot of a CTA when H is too long for shared memory, beyond 58K floats on an H100), sized for the kernel
 // with the most CTAs that may run, since the tensors' alignment is not known yet. Without grad_weight the
 // backward needs none.
-size_t rms_norm_forward_workspace_bytes(const TensorView& x, const TensorView& weight,
-                                        const RMSNormOptions& options);
-size_t rms_norm_backward_workspace_bytes(const TensorView& x, const TensorView& weight,
-                                         const RMSNormOptions& options);
+size_t rms_norm_forward_workspace_bytes(const TensorView& x, const TensorView& weight, const RMSNormOptions& options);
+size_t rms_norm_backward_workspace_bytes(const TensorView& x, const TensorView& weight, const RMSNormOptions& options);
 
 // One read of x (and residual), one write of y (and residual_out), and N floats of rstd.
 void rms_norm_forward(const TensorView& x, const TensorView& residual, const TensorView& weight,

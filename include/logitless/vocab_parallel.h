@@ -36,7 +36,8 @@
 // The backward of a shard is the cross-entropy gradient of its columns, d(loss)/dx_j for class offset + j, from
 // the global lse: the same formula (cross_entropy.h) with the target compared in global classes (a row whose
 // target lies in another shard has no target term here) and V, W = sum of all class weights, and the mean's
-// denominators (the summed target weights, and the row count for the z-loss terms) global. The soft cap acts per element, so it shards trivially.
+// denominators (the summed target weights, and the row count for the z-loss terms) global. The soft cap acts per
+// element, so it shards trivially.
 //
 // Linear cross-entropy. The weight shard is [V_r, H] (and the bias shard [V_r]); hidden [*, H] and targets are
 // the whole batch on every rank. Each rank's gradient of hidden is a partial sum over its classes: the caller
@@ -138,10 +139,11 @@ void linear_cross_entropy_shard_partials(const TensorView& hidden, const TensorV
                                          const VocabShard& shard, const LinearCrossEntropyOptions& options,
                                          const TensorView& partials, Workspace workspace, StreamHandle stream);
 
-size_t linear_cross_entropy_shard_backward_workspace_bytes(
-    const TensorView& hidden, const TensorView& weight, const TensorView& target, const TensorView& grad_hidden,
-    const TensorView& grad_weight, const TensorView& grad_bias, const VocabShard& shard,
-    const LinearCrossEntropyOptions& options);
+size_t linear_cross_entropy_shard_backward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                           const TensorView& target, const TensorView& grad_hidden,
+                                                           const TensorView& grad_weight, const TensorView& grad_bias,
+                                                           const VocabShard& shard,
+                                                           const LinearCrossEntropyOptions& options);
 
 // The recompute schedule's backward from the global lse (cross_entropy_shard_finalize's) times grad_loss.
 void linear_cross_entropy_shard_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
@@ -184,11 +186,13 @@ enum class ShardStep : int32_t {
 // gradient(k) after logits(k) (and after the exchange of its partials), logits(k + 2) after gradient(k) (slot
 // reuse). Every step of a sequence gets the same tensors and options (with options.chunk_tokens > 0) and the
 // same workspace. With N = 0 there are no steps: use linear_cross_entropy_forward_backward (nothing to exchange).
-void linear_cross_entropy_shard_forward_backward_step(
-    ShardStep step, int64_t chunk, const TensorView& partials, const TensorView& hidden, const TensorView& weight,
-    const TensorView& bias, const TensorView& target, const TensorView& class_weight, const VocabShard& shard,
-    const LinearCrossEntropyOptions& options, const TensorView& loss, const TensorView& lse,
-    const TensorView& grad_hidden, const TensorView& grad_weight, const TensorView& grad_bias, Workspace workspace,
-    StreamHandle stream);
+void linear_cross_entropy_shard_forward_backward_step(ShardStep step, int64_t chunk, const TensorView& partials,
+                                                      const TensorView& hidden, const TensorView& weight,
+                                                      const TensorView& bias, const TensorView& target,
+                                                      const TensorView& class_weight, const VocabShard& shard,
+                                                      const LinearCrossEntropyOptions& options, const TensorView& loss,
+                                                      const TensorView& lse, const TensorView& grad_hidden,
+                                                      const TensorView& grad_weight, const TensorView& grad_bias,
+                                                      Workspace workspace, StreamHandle stream);
 
 }  // namespace logitless

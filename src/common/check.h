@@ -37,9 +37,7 @@ std::string str_cat(const Args&... args) {
   return s;
 }
 
-[[noreturn]] inline void throw_invalid(const std::string& msg) {
-  throw Error(Error::Kind::kInvalidArgument, msg);
-}
+[[noreturn]] inline void throw_invalid(const std::string& msg) { throw Error(Error::Kind::kInvalidArgument, msg); }
 [[noreturn]] inline void throw_runtime(const std::string& msg) { throw Error(Error::Kind::kRuntime, msg); }
 
 // "name: expected <what>, got <got>"
@@ -48,8 +46,8 @@ template <typename Expected, typename Got>
   throw_invalid(str_cat(name, ": expected ", expected, ", got ", got));
 }
 
-#define LOGITLESS_CHECK_ARG(cond, name, expected, got) \
-  do {                                                 \
+#define LOGITLESS_CHECK_ARG(cond, name, expected, got)             \
+  do {                                                             \
     if (!(cond)) ::logitless::throw_expected(name, expected, got); \
   } while (0)
 

@@ -18,8 +18,15 @@ std::string device_str(const Device& d) {
 namespace {
 bool known_dtype(DType dt) {
   switch (dt) {
-    case DType::kFloat32: case DType::kFloat16: case DType::kBFloat16: case DType::kFloat64:
-    case DType::kInt32: case DType::kInt64: case DType::kUInt8: case DType::kBool: return true;
+    case DType::kFloat32:
+    case DType::kFloat16:
+    case DType::kBFloat16:
+    case DType::kFloat64:
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kUInt8:
+    case DType::kBool:
+      return true;
   }
   return false;
 }
@@ -68,14 +75,13 @@ void check_defined(const TensorView& t, const char* name) {
 
 void check_dtype(const TensorView& t, const char* name, DType expected) {
   check_view(t, name);
-  LOGITLESS_CHECK_ARG(t.dtype == expected, name, str_cat("dtype ", dtype_name(expected)),
-                      dtype_name(t.dtype));
+  LOGITLESS_CHECK_ARG(t.dtype == expected, name, str_cat("dtype ", dtype_name(expected)), dtype_name(t.dtype));
 }
 
 void check_float_dtype(const TensorView& t, const char* name) {
   check_view(t, name);
-  LOGITLESS_CHECK_ARG(t.dtype == DType::kFloat32 || t.dtype == DType::kFloat16 || t.dtype == DType::kBFloat16,
-                      name, "dtype float32, float16 or bfloat16", dtype_name(t.dtype));
+  LOGITLESS_CHECK_ARG(t.dtype == DType::kFloat32 || t.dtype == DType::kFloat16 || t.dtype == DType::kBFloat16, name,
+                      "dtype float32, float16 or bfloat16", dtype_name(t.dtype));
 }
 
 void check_index_dtype(const TensorView& t, const char* name) {
@@ -92,11 +98,11 @@ void check_device(const TensorView& t, const char* name, const Device& expected)
 
 void check_ndim(const TensorView& t, const char* name, int ndim) {
   check_view(t, name);
-  LOGITLESS_CHECK_ARG(t.ndim == ndim, name, str_cat(ndim, " dimensions"), str_cat(t.ndim, " (shape ", shape_str(t), ")"));
+  LOGITLESS_CHECK_ARG(t.ndim == ndim, name, str_cat(ndim, " dimensions"),
+                      str_cat(t.ndim, " (shape ", shape_str(t), ")"));
 }
 
-void check_shape(const TensorView& t, const char* name, const TensorView& like, int ndim_like,
-                 const char* like_what) {
+void check_shape(const TensorView& t, const char* name, const TensorView& like, int ndim_like, const char* like_what) {
   check_view(t, name);
   bool ok = t.ndim == ndim_like;
   for (int d = 0; ok && d < ndim_like; ++d) ok = t.sizes[d] == like.sizes[d];

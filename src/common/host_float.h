@@ -58,12 +58,12 @@ inline uint16_t float_to_half_bits(float f) {
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t absu = u & 0x7FFFFFFFu;
   if (absu >= 0x7F800000u) return sign | (absu > 0x7F800000u ? 0x7E00 : 0x7C00);  // NaN / inf
-  if (absu >= 0x477FF000u) return sign | 0x7C00;  // rounds to >= 65520: overflow to inf
+  if (absu >= 0x477FF000u) return sign | 0x7C00;                                  // rounds to >= 65520: overflow to inf
   if (absu < 0x38800000u) {  // result is subnormal (or zero) in half
     // value = absu as float; half subnormal unit is 2^-24
     float af;
     std::memcpy(&af, &absu, 4);
-    const float scaled = af * 16777216.0f;  // / 2^-24, exact (power of two)
+    const float scaled = af * 16777216.0f;   // / 2^-24, exact (power of two)
     const float r = std::nearbyint(scaled);  // round half to even under the default rounding mode
     return sign | static_cast<uint16_t>(r);
   }
@@ -78,21 +78,35 @@ inline uint16_t float_to_half_bits(float f) {
 // Element `i` of a float tensor's storage as float / double.
 inline float load_float(const void* p, DType dt, int64_t i) {
   switch (dt) {
-    case DType::kFloat32: return static_cast<const float*>(p)[i];
-    case DType::kBFloat16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::kFloat16: return half_bits_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::kFloat64: return static_cast<float>(static_cast<const double*>(p)[i]);
-    default: return NAN;
+    case DType::kFloat32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBFloat16:
+      return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::kFloat16:
+      return half_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::kFloat64:
+      return static_cast<float>(static_cast<const double*>(p)[i]);
+    default:
+      return NAN;
   }
 }
 
 inline void store_float(void* p, DType dt, int64_t i, float v) {
   switch (dt) {
-    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
-    case DType::kBFloat16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(v); break;
-    case DType::kFloat16: static_cast<uint16_t*>(p)[i] = float_to_half_bits(v); break;
-    case DType::kFloat64: static_cast<double*>(p)[i] = v; break;
-    default: break;
+    case DType::kFloat32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case DType::kBFloat16:
+      static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(v);
+      break;
+    case DType::kFloat16:
+      static_cast<uint16_t*>(p)[i] = float_to_half_bits(v);
+      break;
+    case DType::kFloat64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    default:
+      break;
   }
 }
 

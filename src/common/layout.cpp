@@ -50,7 +50,8 @@ std::vector<RowLayout> collapse_rows(const int64_t* sizes, int nd, const std::ve
     if (k > 1 && collapsed_alone(sizes, nd, strides[0]) <= kMaxRowDims) {
       throw_invalid(str_cat(what, ": expected leading dimensions that collapse to at most ", kMaxRowDims,
                             " strided dimensions jointly with the tensors indexed by the same rows, got ", sz.size(),
-                            " (", what, " alone collapses far enough: another of them, e.g. the target, ids, residual"
+                            " (", what,
+                            " alone collapses far enough: another of them, e.g. the target, ids, residual"
                             " or gradient, is laid out differently; make that one contiguous first)"));
     }
     throw_invalid(str_cat(what, ": expected leading dimensions that collapse to at most ", kMaxRowDims,

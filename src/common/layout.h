@@ -16,7 +16,7 @@ namespace logitless {
 inline constexpr int kMaxRowDims = 3;
 
 struct RowLayout {
-  int32_t nd = 1;                       // 1..kMaxRowDims
+  int32_t nd = 1;                          // 1..kMaxRowDims
   int64_t sizes[kMaxRowDims] = {1, 1, 1};  // outermost first
   int64_t strides[kMaxRowDims] = {0, 0, 0};
 

@@ -37,7 +37,7 @@ inline bool views_disjoint(const TensorView& a, const TensorView& b) {
       ext_b += (b.sizes[i] - 1) * b.strides[i];
     }
   }
-  if (!(ext_a <= d || d + ext_b <= 0)) return false;  // inside a window the two intervals meet
+  if (!(ext_a <= d || d + ext_b <= 0)) return false;                      // inside a window the two intervals meet
   int64_t extent = std::max(ext_a, d + ext_b) - std::min<int64_t>(0, d);  // the window
   std::sort(outer.begin(), outer.end());
   for (const auto& [stride, size] : outer) {

@@ -15,14 +15,14 @@ using ce::Mode;
 using ce::Problem;
 
 void check_options(const CrossEntropyOptions& o) {
-  LOGITLESS_CHECK_ARG(o.reduction == Reduction::kNone || o.reduction == Reduction::kSum ||
-                          o.reduction == Reduction::kMean,
-                      "reduction", "none, sum or mean", static_cast<int>(o.reduction));
-  LOGITLESS_CHECK_ARG(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0, "label_smoothing",
-                      "a value in [0, 1]", o.label_smoothing);
+  LOGITLESS_CHECK_ARG(
+      o.reduction == Reduction::kNone || o.reduction == Reduction::kSum || o.reduction == Reduction::kMean, "reduction",
+      "none, sum or mean", static_cast<int>(o.reduction));
+  LOGITLESS_CHECK_ARG(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0, "label_smoothing", "a value in [0, 1]",
+                      o.label_smoothing);
   LOGITLESS_CHECK_ARG(o.z_loss >= 0.0 && std::isfinite(o.z_loss), "z_loss", "a finite value >= 0", o.z_loss);
-  LOGITLESS_CHECK_ARG(o.softcap >= 0.0 && std::isfinite(o.softcap), "softcap",
-                      "a finite value > 0 (or 0 for no cap)", o.softcap);
+  LOGITLESS_CHECK_ARG(o.softcap >= 0.0 && std::isfinite(o.softcap), "softcap", "a finite value > 0 (or 0 for no cap)",
+                      o.softcap);
   LOGITLESS_CHECK_ARG(o.algo == CrossEntropyAlgo::kAuto || o.algo == CrossEntropyAlgo::kRowResident ||
                           o.algo == CrossEntropyAlgo::kStreaming,
                       "algo", "auto, row_resident or streaming", static_cast<int>(o.algo));
@@ -79,8 +79,8 @@ Problem make_problem(Mode mode, const TensorView& logits, const TensorView& targ
   check_defined(logits, "logits");
   check_float_dtype(logits, "logits");
   LOGITLESS_CHECK_ARG(logits.ndim >= 1, "logits", "at least 1 dimension ([*, V])", "a 0-d tensor");
-  LOGITLESS_CHECK_ARG(logits.device.type == DeviceType::kCPU || logits.device.type == DeviceType::kCUDA,
-                      "logits", "a CPU or CUDA tensor", static_cast<int>(logits.device.type));
+  LOGITLESS_CHECK_ARG(logits.device.type == DeviceType::kCPU || logits.device.type == DeviceType::kCUDA, "logits",
+                      "a CPU or CUDA tensor", static_cast<int>(logits.device.type));
   const int64_t V = logits.size(-1);
   if (shard) {
     check_shard(*shard, V);
@@ -286,10 +286,10 @@ const float* check_partials(const TensorView& t, const TensorView& target, int64
   check_dtype(t, "partials", DType::kFloat32);
   check_device(t, "partials", dev);
   const int64_t want = checked_product(checked_product(shards, target.numel(), "partials"), kShardStats, "partials");
-  LOGITLESS_CHECK_ARG(t.ndim >= 1 && t.size(-1) == kShardStats && t.numel() == want, "partials",
-                      str_cat(shards > 1 ? "[R, *, 4]" : "[*, 4]", " with ", want,
-                              " elements (4 per row of target, per shard)"),
-                      str_cat("shape ", shape_str(t)));
+  LOGITLESS_CHECK_ARG(
+      t.ndim >= 1 && t.size(-1) == kShardStats && t.numel() == want, "partials",
+      str_cat(shards > 1 ? "[R, *, 4]" : "[*, 4]", " with ", want, " elements (4 per row of target, per shard)"),
+      str_cat("shape ", shape_str(t)));
   check_contiguous(t, "partials");
   check_nonnull(t, "partials");
   // The CUDA kernels move a row of partials as one float4.
@@ -376,8 +376,7 @@ void scale_rows(const TensorView& grad, const TensorView& scale, StreamHandle st
   const int64_t n = V > 0 ? grad.numel() / V : 0;
   check_defined(scale, "scale");
   const bool per_row = scale.numel() != 1 || n == 1;
-  const float* s = check_row_vector(scale, "scale", per_row ? n : 1, grad.device,
-                                    "a scalar or one per row of grad");
+  const float* s = check_row_vector(scale, "scale", per_row ? n : 1, grad.device, "a scalar or one per row of grad");
   const auto L = collapse_rows(grad.sizes, grad.ndim - 1, {grad.strides}, "grad")[0];
   LOGITLESS_CHECK_ARG(rows_disjoint(L, V), "grad", "rows that do not overlap", "overlapping rows");
   check_outputs_apart({{grad, "grad"}}, {{scale, "scale"}});

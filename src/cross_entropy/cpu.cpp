@@ -27,9 +27,7 @@ struct RowContext {
   int64_t V = p.total_vocab();
 
   // The weight of class c (global index).
-  double class_weight(int64_t c) const {
-    return p.weight ? static_cast<double>(p.weight[c * p.weight_stride]) : 1.0;
-  }
+  double class_weight(int64_t c) const { return p.weight ? static_cast<double>(p.weight[c * p.weight_stride]) : 1.0; }
   // The weight of column j.
   double weight(int64_t j) const { return class_weight(p.vocab_offset + j); }
 
@@ -211,8 +209,8 @@ void run_cpu(const Problem& p) {
     if (t == p.ignore_index) continue;
     if (!ctx.valid(t)) {
       if (p.check_targets)
-        throw_invalid(str_cat("target: expected values in [0, ", Vt, ") or ignore_index (", p.ignore_index,
-                              "), got ", t, " at row ", i, " (the first bad row)"));
+        throw_invalid(str_cat("target: expected values in [0, ", Vt, ") or ignore_index (", p.ignore_index, "), got ",
+                              t, " at row ", i, " (the first bad row)"));
       continue;  // its loss is NaN; the denominator counts only rows with a valid target
     }
     denom += ctx.class_weight(t);
@@ -281,8 +279,8 @@ void run_cpu(const Problem& p) {
   }
 }
 
-void scale_rows_cpu(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab,
-                    const float* scale, bool per_row) {
+void scale_rows_cpu(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab, const float* scale,
+                    bool per_row) {
 #pragma omp parallel for schedule(static) if (n_rows * vocab >= (int64_t{1} << 16))
   for (int64_t i = 0; i < n_rows; ++i) {
     const float f = scale[per_row ? i : 0];

@@ -21,9 +21,9 @@
 namespace logitless::ce {
 
 struct RowStats {
-  float lse;          // log-sum-exp of x
-  float x_target;     // x_t
-  float sum_wx;       // sum_j w_j x_j (only needed with label smoothing)
+  float lse;       // log-sum-exp of x
+  float x_target;  // x_t
+  float sum_wx;    // sum_j w_j x_j (only needed with label smoothing)
 };
 
 struct LossTerms {
@@ -51,8 +51,8 @@ struct GradCoeffs {
 };
 
 // `scale`: the cross-entropy term's upstream factor s; `z_scale`: the z-loss term's s_z.
-LOGITLESS_HD GradCoeffs row_grad_coeffs(float lse, float w_t, float W, float eps, float inv_v, float z,
-                                        float scale, float z_scale) {
+LOGITLESS_HD GradCoeffs row_grad_coeffs(float lse, float w_t, float W, float eps, float inv_v, float z, float scale,
+                                        float z_scale) {
   GradCoeffs g;
   g.b = scale * (1.f - eps) * w_t;
   g.c = scale * eps * inv_v;

@@ -16,10 +16,10 @@ enum class Mode { kForward, kForwardBackward, kBackward, kPartials, kFinalize };
 struct Problem {
   Mode mode = Mode::kForward;
   int64_t n_rows = 0;
-  int64_t vocab = 0;         // columns of the logits (a shard's V_r; kFinalize: the whole vocabulary)
-  int64_t vocab_offset = 0;  // the class of column 0 (a vocabulary shard's offset; 0 otherwise)
-  int64_t vocab_total = 0;   // the whole vocabulary V (0: vocab): targets are valid in [0, V), W and eps / V
-                             // are over it
+  int64_t vocab = 0;              // columns of the logits (a shard's V_r; kFinalize: the whole vocabulary)
+  int64_t vocab_offset = 0;       // the class of column 0 (a vocabulary shard's offset; 0 otherwise)
+  int64_t vocab_total = 0;        // the whole vocabulary V (0: vocab): targets are valid in [0, V), W and eps / V
+                                  // are over it
   DType dtype = DType::kFloat32;  // logits and grad
 
   const void* logits = nullptr;
@@ -42,8 +42,8 @@ struct Problem {
   // head's chunks, reduction none here: grad_scale holds upstream / sum of target weights, this upstream / count);
   // nullptr: grad_scale's. CPU backend only.
   const float* z_grad_scale = nullptr;
-  float* partials = nullptr;            // kPartials: [N, 4] out
-  const float* partials_in = nullptr;   // kFinalize: [n_shards, N, 4]
+  float* partials = nullptr;           // kPartials: [N, 4] out
+  const float* partials_in = nullptr;  // kFinalize: [n_shards, N, 4]
   int64_t n_shards = 0;
 
   int64_t ignore_index = -100;
@@ -59,14 +59,14 @@ struct Problem {
 };
 
 void run_cpu(const Problem& p);
-void scale_rows_cpu(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab,
-                    const float* scale, bool per_row);
+void scale_rows_cpu(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab, const float* scale,
+                    bool per_row);
 
 #if defined(LOGITLESS_WITH_CUDA)
 size_t cuda_workspace_bytes(int64_t n_rows, int64_t vocab, bool has_weight, const CrossEntropyOptions& o);
 void run_cuda(const Problem& p, Workspace ws, StreamHandle stream);
-void scale_rows_cuda(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab,
-                     const float* scale, bool per_row, Device device, StreamHandle stream);
+void scale_rows_cuda(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab, const float* scale,
+                     bool per_row, Device device, StreamHandle stream);
 #endif
 
 }  // namespace logitless::ce

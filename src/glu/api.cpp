@@ -109,7 +109,8 @@ void glu_forward(const TensorView& gate, const TensorView& up, const GLUOptions&
   layout_rows(gate, {gate.strides, up.strides, y.strides}, p, {&p.gate_rows, &p.up_rows, &p.y_rows});
   LOGITLESS_CHECK_ARG(p.n_rows <= 1 || rows_disjoint(p.y_rows, p.width), "y", "rows that do not overlap",
                       "overlapping rows (a broadcast or a row stride < I)");
-  dispatch(p, [&] { glu::run_cpu(p); }, stream);
+  dispatch(
+      p, [&] { glu::run_cpu(p); }, stream);
 }
 
 void glu_backward(const TensorView& grad_y, const TensorView& gate, const TensorView& up, const GLUOptions& options,
@@ -147,7 +148,8 @@ void glu_backward(const TensorView& grad_y, const TensorView& gate, const Tensor
                       "rows that do not overlap", "overlapping rows (a broadcast or a row stride < I)");
   LOGITLESS_CHECK_ARG(p.n_rows <= 1 || rows_disjoint(p.grad_up_rows, p.width), "grad_up", "rows that do not overlap",
                       "overlapping rows (a broadcast or a row stride < I)");
-  dispatch(p, [&] { glu::run_cpu(p); }, stream);
+  dispatch(
+      p, [&] { glu::run_cpu(p); }, stream);
 }
 
 }  // namespace logitless

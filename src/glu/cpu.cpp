@@ -49,9 +49,12 @@ void run(const Problem& p) {
 
 void run_cpu(const Problem& p) {
   switch (p.activation) {
-    case GLUActivation::kSiLU: return run<GLUActivation::kSiLU>(p);
-    case GLUActivation::kGeluTanh: return run<GLUActivation::kGeluTanh>(p);
-    case GLUActivation::kGelu: return run<GLUActivation::kGelu>(p);
+    case GLUActivation::kSiLU:
+      return run<GLUActivation::kSiLU>(p);
+    case GLUActivation::kGeluTanh:
+      return run<GLUActivation::kGeluTanh>(p);
+    case GLUActivation::kGelu:
+      return run<GLUActivation::kGelu>(p);
   }
 }
 

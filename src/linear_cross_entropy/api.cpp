@@ -7,8 +7,8 @@
 #include <utility>
 
 #include "common/check.h"
-#include "linear_cross_entropy/problem.h"
 #include "linear_cross_entropy/cuda/plan.h"
+#include "linear_cross_entropy/problem.h"
 #include "logitless/linear_cross_entropy.h"
 #include "logitless/vocab_parallel.h"
 
@@ -20,14 +20,14 @@ using lce::Mode;
 using lce::Problem;
 
 void check_options(const LinearCrossEntropyOptions& o) {
-  LOGITLESS_CHECK_ARG(o.reduction == Reduction::kNone || o.reduction == Reduction::kSum ||
-                          o.reduction == Reduction::kMean,
-                      "reduction", "none, sum or mean", static_cast<int>(o.reduction));
-  LOGITLESS_CHECK_ARG(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0, "label_smoothing",
-                      "a value in [0, 1]", o.label_smoothing);
+  LOGITLESS_CHECK_ARG(
+      o.reduction == Reduction::kNone || o.reduction == Reduction::kSum || o.reduction == Reduction::kMean, "reduction",
+      "none, sum or mean", static_cast<int>(o.reduction));
+  LOGITLESS_CHECK_ARG(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0, "label_smoothing", "a value in [0, 1]",
+                      o.label_smoothing);
   LOGITLESS_CHECK_ARG(o.z_loss >= 0.0 && std::isfinite(o.z_loss), "z_loss", "a finite value >= 0", o.z_loss);
-  LOGITLESS_CHECK_ARG(o.softcap >= 0.0 && std::isfinite(o.softcap), "softcap",
-                      "a finite value > 0 (or 0 for no cap)", o.softcap);
+  LOGITLESS_CHECK_ARG(o.softcap >= 0.0 && std::isfinite(o.softcap), "softcap", "a finite value > 0 (or 0 for no cap)",
+                      o.softcap);
   LOGITLESS_CHECK_ARG(o.chunk_tokens >= 0, "chunk_tokens", "a count >= 1 (or 0: from memory_budget)", o.chunk_tokens);
   LOGITLESS_CHECK_ARG(o.chunk_vocab >= 0, "chunk_vocab", "a count >= 1 (or 0: from memory_budget)", o.chunk_vocab);
   LOGITLESS_CHECK_ARG(o.memory_budget >= 1, "memory_budget", "at least 1 byte", o.memory_budget);
@@ -50,10 +50,10 @@ Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weig
   const Device dev = hw.device;
   if (shard) {
     LOGITLESS_CHECK_ARG(shard->offset >= 0, "shard.offset", "a class index >= 0", shard->offset);
-    LOGITLESS_CHECK_ARG(shard->vocab >= 1 && shard->vocab - shard->offset >= V, "shard.vocab",
-                        str_cat("the whole vocabulary, >= 1 and >= offset + the shard's ", V, " classes (",
-                                shard->offset + V, ")"),
-                        shard->vocab);
+    LOGITLESS_CHECK_ARG(
+        shard->vocab >= 1 && shard->vocab - shard->offset >= V, "shard.vocab",
+        str_cat("the whole vocabulary, >= 1 and >= offset + the shard's ", V, " classes (", shard->offset + V, ")"),
+        shard->vocab);
   }
 
   check_defined(target, "target");
@@ -226,9 +226,10 @@ size_t linear_cross_entropy_forward_workspace_bytes(const TensorView& hidden, co
   return workspace_bytes(base_problem(Mode::kForward, hidden, weight, target, options));
 }
 
-size_t linear_cross_entropy_forward_backward_workspace_bytes(
-    const TensorView& hidden, const TensorView& weight, const TensorView& target, const TensorView& grad_hidden,
-    const TensorView& grad_weight, const TensorView& grad_bias, const LinearCrossEntropyOptions& options) {
+size_t linear_cross_entropy_forward_backward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                             const TensorView& target, const TensorView& grad_hidden,
+                                                             const TensorView& grad_weight, const TensorView& grad_bias,
+                                                             const LinearCrossEntropyOptions& options) {
   Problem p = base_problem(Mode::kForwardBackward, hidden, weight, target, options);
   add_grads(p, hidden, weight, nullptr, grad_hidden, grad_weight, grad_bias);
   return workspace_bytes(p);
@@ -255,13 +256,12 @@ void linear_cross_entropy_forward(const TensorView& hidden, const TensorView& we
   dispatch(p, workspace, stream);
 }
 
-void linear_cross_entropy_forward_backward(const TensorView& hidden, const TensorView& weight,
-                                           const TensorView& bias, const TensorView& target,
-                                           const TensorView& class_weight, const LinearCrossEntropyOptions& options,
-                                           const TensorView& loss, const TensorView& lse,
-                                           const TensorView& grad_hidden, const TensorView& grad_weight,
-                                           const TensorView& grad_bias, const TensorView& grad_scale,
-                                           Workspace workspace, StreamHandle stream) {
+void linear_cross_entropy_forward_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
+                                           const TensorView& target, const TensorView& class_weight,
+                                           const LinearCrossEntropyOptions& options, const TensorView& loss,
+                                           const TensorView& lse, const TensorView& grad_hidden,
+                                           const TensorView& grad_weight, const TensorView& grad_bias,
+                                           const TensorView& grad_scale, Workspace workspace, StreamHandle stream) {
   Problem p = base_problem(Mode::kForwardBackward, hidden, weight, target, options);
   add_inputs(p, bias, class_weight);
   add_grads(p, hidden, weight, &bias, grad_hidden, grad_weight, grad_bias);
@@ -276,11 +276,10 @@ void linear_cross_entropy_forward_backward(const TensorView& hidden, const Tenso
 }
 
 void linear_cross_entropy_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
-                                   const TensorView& target, const TensorView& class_weight,
-                                   const TensorView& lse, const TensorView& grad_loss,
-                                   const LinearCrossEntropyOptions& options, const TensorView& grad_hidden,
-                                   const TensorView& grad_weight, const TensorView& grad_bias, Workspace workspace,
-                                   StreamHandle stream) {
+                                   const TensorView& target, const TensorView& class_weight, const TensorView& lse,
+                                   const TensorView& grad_loss, const LinearCrossEntropyOptions& options,
+                                   const TensorView& grad_hidden, const TensorView& grad_weight,
+                                   const TensorView& grad_bias, Workspace workspace, StreamHandle stream) {
   Problem p = base_problem(Mode::kBackward, hidden, weight, target, options);
   add_inputs(p, bias, class_weight);
   add_grads(p, hidden, weight, &bias, grad_hidden, grad_weight, grad_bias);
@@ -331,10 +330,11 @@ void linear_cross_entropy_shard_partials(const TensorView& hidden, const TensorV
   dispatch(p, workspace, stream);
 }
 
-size_t linear_cross_entropy_shard_backward_workspace_bytes(
-    const TensorView& hidden, const TensorView& weight, const TensorView& target, const TensorView& grad_hidden,
-    const TensorView& grad_weight, const TensorView& grad_bias, const VocabShard& shard,
-    const LinearCrossEntropyOptions& options) {
+size_t linear_cross_entropy_shard_backward_workspace_bytes(const TensorView& hidden, const TensorView& weight,
+                                                           const TensorView& target, const TensorView& grad_hidden,
+                                                           const TensorView& grad_weight, const TensorView& grad_bias,
+                                                           const VocabShard& shard,
+                                                           const LinearCrossEntropyOptions& options) {
   Problem p = base_problem(Mode::kBackward, hidden, weight, target, options, &shard);
   add_grads(p, hidden, weight, nullptr, grad_hidden, grad_weight, grad_bias);
   return workspace_bytes(p);
@@ -403,17 +403,19 @@ LinearCrossEntropyShardSteps linear_cross_entropy_shard_steps(const TensorView& 
   return out;
 }
 
-void linear_cross_entropy_shard_forward_backward_step(
-    ShardStep step, int64_t chunk, const TensorView& partials, const TensorView& hidden, const TensorView& weight,
-    const TensorView& bias, const TensorView& target, const TensorView& class_weight, const VocabShard& shard,
-    const LinearCrossEntropyOptions& options, const TensorView& loss, const TensorView& lse,
-    const TensorView& grad_hidden, const TensorView& grad_weight, const TensorView& grad_bias, Workspace workspace,
-    StreamHandle stream) {
+void linear_cross_entropy_shard_forward_backward_step(ShardStep step, int64_t chunk, const TensorView& partials,
+                                                      const TensorView& hidden, const TensorView& weight,
+                                                      const TensorView& bias, const TensorView& target,
+                                                      const TensorView& class_weight, const VocabShard& shard,
+                                                      const LinearCrossEntropyOptions& options, const TensorView& loss,
+                                                      const TensorView& lse, const TensorView& grad_hidden,
+                                                      const TensorView& grad_weight, const TensorView& grad_bias,
+                                                      Workspace workspace, StreamHandle stream) {
   LOGITLESS_CHECK_ARG(step == ShardStep::kLogits || step == ShardStep::kGradient, "step", "logits or gradient",
                       static_cast<int>(step));
   int64_t chunks = 0;
-  Problem p = step_problem(step == ShardStep::kLogits ? Mode::kStepLogits : Mode::kStepGradient, hidden, weight,
-                           target, grad_hidden, grad_weight, grad_bias, &bias, shard, options, &chunks);
+  Problem p = step_problem(step == ShardStep::kLogits ? Mode::kStepLogits : Mode::kStepGradient, hidden, weight, target,
+                           grad_hidden, grad_weight, grad_bias, &bias, shard, options, &chunks);
   LOGITLESS_CHECK_ARG(chunk >= 0 && chunk < chunks, "chunk", str_cat("a chunk in [0, ", chunks, ")"), chunk);
   add_inputs(p, bias, class_weight);
   add_forward_outputs(p, loss, lse);
@@ -537,11 +539,11 @@ HiddenWeight check_hidden_weight(const TensorView& hidden, const TensorView& wei
   const Device dev = hidden.device;
 
   check_defined(weight, "weight");
-  LOGITLESS_CHECK_ARG(weight.dtype == hidden.dtype, "weight", str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's)"),
-                      dtype_name(weight.dtype));
+  LOGITLESS_CHECK_ARG(weight.dtype == hidden.dtype, "weight",
+                      str_cat("dtype ", dtype_name(hidden.dtype), " (hidden's)"), dtype_name(weight.dtype));
   check_device(weight, "weight", dev);
-  LOGITLESS_CHECK_ARG(weight.ndim == 2 && weight.sizes[1] == H, "weight", str_cat("shape [V, ", H, "] ([V, H], H from hidden)"),
-                      str_cat("shape ", shape_str(weight)));
+  LOGITLESS_CHECK_ARG(weight.ndim == 2 && weight.sizes[1] == H, "weight",
+                      str_cat("shape [V, ", H, "] ([V, H], H from hidden)"), str_cat("shape ", shape_str(weight)));
   const int64_t V = weight.sizes[0];
   if (!empty_vocab_ok)
     LOGITLESS_CHECK_ARG(V >= 1, "weight", "a vocabulary (first dimension) of size >= 1",
@@ -549,7 +551,8 @@ HiddenWeight check_hidden_weight(const TensorView& hidden, const TensorView& wei
   LOGITLESS_CHECK_ARG(weight.strides[1] == 1 || H == 1, "weight", "a last dimension with stride 1",
                       str_cat("stride ", weight.strides[1]));
   LOGITLESS_CHECK_ARG(weight.strides[0] >= H || V <= 1, "weight",
-                      str_cat("a row stride >= ", H, " (rows that do not overlap)"), str_cat("stride ", weight.strides[0]));
+                      str_cat("a row stride >= ", H, " (rows that do not overlap)"),
+                      str_cat("stride ", weight.strides[0]));
   check_nonnull(weight, "weight");
 
   HiddenWeight hw;

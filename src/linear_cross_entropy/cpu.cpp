@@ -73,7 +73,9 @@ class Cpu {
   }
 
   // Chunks of about 16 MB of float32 logits.
-  int64_t chunk_rows() const { return std::max<int64_t>(1, std::min<int64_t>(N_, (int64_t{1} << 22) / std::max<int64_t>(V_, 1))); }
+  int64_t chunk_rows() const {
+    return std::max<int64_t>(1, std::min<int64_t>(N_, (int64_t{1} << 22) / std::max<int64_t>(V_, 1)));
+  }
 
   // x [rows, H] = the chunk's hidden rows as float; z [rows, V] = its logits (float32 rounding of a double sum).
   void logits(int64_t c0, int64_t rows, std::vector<float>& x, std::vector<float>& z) const {

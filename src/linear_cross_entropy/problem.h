@@ -23,11 +23,11 @@ struct Matrix {
 
 struct Problem {
   Mode mode = Mode::kForward;
-  int64_t n_tokens = 0;  // N
-  int64_t hidden = 0;    // H
-  int64_t vocab = 0;     // V: the weight's rows (a vocabulary shard's V_r)
-  int64_t vocab_offset = 0;  // a shard's first class (0 otherwise)
-  int64_t vocab_total = 0;   // the whole vocabulary (== vocab unless sharded): targets and class weights are of it
+  int64_t n_tokens = 0;           // N
+  int64_t hidden = 0;             // H
+  int64_t vocab = 0;              // V: the weight's rows (a vocabulary shard's V_r)
+  int64_t vocab_offset = 0;       // a shard's first class (0 otherwise)
+  int64_t vocab_total = 0;        // the whole vocabulary (== vocab unless sharded): targets and class weights are of it
   DType dtype = DType::kFloat32;  // hidden and weight
   Device device;
 
@@ -37,7 +37,7 @@ struct Problem {
   RowLayout hidden_rows;
   bool hidden_uniform = true;
   int64_t hidden_ld = 0;
-  Matrix weight;  // [V, H]
+  Matrix weight;               // [V, H]
   const void* bias = nullptr;  // [V] or nullptr
   DType bias_dtype = DType::kFloat32;
   int64_t bias_stride = 1;
@@ -48,19 +48,19 @@ struct Problem {
   const float* class_weight = nullptr;  // [vocab_total] or nullptr
   int64_t class_weight_stride = 1;
 
-  float* loss = nullptr;      // [] or [N] (none); forward modes
-  float* lse = nullptr;       // [N]: output (forward modes, optional) or input (backward)
-  Matrix grad_hidden;         // data == nullptr: not wanted
+  float* loss = nullptr;  // [] or [N] (none); forward modes
+  float* lse = nullptr;   // [N]: output (forward modes, optional) or input (backward)
+  Matrix grad_hidden;     // data == nullptr: not wanted
   Matrix grad_weight;
   void* grad_bias = nullptr;  // [V] or nullptr
   DType grad_bias_dtype = DType::kFloat32;
   int64_t grad_bias_stride = 1;
   const float* grad_scale = nullptr;  // kForwardBackward: optional upstream factor; kBackward: grad_loss
   bool grad_scale_per_row = false;
-  float* partials = nullptr;             // kPartials, kStepLogits: [rows, 4] out (the whole call's, or the chunk's)
-  const float* partials_in = nullptr;    // kStepGradient: [n_shards, rows of the chunk, 4]
+  float* partials = nullptr;           // kPartials, kStepLogits: [rows, 4] out (the whole call's, or the chunk's)
+  const float* partials_in = nullptr;  // kStepGradient: [n_shards, rows of the chunk, 4]
   int64_t n_shards = 0;
-  int64_t step_chunk = 0;                // the steps' chunk
+  int64_t step_chunk = 0;  // the steps' chunk
 
   LinearCrossEntropyOptions options;
 

@@ -75,18 +75,18 @@ void check_no_aliasing(const TensorView& hidden, const TensorView& weight, const
   std::vector<NamedView> outs = {
       {g.grad_hidden, "grad_hidden"}, {g.grad_weight, "grad_weight"}, {g.grad_bias, "grad_bias"}};
   if (out) {
-    for (const NamedView& o : {NamedView{out->loss, "loss"}, NamedView{out->per_token_loss, "per_token_loss"},
-                               NamedView{out->kl, "kl"}, NamedView{out->is_clipped, "is_clipped"},
-                               NamedView{out->logp, "logp"}, NamedView{out->entropy, "entropy"},
-                               NamedView{out->lse, "lse"}})
+    for (const NamedView& o :
+         {NamedView{out->loss, "loss"}, NamedView{out->per_token_loss, "per_token_loss"}, NamedView{out->kl, "kl"},
+          NamedView{out->is_clipped, "is_clipped"}, NamedView{out->logp, "logp"}, NamedView{out->entropy, "entropy"},
+          NamedView{out->lse, "lse"}})
       outs.push_back(o);
   }
   std::vector<NamedView> ins = {{hidden, "hidden"}, {weight, "weight"}, {bias, "bias"}};
   if (tokens) {
-    for (const NamedView& i : {NamedView{tokens->completion_ids, "completion_ids"},
-                               NamedView{tokens->advantages, "advantages"},
-                               NamedView{tokens->completion_mask, "completion_mask"},
-                               NamedView{tokens->old_logp, "old_logp"}, NamedView{tokens->ref_logp, "ref_logp"}})
+    for (const NamedView& i :
+         {NamedView{tokens->completion_ids, "completion_ids"}, NamedView{tokens->advantages, "advantages"},
+          NamedView{tokens->completion_mask, "completion_mask"}, NamedView{tokens->old_logp, "old_logp"},
+          NamedView{tokens->ref_logp, "ref_logp"}})
       ins.push_back(i);
   }
   for (const NamedView& m : more) ins.push_back(m);
@@ -94,8 +94,7 @@ void check_no_aliasing(const TensorView& hidden, const TensorView& weight, const
 }
 
 // A float32 tensor of `n` elements, contiguous.
-const float* check_token_vector(const TensorView& t, const char* name, int64_t n, const Device& dev,
-                                const char* what) {
+const float* check_token_vector(const TensorView& t, const char* name, int64_t n, const Device& dev, const char* what) {
   check_defined(t, name);
   check_dtype(t, name, DType::kFloat32);
   check_device(t, name, dev);
@@ -134,9 +133,10 @@ Problem policy_problem(Mode mode, const LinearPolicyLossInputs& in, const Linear
   const int64_t B = ids.sizes[0], L = ids.sizes[1];
   const TensorView& h = in.hidden;
   LOGITLESS_CHECK_ARG(h.ndim == 3 && h.sizes[0] == B && (h.sizes[1] == L + 1 || h.sizes[1] == L), "hidden",
-                      str_cat("shape [", B, ", ", L + 1, ", H] (the last hidden states over the completion and the "
-                              "position after it) or [", B, ", ", L, ", H], from completion_ids of shape [", B, ", ",
-                              L, "]"),
+                      str_cat("shape [", B, ", ", L + 1,
+                              ", H] (the last hidden states over the completion and the "
+                              "position after it) or [",
+                              B, ", ", L, ", H], from completion_ids of shape [", B, ", ", L, "]"),
                       str_cat("shape ", shape_str(h)));
   const pl::Mode tm = mode == Mode::kForward ? pl::Mode::kForward : pl::Mode::kForwardBackward;
   p.tokens = pl::make_token_problem(tm, token_inputs(in), o.policy, outputs, p.device, p.vocab);
@@ -260,11 +260,9 @@ void linear_policy_loss_forward_backward(const LinearPolicyLossInputs& inputs, c
                                          const TensorView& grad_scale, Workspace workspace, StreamHandle stream) {
   Problem p = policy_problem(Mode::kForwardBackward, inputs, options, outputs);
   add_grads(p, inputs.hidden, inputs.weight, &inputs.bias, grads);
-  if (grad_scale.defined())
-    p.tokens.grad_scale = check_token_vector(grad_scale, "grad_scale", 1, p.device, "a scalar");
+  if (grad_scale.defined()) p.tokens.grad_scale = check_token_vector(grad_scale, "grad_scale", 1, p.device, "a scalar");
   const PolicyLossInputs tokens = token_inputs(inputs);
-  check_no_aliasing(inputs.hidden, inputs.weight, inputs.bias, grads, &outputs, &tokens,
-                    {{grad_scale, "grad_scale"}});
+  check_no_aliasing(inputs.hidden, inputs.weight, inputs.bias, grads, &outputs, &tokens, {{grad_scale, "grad_scale"}});
   dispatch(p, workspace, stream, "linear_policy_loss");
 }
 
@@ -272,7 +270,7 @@ void linear_policy_loss_backward(const LinearPolicyLossInputs& inputs, const Lin
                                  const TensorView& logp, const TensorView& lse, const TensorView& grad_loss,
                                  const LinearPolicyLossGrads& grads, Workspace workspace, StreamHandle stream) {
   Problem p = policy_problem(Mode::kBackward, inputs, options, sizing_outputs(inputs.hidden));
-  p.tokens.loss = nullptr;  // the backward writes no loss
+  p.tokens.loss = nullptr;     // the backward writes no loss
   p.tokens.check_ids = false;  // the forward checked them
   add_grads(p, inputs.hidden, inputs.weight, &inputs.bias, grads);
   const int64_t n = p.n_tokens();

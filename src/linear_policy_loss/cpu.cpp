@@ -185,14 +185,11 @@ void run_cpu(const Problem& p) {
     auto old_of = [&](int64_t r) {
       return t.old_logp ? static_cast<double>(t.old_logp[t.old_rows.offset(r)]) : st[r].logp;
     };
-    auto ref_of = [&](int64_t r) {
-      return t.ref_logp ? static_cast<double>(t.ref_logp[t.ref_rows.offset(r)]) : 0.0;
-    };
+    auto ref_of = [&](int64_t r) { return t.ref_logp ? static_cast<double>(t.ref_logp[t.ref_rows.offset(r)]) : 0.0; };
     auto adv_of = [&](int64_t b) { return static_cast<double>(t.advantages[b * t.adv_stride]); };
     const bool seq = t.sequence_level();
     for (int64_t b = 0; b < B; ++b) {
-      factor[b] = pl::seq_factor<double>(t.loss_type, wsum[b], total, B, t.max_completion_length,
-                                         t.num_items_in_batch);
+      factor[b] = pl::seq_factor<double>(t.loss_type, wsum[b], total, B, t.max_completion_length, t.num_items_in_batch);
       if (seq) {
         double s = 0;
         for (int64_t l = 0; l < L; ++l) {
@@ -210,8 +207,9 @@ void run_cpu(const Problem& p) {
       float loss_tok = 0, kl = 0;
       uint8_t clipped = 0;
       if (w[r] != 0) {
-        const pl::TokenTerms<double> tt = seq ? pl::token_terms_seq<double>(st[r].logp, ref_of(r), adv_of(b), ratio[b], o)
-                                              : pl::token_terms<double>(st[r].logp, old_of(r), ref_of(r), adv_of(b), o);
+        const pl::TokenTerms<double> tt =
+            seq ? pl::token_terms_seq<double>(st[r].logp, ref_of(r), adv_of(b), ratio[b], o)
+                : pl::token_terms<double>(st[r].logp, old_of(r), ref_of(r), adv_of(b), o);
         const double k = w[r] * factor[b];
         contrib[r] = k * tt.loss;
         coeff[r] = (k * tt.dlogp + (seq ? w[r] * ratio_coeff[b] : 0.0)) * scale;

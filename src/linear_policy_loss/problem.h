@@ -26,10 +26,10 @@ enum class Mode {
 struct Problem {
   pl::Op op = pl::Op::kPolicy;
   Mode mode = Mode::kForward;
-  int64_t n_rows = 0;   // hidden positions: n_seqs * row_len
-  int64_t row_len = 1;  // positions per sequence: seq_len or seq_len + 1
-  int64_t hidden = 0;   // H
-  int64_t vocab = 0;    // V
+  int64_t n_rows = 0;             // hidden positions: n_seqs * row_len
+  int64_t row_len = 1;            // positions per sequence: seq_len or seq_len + 1
+  int64_t hidden = 0;             // H
+  int64_t vocab = 0;              // V
   DType dtype = DType::kFloat32;  // hidden and weight
   Device device;
 

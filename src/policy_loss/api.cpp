@@ -34,12 +34,10 @@ void check_options(const PolicyLossOptions& o) {
                       "loss_type", "grpo, bnpo, dr_grpo or dapo", static_cast<int>(o.loss_type));
   LOGITLESS_CHECK_ARG(o.importance_sampling_level == ImportanceSamplingLevel::kToken ||
                           o.importance_sampling_level == ImportanceSamplingLevel::kSequence,
-                      "importance_sampling_level", "token or sequence",
-                      static_cast<int>(o.importance_sampling_level));
+                      "importance_sampling_level", "token or sequence", static_cast<int>(o.importance_sampling_level));
   LOGITLESS_CHECK_ARG(o.beta >= 0.0 && std::isfinite(o.beta), "beta", "a finite value >= 0", o.beta);
   LOGITLESS_CHECK_ARG(o.eps_low >= 0.0 && std::isfinite(o.eps_low), "eps_low", "a finite value >= 0", o.eps_low);
-  LOGITLESS_CHECK_ARG(o.eps_high >= 0.0 && std::isfinite(o.eps_high), "eps_high", "a finite value >= 0",
-                      o.eps_high);
+  LOGITLESS_CHECK_ARG(o.eps_high >= 0.0 && std::isfinite(o.eps_high), "eps_high", "a finite value >= 0", o.eps_high);
   check_temperature(o.temperature);
   if (o.loss_type == PolicyLossType::kDrGrpo) {
     LOGITLESS_CHECK_ARG(o.max_completion_length > 0, "max_completion_length",
@@ -97,8 +95,7 @@ Ptr* check_token_output(const TensorView& t, const char* name, int64_t n_rows, c
   return static_cast<Ptr*>(t.data);
 }
 
-const float* check_float_input(const TensorView& t, const char* name, int64_t n, const Device& dev,
-                               const char* what) {
+const float* check_float_input(const TensorView& t, const char* name, int64_t n, const Device& dev, const char* what) {
   check_defined(t, name);
   check_dtype(t, name, DType::kFloat32);
   check_device(t, name, dev);
@@ -215,9 +212,10 @@ Problem build_token_problem(Mode mode, const PolicyLossInputs& in, const PolicyL
   token_input(in.old_logp, "old_logp", p.old_logp, p.old_rows);
   token_input(in.ref_logp, "ref_logp", p.ref_logp, p.ref_rows);
   if (o.beta > 0.0 && !in.ref_logp.defined())
-    throw_expected("ref_logp", str_cat("a tensor when beta > 0 (the KL penalty needs the reference log-probs; beta = ",
-                                       o.beta, ")"),
-                   "None (pass ref_logp, or beta=0)");
+    throw_expected(
+        "ref_logp",
+        str_cat("a tensor when beta > 0 (the KL penalty needs the reference log-probs; beta = ", o.beta, ")"),
+        "None (pass ref_logp, or beta=0)");
 
   check_defined(out.loss, "loss");
   check_dtype(out.loss, "loss", DType::kFloat32);
@@ -236,7 +234,7 @@ Problem build_token_problem(Mode mode, const PolicyLossInputs& in, const PolicyL
 }
 
 Problem build_policy_problem(Mode mode, const PolicyLossInputs& in, const PolicyLossOptions& o,
-                            const PolicyLossOutputs& out, const TensorView* grad_logits) {
+                             const PolicyLossOutputs& out, const TensorView* grad_logits) {
   check_options(o);
   const TensorView& logits = in.logits;
   check_logits_common(logits);
@@ -246,9 +244,10 @@ Problem build_policy_problem(Mode mode, const PolicyLossInputs& in, const Policy
   const int64_t B = in.completion_ids.sizes[0], L = in.completion_ids.sizes[1];
   LOGITLESS_CHECK_ARG(logits.ndim == 3 && logits.sizes[0] == B && (logits.sizes[1] == L + 1 || logits.sizes[1] == L),
                       "logits",
-                      str_cat("shape [", B, ", ", L + 1, ", V] (the model's output over the completion and the "
-                              "position after it) or [", B, ", ", L, ", V], from completion_ids of shape [", B, ", ",
-                              L, "]"),
+                      str_cat("shape [", B, ", ", L + 1,
+                              ", V] (the model's output over the completion and the "
+                              "position after it) or [",
+                              B, ", ", L, ", V], from completion_ids of shape [", B, ", ", L, "]"),
                       str_cat("shape ", shape_str(logits)));
   const int64_t V = logits.sizes[2];
   Problem p = build_token_problem(mode, in, o, out, dev, V);
@@ -333,7 +332,6 @@ void dispatch(const Problem& p, Workspace ws, StreamHandle stream, const char* w
 #endif
 }
 
-
 }  // namespace
 
 namespace pl {
@@ -342,16 +340,28 @@ void check_policy_apart(const PolicyLossInputs& in, const PolicyLossOutputs& out
   const TensorView none;
   const TensorView& g = grad_logits ? *grad_logits : none;
   // The gradient may be the logits themselves (build_policy_problem checks that pair).
-  check_outputs_apart({{out.loss, "loss"}, {out.per_token_loss, "per_token_loss"}, {out.kl, "kl"},
-                       {out.is_clipped, "is_clipped"}, {out.logp, "logp"}, {out.entropy, "entropy"},
+  check_outputs_apart({{out.loss, "loss"},
+                       {out.per_token_loss, "per_token_loss"},
+                       {out.kl, "kl"},
+                       {out.is_clipped, "is_clipped"},
+                       {out.logp, "logp"},
+                       {out.entropy, "entropy"},
                        {out.lse, "lse"}},
                       {{in.logits, "logits"}});
-  check_outputs_apart({{out.loss, "loss"}, {out.per_token_loss, "per_token_loss"}, {out.kl, "kl"},
-                       {out.is_clipped, "is_clipped"}, {out.logp, "logp"}, {out.entropy, "entropy"},
-                       {out.lse, "lse"}, {g, "grad_logits"}},
-                      {{in.completion_ids, "completion_ids"}, {in.advantages, "advantages"},
-                       {in.completion_mask, "completion_mask"}, {in.old_logp, "old_logp"},
-                       {in.ref_logp, "ref_logp"}, {grad_scale, "grad_scale"}});
+  check_outputs_apart({{out.loss, "loss"},
+                       {out.per_token_loss, "per_token_loss"},
+                       {out.kl, "kl"},
+                       {out.is_clipped, "is_clipped"},
+                       {out.logp, "logp"},
+                       {out.entropy, "entropy"},
+                       {out.lse, "lse"},
+                       {g, "grad_logits"}},
+                      {{in.completion_ids, "completion_ids"},
+                       {in.advantages, "advantages"},
+                       {in.completion_mask, "completion_mask"},
+                       {in.old_logp, "old_logp"},
+                       {in.ref_logp, "ref_logp"},
+                       {grad_scale, "grad_scale"}});
 }
 
 Problem make_policy_problem(Mode mode, const PolicyLossInputs& inputs, const PolicyLossOptions& options,
@@ -373,8 +383,7 @@ size_t policy_loss_workspace_bytes(const PolicyLossInputs& inputs, const PolicyL
 #if defined(LOGITLESS_WITH_CUDA)
   const TensorView& ids = inputs.completion_ids;
   const int64_t B = ids.defined() && ids.ndim >= 1 ? ids.sizes[0] : 0;
-  return pl::cuda_workspace_bytes(Op::kPolicy, B, ids.defined() ? ids.numel() : 0,
-                                  options.importance_sampling_level);
+  return pl::cuda_workspace_bytes(Op::kPolicy, B, ids.defined() ? ids.numel() : 0, options.importance_sampling_level);
 #else
   (void)options;
   return 0;
@@ -405,8 +414,7 @@ size_t selective_log_softmax_workspace_bytes(const TensorView& logits, const Ten
   (void)options;
   if (logits.device.type != DeviceType::kCUDA) return 0;
 #if defined(LOGITLESS_WITH_CUDA)
-  return pl::cuda_workspace_bytes(Op::kSelective, 1, ids.defined() ? ids.numel() : 0,
-                                  ImportanceSamplingLevel::kToken);
+  return pl::cuda_workspace_bytes(Op::kSelective, 1, ids.defined() ? ids.numel() : 0, ImportanceSamplingLevel::kToken);
 #else
   (void)ids;
   return 0;

@@ -25,9 +25,7 @@ struct Ctx {
 
   int64_t id(int64_t r) const { return load_index(p.ids, p.ids_dtype, p.ids_rows.offset(r)); }
   bool valid_id(int64_t t) const { return t >= 0 && t < p.vocab; }
-  double weight(int64_t r) const {
-    return p.mask ? mask_weight(p.mask, p.mask_dtype, p.mask_rows.offset(r)) : 1.0;
-  }
+  double weight(int64_t r) const { return p.mask ? mask_weight(p.mask, p.mask_dtype, p.mask_rows.offset(r)) : 1.0; }
 
   // x_j = logits_j / temperature of row r, in double.
   void load_row(int64_t r, std::vector<double>& x) const {
@@ -79,8 +77,8 @@ struct Ctx {
   if (p.op == Op::kSelective)
     throw_invalid(
         str_cat("ids: expected values in [0, ", p.vocab, "), got ", t, " at row ", r, " (the first bad row)"));
-  throw_invalid(str_cat("completion_ids: expected values in [0, ", p.vocab, ") at unmasked tokens, got ", t,
-                        " at [", r / p.seq_len, ", ", r % p.seq_len, "] (the first bad token)"));
+  throw_invalid(str_cat("completion_ids: expected values in [0, ", p.vocab, ") at unmasked tokens, got ", t, " at [",
+                        r / p.seq_len, ", ", r % p.seq_len, "] (the first bad token)"));
 }
 
 }  // namespace

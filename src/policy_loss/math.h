@@ -56,9 +56,12 @@ LOGITLESS_HD F seq_factor(PolicyLossType type, F weight, F total, int64_t n_seqs
                           F num_items_in_batch) {
   const F one(1);
   switch (type) {
-    case PolicyLossType::kGrpo: return one / (static_cast<F>(n_seqs) * (weight > one ? weight : one));
-    case PolicyLossType::kBnpo: return one / (total > one ? total : one);
-    case PolicyLossType::kDrGrpo: return one / (static_cast<F>(n_seqs) * static_cast<F>(max_completion_length));
+    case PolicyLossType::kGrpo:
+      return one / (static_cast<F>(n_seqs) * (weight > one ? weight : one));
+    case PolicyLossType::kBnpo:
+      return one / (total > one ? total : one);
+    case PolicyLossType::kDrGrpo:
+      return one / (static_cast<F>(n_seqs) * static_cast<F>(max_completion_length));
     case PolicyLossType::kDapo:
       return num_items_in_batch > F(0) ? one / num_items_in_batch : one / (total > one ? total : one);
   }
@@ -81,11 +84,11 @@ struct TermOptions {
 // Values of one unmasked token and its own part of c.
 template <typename F>
 struct TokenTerms {
-  F loss;     // per_token_loss (unweighted)
-  F kl;       // 0 without ref_logp
+  F loss;  // per_token_loss (unweighted)
+  F kl;    // 0 without ref_logp
   bool clipped;
-  F dlogp;    // d(per_token_loss)/d(logp) through this token's own ratio (token level) and KL; the sequence
-              // level's ratio term reaches logp through S_b and is added by the caller (see seq_ratio_coeff)
+  F dlogp;  // d(per_token_loss)/d(logp) through this token's own ratio (token level) and KL; the sequence
+            // level's ratio term reaches logp through S_b and is added by the caller (see seq_ratio_coeff)
 };
 
 // The KL output without a reference: 0, or NaN for a token whose logp is NaN (a bad id or NaN logits), whose

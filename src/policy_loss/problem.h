@@ -56,8 +56,8 @@ struct Problem {
 
   void* grad = nullptr;  // token rows of grad_logits
   RowLayout grad_rows;
-  char* grad_pad = nullptr;      // rows of grad_logits that belong to no token (the unused last position): zeroed
-  int64_t grad_pad_stride = 0;   // elements between them
+  char* grad_pad = nullptr;     // rows of grad_logits that belong to no token (the unused last position): zeroed
+  int64_t grad_pad_stride = 0;  // elements between them
   int64_t n_pad = 0;
   const float* grad_scale = nullptr;  // [] optional (kForwardBackward)
   const float* grad_logp = nullptr;   // [n_rows] (kBackward)
@@ -80,11 +80,16 @@ struct Problem {
 inline double mask_weight(const void* mask, DType dt, int64_t off) {
   switch (dt) {
     case DType::kBool:
-    case DType::kUInt8: return static_cast<const uint8_t*>(mask)[off];
-    case DType::kInt32: return static_cast<double>(static_cast<const int32_t*>(mask)[off]);
-    case DType::kInt64: return static_cast<double>(static_cast<const int64_t*>(mask)[off]);
-    case DType::kFloat32: return static_cast<const float*>(mask)[off];
-    default: return 0;
+    case DType::kUInt8:
+      return static_cast<const uint8_t*>(mask)[off];
+    case DType::kInt32:
+      return static_cast<double>(static_cast<const int32_t*>(mask)[off]);
+    case DType::kInt64:
+      return static_cast<double>(static_cast<const int64_t*>(mask)[off]);
+    case DType::kFloat32:
+      return static_cast<const float*>(mask)[off];
+    default:
+      return 0;
   }
 }
 

@@ -17,12 +17,12 @@ using rms::ForwardProblem;
 void check_options(const RMSNormOptions& o) {
   LOGITLESS_CHECK_ARG(std::isfinite(o.eps) && o.eps > 0.0, "eps", "a finite value > 0", o.eps);
   LOGITLESS_CHECK_ARG(std::isfinite(o.offset), "offset", "a finite value", o.offset);
-  LOGITLESS_CHECK_ARG(o.casting == RMSNormCasting::kLlama || o.casting == RMSNormCasting::kGemma ||
-                          o.casting == RMSNormCasting::kNone,
-                      "casting", "llama, gemma or none", static_cast<int>(o.casting));
-  LOGITLESS_CHECK_ARG(o.algo == RMSNormAlgo::kAuto || o.algo == RMSNormAlgo::kRegisters ||
-                          o.algo == RMSNormAlgo::kGeneric,
-                      "algo", "auto, registers or generic", static_cast<int>(o.algo));
+  LOGITLESS_CHECK_ARG(
+      o.casting == RMSNormCasting::kLlama || o.casting == RMSNormCasting::kGemma || o.casting == RMSNormCasting::kNone,
+      "casting", "llama, gemma or none", static_cast<int>(o.casting));
+  LOGITLESS_CHECK_ARG(
+      o.algo == RMSNormAlgo::kAuto || o.algo == RMSNormAlgo::kRegisters || o.algo == RMSNormAlgo::kGeneric, "algo",
+      "auto, registers or generic", static_cast<int>(o.algo));
   LOGITLESS_CHECK_ARG(o.vectors_per_thread == 0 || o.vectors_per_thread == 4 || o.vectors_per_thread == 8,
                       "vectors_per_thread", "0 (auto), 4 or 8", o.vectors_per_thread);
 }
@@ -209,8 +209,11 @@ void rms_norm_forward(const TensorView& x, const TensorView& residual, const Ten
   check_output_vs_input(y, "y", weight, "weight", false);
   if (has_res) check_output_vs_input(residual_out, "residual_out", weight, "weight", false);
   if (rstd.defined()) {
-    for (const auto& [t, n] : {std::pair<const TensorView*, const char*>{&x, "x"}, {&y, "y"}, {&weight, "weight"},
-                               {&residual, "residual"}, {&residual_out, "residual_out"}})
+    for (const auto& [t, n] : {std::pair<const TensorView*, const char*>{&x, "x"},
+                               {&y, "y"},
+                               {&weight, "weight"},
+                               {&residual, "residual"},
+                               {&residual_out, "residual_out"}})
       check_output_vs_input(rstd, "rstd", *t, n, false);
   }
   p.weight = weight.data;
@@ -286,9 +289,12 @@ void rms_norm_backward(const TensorView& grad_y, const TensorView& grad_residual
   check_output_vs_input(grad_x, "grad_x", weight, "weight", false);
   check_output_vs_input(grad_x, "grad_x", rstd, "rstd", false);
   if (grad_weight.defined()) {
-    for (const auto& [t, n] : {std::pair<const TensorView*, const char*>{&grad_y, "grad_y"}, {&x, "x"},
-                              {&weight, "weight"}, {&grad_x, "grad_x"}, {&grad_residual_out, "grad_residual_out"},
-                              {&rstd, "rstd"}})
+    for (const auto& [t, n] : {std::pair<const TensorView*, const char*>{&grad_y, "grad_y"},
+                               {&x, "x"},
+                               {&weight, "weight"},
+                               {&grad_x, "grad_x"},
+                               {&grad_residual_out, "grad_residual_out"},
+                               {&rstd, "rstd"}})
       check_output_vs_input(grad_weight, "grad_weight", *t, n, false);
   }
   p.weight = weight.data;

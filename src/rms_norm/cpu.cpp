@@ -14,9 +14,12 @@ namespace {
 
 float round_to(DType dt, float v) {
   switch (dt) {
-    case DType::kBFloat16: return bf16_bits_to_float(float_to_bf16_bits(v));
-    case DType::kFloat16: return half_bits_to_float(float_to_half_bits(v));
-    default: return v;
+    case DType::kBFloat16:
+      return bf16_bits_to_float(float_to_bf16_bits(v));
+    case DType::kFloat16:
+      return half_bits_to_float(float_to_half_bits(v));
+    default:
+      return v;
   }
 }
 
@@ -68,7 +71,8 @@ void forward_cpu(const ForwardProblem& p) {
       if (p.rstd) p.rstd[i] = r;
       const int64_t yo = p.y_rows.offset(i);
       for (int64_t j = 0; j < H; ++j) {
-        const float y = p.casting == RMSNormCasting::kGemma ? (s[j] * r) * g[j] : g[j] * normalized(s[j], r, p.casting, dt);
+        const float y =
+            p.casting == RMSNormCasting::kGemma ? (s[j] * r) * g[j] : g[j] * normalized(s[j], r, p.casting, dt);
         store_float(p.y, dt, yo + j, y);
       }
     }
@@ -97,7 +101,8 @@ void backward_cpu(const BackwardProblem& p) {
           acc[j - c0] += static_cast<double>(load_float(p.grad_y, dt, go + j)) * n;
         }
       }
-      for (int64_t j = c0; j < c1; ++j) store_float(p.grad_weight, p.grad_weight_dtype, j, static_cast<float>(acc[j - c0]));
+      for (int64_t j = c0; j < c1; ++j)
+        store_float(p.grad_weight, p.grad_weight_dtype, j, static_cast<float>(acc[j - c0]));
     }
   }
 

@@ -65,8 +65,7 @@ void backward_cpu(const BackwardProblem& p);
 
 #if defined(LOGITLESS_WITH_CUDA)
 // The most any backward kernel may need for these sizes (the alignment of the tensors is not known yet).
-size_t backward_workspace_bytes_cuda(int64_t n_rows, int64_t hidden, DType dtype, const RMSNormOptions& o,
-                                     int device);
+size_t backward_workspace_bytes_cuda(int64_t n_rows, int64_t hidden, DType dtype, const RMSNormOptions& o, int device);
 void forward_cuda(const ForwardProblem& p, StreamHandle stream);
 void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream);
 #endif

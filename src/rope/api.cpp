@@ -46,8 +46,9 @@ void check_heads_like(const TensorView& t, const char* name, const TensorView& q
   const bool ok = t.ndim == 4 && t.sizes[0] == q.sizes[0] && t.sizes[2] == q.sizes[2] && t.sizes[3] == q.sizes[3] &&
                   (heads < 0 || t.sizes[1] == heads);
   LOGITLESS_CHECK_ARG(ok, name,
-                      heads < 0 ? str_cat("shape [", q.sizes[0], ", H, ", q.sizes[2], ", ", q.sizes[3], "] (q's B, T, D)")
-                                : str_cat("shape [", q.sizes[0], ", ", heads, ", ", q.sizes[2], ", ", q.sizes[3], "]"),
+                      heads < 0
+                          ? str_cat("shape [", q.sizes[0], ", H, ", q.sizes[2], ", ", q.sizes[3], "] (q's B, T, D)")
+                          : str_cat("shape [", q.sizes[0], ", ", heads, ", ", q.sizes[2], ", ", q.sizes[3], "]"),
                       str_cat("shape ", shape_str(t)));
   check_last_contiguous(t, name);
   check_nonnull(t, name);
@@ -79,9 +80,9 @@ void fill_heads(rope::Heads& h, const TensorView& in, const TensorView& out) {
 void rope_apply(const TensorView& q, const TensorView& k, const TensorView& cos, const TensorView& sin,
                 const TensorView& position_ids, const RopeOptions& options, const TensorView& q_out,
                 const TensorView& k_out, StreamHandle stream) {
-  LOGITLESS_CHECK_ARG(options.algo == RopeAlgo::kAuto || options.algo == RopeAlgo::kVector ||
-                          options.algo == RopeAlgo::kScalar,
-                      "algo", "auto, vector or scalar", static_cast<int>(options.algo));
+  LOGITLESS_CHECK_ARG(
+      options.algo == RopeAlgo::kAuto || options.algo == RopeAlgo::kVector || options.algo == RopeAlgo::kScalar, "algo",
+      "auto, vector or scalar", static_cast<int>(options.algo));
   check_q(q);
   const int64_t B = q.sizes[0], T = q.sizes[2], D = q.sizes[3];
   const bool has_k = k.defined();

@@ -20,8 +20,8 @@ struct Heads {
 
 struct Problem {
   int64_t batch = 0, seq = 0, head_dim = 0, rot_dim = 0;  // B, T, D, Dr
-  DType dtype = DType::kFloat32;     // q, k and the outputs
-  DType cs_dtype = DType::kFloat32;  // cos and sin: float32 or dtype
+  DType dtype = DType::kFloat32;                          // q, k and the outputs
+  DType cs_dtype = DType::kFloat32;                       // cos and sin: float32 or dtype
   Device device;
   bool inverse = false;
   RopeAlgo algo = RopeAlgo::kAuto;

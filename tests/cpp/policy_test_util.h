@@ -27,22 +27,33 @@ enum class Preset { kPlain, kFull, kFloatMask, kSeedLike, kAllMasked, kBadIdNoCh
 
 inline const char* preset_name(Preset p) {
   switch (p) {
-    case Preset::kPlain: return "plain";
-    case Preset::kFull: return "full";
-    case Preset::kFloatMask: return "floatmask";
-    case Preset::kSeedLike: return "seedlike";
-    case Preset::kAllMasked: return "allmasked";
-    case Preset::kBadIdNoCheck: return "badnocheck";
-    case Preset::kDapoGlobal: return "dapoglobal";
+    case Preset::kPlain:
+      return "plain";
+    case Preset::kFull:
+      return "full";
+    case Preset::kFloatMask:
+      return "floatmask";
+    case Preset::kSeedLike:
+      return "seedlike";
+    case Preset::kAllMasked:
+      return "allmasked";
+    case Preset::kBadIdNoCheck:
+      return "badnocheck";
+    case Preset::kDapoGlobal:
+      return "dapoglobal";
   }
   return "?";
 }
 inline const char* type_name(PolicyLossType t) {
   switch (t) {
-    case PolicyLossType::kGrpo: return "grpo";
-    case PolicyLossType::kBnpo: return "bnpo";
-    case PolicyLossType::kDrGrpo: return "drgrpo";
-    case PolicyLossType::kDapo: return "dapo";
+    case PolicyLossType::kGrpo:
+      return "grpo";
+    case PolicyLossType::kBnpo:
+      return "bnpo";
+    case PolicyLossType::kDrGrpo:
+      return "drgrpo";
+    case PolicyLossType::kDapo:
+      return "dapo";
   }
   return "?";
 }
@@ -103,7 +114,8 @@ struct PolicyTokenInputs {
   void apply_preset(Preset preset, int64_t B, int64_t L, PolicyLossOptions& o, const TokenTensorFn& token_tensor) {
     w.assign(static_cast<size_t>(B * L), 1.0);
     switch (preset) {
-      case Preset::kPlain: break;
+      case Preset::kPlain:
+        break;
       case Preset::kFull:
       case Preset::kDapoGlobal:
       case Preset::kBadIdNoCheck:
@@ -293,9 +305,15 @@ inline double policy_reference_loss(const PolicyTokenInputs& in, int64_t B, int6
     }
     double factor = 0;  // what sum_l w per_token_loss of this sequence is multiplied by
     switch (o.loss_type) {
-      case PolicyLossType::kGrpo: factor = 1.0 / std::max(wb, 1.0) / static_cast<double>(B); break;
-      case PolicyLossType::kBnpo: factor = 1.0 / std::max(total_w, 1.0); break;
-      case PolicyLossType::kDrGrpo: factor = 1.0 / (static_cast<double>(B) * o.max_completion_length); break;
+      case PolicyLossType::kGrpo:
+        factor = 1.0 / std::max(wb, 1.0) / static_cast<double>(B);
+        break;
+      case PolicyLossType::kBnpo:
+        factor = 1.0 / std::max(total_w, 1.0);
+        break;
+      case PolicyLossType::kDrGrpo:
+        factor = 1.0 / (static_cast<double>(B) * o.max_completion_length);
+        break;
       case PolicyLossType::kDapo:
         factor = 1.0 / (o.num_items_in_batch > 0 ? o.num_items_in_batch : std::max(total_w, 1.0));
         break;
@@ -419,8 +437,8 @@ inline double logp_unit(const PolicyReference& ref) { return std::max(1.0, max_a
 // The forward outputs but is_clipped (each suite has its own rule there); `ref` gives the sizes.
 inline void expect_forward_close(const PolicyForwardOut& got, const PolicyForwardOut& want, const PolicyReference& ref,
                                  DType dt, double u, const std::string& tag) {
-  EXPECT_TRUE(all_close(std::vector<double>{got.loss}, std::vector<double>{want.loss},
-                        tolerance(dt, Quantity::kLoss), ref.loss_scale * u, tag + " loss"));
+  EXPECT_TRUE(all_close(std::vector<double>{got.loss}, std::vector<double>{want.loss}, tolerance(dt, Quantity::kLoss),
+                        ref.loss_scale * u, tag + " loss"));
   EXPECT_TRUE(all_close(got.logp, want.logp, tolerance(dt, Quantity::kLse), u, tag + " logp"));
   EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), u, tag + " lse"));
   EXPECT_TRUE(all_close(got.entropy, want.entropy, tolerance(dt, Quantity::kLse), u, tag + " entropy"));

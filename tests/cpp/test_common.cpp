@@ -205,39 +205,55 @@ Tol tolerance(DType dtype, Quantity q) {
   // outputs computed from the same inputs, so they get tight tolerances whatever the logits dtype;
   // gradients are stored in the logits dtype (bf16 keeps 8 mantissa bits: 2^-8 = 0.4%).
   switch (q) {
-    case Quantity::kLoss: return {2e-5, 2e-5};
-    case Quantity::kLse: return {2e-6, 2e-5};
+    case Quantity::kLoss:
+      return {2e-5, 2e-5};
+    case Quantity::kLse:
+      return {2e-6, 2e-5};
     case Quantity::kGrad:
       switch (dtype) {
-        case DType::kFloat32: return {1e-4, 1e-6};
-        case DType::kFloat16: return {2e-3, 1e-5, 6e-8};
-        case DType::kBFloat16: return {1.6e-2, 1e-4};
-        default: return {1e-4, 1e-6};
+        case DType::kFloat32:
+          return {1e-4, 1e-6};
+        case DType::kFloat16:
+          return {2e-3, 1e-5, 6e-8};
+        case DType::kBFloat16:
+          return {1.6e-2, 1e-4};
+        default:
+          return {1e-4, 1e-6};
       }
     // RMSNorm outputs in a 16-bit dtype pass through up to three roundings (n, y; r and g in kNone), and a
     // backend whose float32 r differs from the reference's in the last bit may round n the other way: 4
     // ulps (bf16 2^-8, fp16 2^-11). Sums cancel in grad_x and grad_weight, hence the scaled atol.
     case Quantity::kNormOut:
       switch (dtype) {
-        case DType::kFloat16: return {2e-3, 2e-5, 6e-8};
-        case DType::kBFloat16: return {1.6e-2, 2e-4};
-        default: return {2e-5, 2e-6};
+        case DType::kFloat16:
+          return {2e-3, 2e-5, 6e-8};
+        case DType::kBFloat16:
+          return {1.6e-2, 2e-4};
+        default:
+          return {2e-5, 2e-6};
       }
-    case Quantity::kNormRstd: return {1e-5, 0};  // float32 sums of squares over up to 256 elements a thread
+    case Quantity::kNormRstd:
+      return {1e-5, 0};  // float32 sums of squares over up to 256 elements a thread
     case Quantity::kNormWeightGrad:
       switch (dtype) {
-        case DType::kFloat16: return {2e-3, 1e-4};
-        case DType::kBFloat16: return {1.6e-2, 1e-3};
-        default: return {1e-4, 2e-5};
+        case DType::kFloat16:
+          return {2e-3, 1e-4};
+        case DType::kBFloat16:
+          return {1.6e-2, 1e-3};
+        default:
+          return {1e-4, 2e-5};
       }
     // Elementwise ops (glu, rope): one rounding to the dtype of a float32 (CPU: double) result, half an ulp each, so
     // two backends are at most an ulp apart (bf16 2^-8, fp16 2^-11 relative); float32 adds a few ulps of exp, tanh
     // and erf. Results where two terms cancel (a rotation, dgate near its zero) get a floor scaled by the largest.
     case Quantity::kElementwise:
       switch (dtype) {
-        case DType::kFloat16: return {1e-3, 1e-5, 6e-8};
-        case DType::kBFloat16: return {8e-3, 1e-4};
-        default: return {1e-5, 1e-6};
+        case DType::kFloat16:
+          return {1e-3, 1e-5, 6e-8};
+        case DType::kBFloat16:
+          return {8e-3, 1e-4};
+        default:
+          return {1e-5, 1e-6};
       }
     // Linear cross-entropy: the CUDA path rounds the logits' gradient to the inputs' dtype before the two GEMMs
     // that consume it (as torch's own backward does), then rounds each output once; the CPU oracle keeps that
@@ -246,9 +262,12 @@ Tol tolerance(DType dtype, Quantity q) {
     // subnormals).
     case Quantity::kLceGrad:
       switch (dtype) {
-        case DType::kFloat16: return {6e-3, 1e-2};
-        case DType::kBFloat16: return {1e-2, 2.5e-2};
-        default: return {1e-4, 1e-3};
+        case DType::kFloat16:
+          return {6e-3, 1e-2};
+        case DType::kBFloat16:
+          return {1e-2, 2.5e-2};
+        default:
+          return {1e-4, 1e-3};
       }
   }
   return {0, 0};
@@ -298,12 +317,18 @@ template <typename F>
 
 std::string dtype_tag(DType dt) {
   switch (dt) {
-    case DType::kFloat32: return "f32";
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kInt32: return "i32";
-    case DType::kInt64: return "i64";
-    default: return dtype_name(dt);
+    case DType::kFloat32:
+      return "f32";
+    case DType::kFloat16:
+      return "f16";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kInt32:
+      return "i32";
+    case DType::kInt64:
+      return "i64";
+    default:
+      return dtype_name(dt);
   }
 }
 

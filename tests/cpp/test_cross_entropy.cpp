@@ -19,29 +19,55 @@ namespace logitless::test {
 namespace {
 
 enum class Layout { kContiguous, kPadded, kShifted };
-enum class Preset { kPlain, kIgnore, kIgnoreInRange, kSmoothing, kWeights, kWeightsSmoothing, kZLoss, kSoftcap, kAll, kAllIgnored, kBadTargetNoCheck };
+enum class Preset {
+  kPlain,
+  kIgnore,
+  kIgnoreInRange,
+  kSmoothing,
+  kWeights,
+  kWeightsSmoothing,
+  kZLoss,
+  kSoftcap,
+  kAll,
+  kAllIgnored,
+  kBadTargetNoCheck
+};
 
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::kContiguous: return "contig";
-    case Layout::kPadded: return "padded";
-    case Layout::kShifted: return "shifted";
+    case Layout::kContiguous:
+      return "contig";
+    case Layout::kPadded:
+      return "padded";
+    case Layout::kShifted:
+      return "shifted";
   }
   return "?";
 }
 const char* preset_name(Preset p) {
   switch (p) {
-    case Preset::kPlain: return "plain";
-    case Preset::kIgnore: return "ignore";
-    case Preset::kIgnoreInRange: return "ignore3";
-    case Preset::kSmoothing: return "smooth";
-    case Preset::kWeights: return "weights";
-    case Preset::kWeightsSmoothing: return "wsmooth";
-    case Preset::kZLoss: return "zloss";
-    case Preset::kSoftcap: return "softcap";
-    case Preset::kAll: return "all";
-    case Preset::kAllIgnored: return "allignored";
-    case Preset::kBadTargetNoCheck: return "badnocheck";
+    case Preset::kPlain:
+      return "plain";
+    case Preset::kIgnore:
+      return "ignore";
+    case Preset::kIgnoreInRange:
+      return "ignore3";
+    case Preset::kSmoothing:
+      return "smooth";
+    case Preset::kWeights:
+      return "weights";
+    case Preset::kWeightsSmoothing:
+      return "wsmooth";
+    case Preset::kZLoss:
+      return "zloss";
+    case Preset::kSoftcap:
+      return "softcap";
+    case Preset::kAll:
+      return "all";
+    case Preset::kAllIgnored:
+      return "allignored";
+    case Preset::kBadTargetNoCheck:
+      return "badnocheck";
   }
   return "?";
 }
@@ -72,18 +98,31 @@ CrossEntropyOptions options_for(const CeCase& c) {
   CrossEntropyOptions o;
   o.reduction = c.reduction;
   switch (c.preset) {
-    case Preset::kSmoothing: o.label_smoothing = 0.1; break;
-    case Preset::kWeightsSmoothing: o.label_smoothing = 0.2; break;
-    case Preset::kZLoss: o.z_loss = 1e-3; break;
-    case Preset::kSoftcap: o.softcap = 4.0; break;
+    case Preset::kSmoothing:
+      o.label_smoothing = 0.1;
+      break;
+    case Preset::kWeightsSmoothing:
+      o.label_smoothing = 0.2;
+      break;
+    case Preset::kZLoss:
+      o.z_loss = 1e-3;
+      break;
+    case Preset::kSoftcap:
+      o.softcap = 4.0;
+      break;
     case Preset::kAll:
       o.label_smoothing = 0.05;
       o.z_loss = 1e-2;
       o.softcap = 8.0;
       break;
-    case Preset::kIgnoreInRange: o.ignore_index = 2; break;
-    case Preset::kBadTargetNoCheck: o.check_targets = false; break;
-    default: break;
+    case Preset::kIgnoreInRange:
+      o.ignore_index = 2;
+      break;
+    case Preset::kBadTargetNoCheck:
+      o.check_targets = false;
+      break;
+    default:
+      break;
   }
   return o;
 }
@@ -212,8 +251,8 @@ RefOut reference(const CeInputs& in, const std::vector<double>& upstream /* [1] 
       const double p = std::exp(xj - lse);
       const double eps = o.label_smoothing;
       double d = (1 - eps) * w(t) * (p - (j == t ? 1.0 : 0.0));  // -(1-eps) w_t dlogp_t/dx_j
-      if (eps != 0) d += eps / V * (W * p - w(j));                // smoothing term
-      d = g * d + gz * 2 * o.z_loss * lse * p;                    // z-loss: d(lse^2) = 2 lse p_j
+      if (eps != 0) d += eps / V * (W * p - w(j));               // smoothing term
+      d = g * d + gz * 2 * o.z_loss * lse * p;                   // z-loss: d(lse^2) = 2 lse p_j
       if (o.softcap > 0) d *= 1 - (xj / o.softcap) * (xj / o.softcap);
       r.grad[i * V + j] = d;
     }
@@ -225,10 +264,14 @@ RefOut reference(const CeInputs& in, const std::vector<double>& upstream /* [1] 
 enum class Entry { kForward, kForwardBackward, kForwardBackwardInPlace, kBackward };
 const char* entry_name(Entry e) {
   switch (e) {
-    case Entry::kForward: return "forward";
-    case Entry::kForwardBackward: return "forward_backward";
-    case Entry::kForwardBackwardInPlace: return "forward_backward(in place)";
-    case Entry::kBackward: return "backward";
+    case Entry::kForward:
+      return "forward";
+    case Entry::kForwardBackward:
+      return "forward_backward";
+    case Entry::kForwardBackwardInPlace:
+      return "forward_backward(in place)";
+    case Entry::kBackward:
+      return "backward";
   }
   return "?";
 }
@@ -349,10 +392,10 @@ void expect_outputs(const CeInputs& in, Entry e, const Outputs& got, const Outpu
       loss_scale = std::max(loss_scale, acc * unit);
     }
     EXPECT_TRUE(all_close(got.loss, want.loss, tolerance(dt, Quantity::kLoss), loss_scale, tag + " loss"));
-    EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), std::max(1.0, max_abs(want.lse)),
-                          tag + " lse"));
-    EXPECT_TRUE(all_close(got.z, want.z, tolerance(dt, Quantity::kLoss), std::max(1.0, max_abs(want.z)),
-                          tag + " z_loss"));
+    EXPECT_TRUE(
+        all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), std::max(1.0, max_abs(want.lse)), tag + " lse"));
+    EXPECT_TRUE(
+        all_close(got.z, want.z, tolerance(dt, Quantity::kLoss), std::max(1.0, max_abs(want.z)), tag + " z_loss"));
   }
   if (e != Entry::kForward) {
     // The natural size of a row's gradient is its upstream factor (incoming gradient, over the denominator
@@ -572,21 +615,25 @@ TEST(CrossEntropyErrors, ShapeDtypeDevice) {
   EXPECT_NE(fwd(s.logits.host_view(), t3.host_view(), {}, s.loss.host_view()).find("target: expected shape [4]"),
             std::string::npos);
   TestTensor tf(DType::kFloat32, {4});
-  EXPECT_NE(fwd(s.logits.host_view(), tf.host_view(), {}, s.loss.host_view()).find("target: expected dtype int32 or int64, got float32"),
+  EXPECT_NE(fwd(s.logits.host_view(), tf.host_view(), {}, s.loss.host_view())
+                .find("target: expected dtype int32 or int64, got float32"),
             std::string::npos);
   TestTensor li(DType::kInt32, {4, 5});
-  EXPECT_NE(fwd(li.host_view(), s.target.host_view(), {}, s.loss.host_view()).find("logits: expected dtype float32, float16 or bfloat16"),
+  EXPECT_NE(fwd(li.host_view(), s.target.host_view(), {}, s.loss.host_view())
+                .find("logits: expected dtype float32, float16 or bfloat16"),
             std::string::npos);
   TestTensor w4(DType::kFloat32, {4});
-  EXPECT_NE(fwd(s.logits.host_view(), s.target.host_view(), w4.host_view(), s.loss.host_view()).find("weight: expected shape [5]"),
+  EXPECT_NE(fwd(s.logits.host_view(), s.target.host_view(), w4.host_view(), s.loss.host_view())
+                .find("weight: expected shape [5]"),
             std::string::npos);
   TestTensor lossv(DType::kFloat32, {4});
   EXPECT_NE(fwd(s.logits.host_view(), s.target.host_view(), {}, lossv.host_view()).find("loss: expected 1 elements"),
             std::string::npos);
   TensorView cuda_target = s.target.host_view();
   cuda_target.device = {DeviceType::kCUDA, 0};
-  EXPECT_NE(fwd(s.logits.host_view(), cuda_target, {}, s.loss.host_view()).find("target: expected device cpu, got cuda:0"),
-            std::string::npos);
+  EXPECT_NE(
+      fwd(s.logits.host_view(), cuda_target, {}, s.loss.host_view()).find("target: expected device cpu, got cuda:0"),
+      std::string::npos);
   CrossEntropyOptions bad;
   bad.label_smoothing = 1.5;
   EXPECT_NE(fwd(s.logits.host_view(), s.target.host_view(), {}, s.loss.host_view(), bad).find("label_smoothing"),
@@ -856,8 +903,8 @@ TEST(CrossEntropyLarge, BeyondInt32Offsets) {
     row_t.set_index(0, target.get_index(i));
     cross_entropy_forward_backward(row_l.host_view(), row_t.host_view(), {}, o, row_loss.host_view(), {}, {},
                                    row_g.host_view(), {}, {}, nullptr);
-    ASSERT_TRUE(all_close(std::vector<double>{loss.get(i)}, std::vector<double>{row_loss.get(0)}, tolerance(DType::kBFloat16, Quantity::kLoss), 1.0,
-                          "loss row " + std::to_string(i)));
+    ASSERT_TRUE(all_close(std::vector<double>{loss.get(i)}, std::vector<double>{row_loss.get(0)},
+                          tolerance(DType::kBFloat16, Quantity::kLoss), 1.0, "loss row " + std::to_string(i)));
     const char* dev_row = static_cast<const char*>(logits.view(true).data) + i * V * es;
     test_copy_device_to_host(grow.data(), dev_row, V * es);
     std::vector<double> g(V), w(V);

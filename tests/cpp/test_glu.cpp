@@ -20,18 +20,25 @@ enum class Layout { kContiguous, kPadded, kStrided, kConcat };
 
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::kContiguous: return "contig";
-    case Layout::kPadded: return "padded";
-    case Layout::kStrided: return "strided";
-    case Layout::kConcat: return "gate_up";
+    case Layout::kContiguous:
+      return "contig";
+    case Layout::kPadded:
+      return "padded";
+    case Layout::kStrided:
+      return "strided";
+    case Layout::kConcat:
+      return "gate_up";
   }
   return "?";
 }
 const char* act_name(GLUActivation a) {
   switch (a) {
-    case GLUActivation::kSiLU: return "silu";
-    case GLUActivation::kGeluTanh: return "gelu_tanh";
-    case GLUActivation::kGelu: return "gelu";
+    case GLUActivation::kSiLU:
+      return "silu";
+    case GLUActivation::kGeluTanh:
+      return "gelu_tanh";
+    case GLUActivation::kGelu:
+      return "gelu";
   }
   return "?";
 }
@@ -56,12 +63,14 @@ uint64_t seed_of(const GluCase& c) { return std::hash<std::string>{}(case_name(c
 TestTensor rows_tensor(const GluCase& c, Layout l) {
   const int64_t N = c.n, I = c.inter;
   switch (l) {
-    case Layout::kPadded: return TestTensor(c.dtype, {N, I}, {I + 3, 1}, 1);
+    case Layout::kPadded:
+      return TestTensor(c.dtype, {N, I}, {I + 3, 1}, 1);
     case Layout::kStrided: {
       const int64_t B = N % 2 == 0 && N > 0 ? 2 : 1, T = N / B;
       return TestTensor(c.dtype, {B, T, I}, {(T + 1) * I, I, 1});
     }
-    default: return TestTensor(c.dtype, {N, I});
+    default:
+      return TestTensor(c.dtype, {N, I});
   }
 }
 
@@ -156,10 +165,12 @@ struct Inputs {
 // ---- float64 reference: the formulas of include/logitless/glu.h, written out -----------------------------------
 double act_ref(GLUActivation a, double g) {
   switch (a) {
-    case GLUActivation::kSiLU: return g / (1.0 + std::exp(-g));
+    case GLUActivation::kSiLU:
+      return g / (1.0 + std::exp(-g));
     case GLUActivation::kGeluTanh:
       return 0.5 * g * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g)));
-    case GLUActivation::kGelu: return 0.5 * g * (1.0 + std::erf(g / std::sqrt(2.0)));
+    case GLUActivation::kGelu:
+      return 0.5 * g * (1.0 + std::erf(g / std::sqrt(2.0)));
   }
   return NAN;
 }
@@ -252,8 +263,8 @@ std::vector<GluCase> make_cases(bool gpu_suite) {
   const DType dts[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
   const GLUActivation acts[] = {GLUActivation::kSiLU, GLUActivation::kGeluTanh, GLUActivation::kGelu};
   const Layout layouts[] = {Layout::kContiguous, Layout::kPadded, Layout::kStrided, Layout::kConcat};
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{0, 64}, {1, 1}, {7, 3}, {5, 100}, {33, 1000},
-                                                          {64, 4096}, {9, 4097}};
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{0, 64},    {1, 1},     {7, 3},   {5, 100},
+                                                           {33, 1000}, {64, 4096}, {9, 4097}};
   int k = 0;
   for (const auto& [N, I] : shapes)
     for (DType dt : dts)

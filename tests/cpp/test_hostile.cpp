@@ -174,7 +174,9 @@ const std::vector<Mutation>& mutations() {
       {"unknown device type",
        [](TensorView& t, const Arg&) { return t.device.type = static_cast<DeviceType>(7), true; }},
       {"negative CUDA ordinal",
-       [](TensorView& t, const Arg&) { return t.device = Device{DeviceType::kCUDA, -1}, true; }},
+       [](TensorView& t, const Arg&) {
+         return t.device = Device{DeviceType::kCUDA, -1}, true;
+       }},
       {"nine dimensions",
        [](TensorView& t, const Arg&) {
          for (int d = t.ndim; d < kMaxDims; ++d) t.sizes[d] = 1, t.strides[d] = 1;
@@ -182,7 +184,9 @@ const std::vector<Mutation>& mutations() {
          return true;
        }},
       {"another device (the rest on the CPU)",
-       [](TensorView& t, const Arg& a) { return a.primary ? false : (t.device = Device{DeviceType::kCUDA, 0}, true); }},
+       [](TensorView& t, const Arg& a) {
+         return a.primary ? false : (t.device = Device{DeviceType::kCUDA, 0}, true);
+       }},
       {"one more dimension",
        [](TensorView& t, const Arg& a) {
          if (!a.fixed_rank || t.ndim >= kMaxDims) return false;
@@ -251,8 +255,7 @@ void run_hostile(Call& c) {
     if (!o.output) continue;
     for (const Arg& a : c.args) {
       if (&a == &o || a.t->numel() == 0) continue;
-      if (std::find(c.in_place.begin(), c.in_place.end(), std::make_pair(o.name, a.name)) != c.in_place.end())
-        continue;
+      if (std::find(c.in_place.begin(), c.in_place.end(), std::make_pair(o.name, a.name)) != c.in_place.end()) continue;
       Views v = c.views();
       TensorView& ov = v[o.name];
       const TensorView& av = v[a.name];
@@ -295,8 +298,8 @@ Call ce_call(const std::string& which, Draw& d, Reduction reduction = Reduction:
   c.add("target", d.indices(DType::kInt64, {kN}, kV), which == "shard_finalize", which != "shard_finalize");
   c.add("weight", d.uniform_tensor({kV}, 0.5, 2.0), false, true);
   if (which == "forward" || which == "forward_backward" || which == "shard_finalize") {
-    c.out("loss", poisoned(DType::kFloat32, reduction == Reduction::kNone ? std::vector<int64_t>{kN}
-                                                                          : std::vector<int64_t>{}));
+    c.out("loss",
+          poisoned(DType::kFloat32, reduction == Reduction::kNone ? std::vector<int64_t>{kN} : std::vector<int64_t>{}));
     c.out("lse", poisoned(DType::kFloat32, {kN}));
     c.out("z_loss", poisoned(DType::kFloat32, {kN}));
   }
@@ -338,8 +341,7 @@ Call ce_call(const std::string& which, Draw& d, Reduction reduction = Reduction:
       cross_entropy_shard_finalize(at(v, "partials"), T, W, kV, o, at(v, "loss"), at(v, "lse"), at(v, "z_loss"), ws,
                                    stream);
     } else {
-      cross_entropy_shard_backward(L, T, W, vs, at(v, "lse"), at(v, "grad_loss"), o, at(v, "grad_logits"), ws,
-                                   stream);
+      cross_entropy_shard_backward(L, T, W, vs, at(v, "lse"), at(v, "grad_loss"), o, at(v, "grad_logits"), ws, stream);
     }
   };
   return c;
@@ -376,8 +378,8 @@ Call lce_call(const std::string& which, Draw& d, Reduction reduction = Reduction
   c.add("target", d.indices(DType::kInt32, {kN}, kV), false, true);
   c.add("class_weight", d.uniform_tensor({kV}, 0.5, 2.0), false, true);
   const bool fwd = which == "forward" || which == "forward_backward" || which == "shard_step";
-  const bool grads = which == "forward_backward" || which == "backward" || which == "shard_backward" ||
-                     which == "shard_step";
+  const bool grads =
+      which == "forward_backward" || which == "backward" || which == "shard_backward" || which == "shard_step";
   const std::vector<int64_t> per_call =
       reduction == Reduction::kNone ? std::vector<int64_t>{kN} : std::vector<int64_t>{};
   if (fwd) {
@@ -421,17 +423,15 @@ Call lce_call(const std::string& which, Draw& d, Reduction reduction = Reduction
       linear_cross_entropy_forward(X, W, b, T, cw, o, at(v, "loss"), at(v, "lse"), ws, stream);
     } else if (which == "forward_backward") {
       linear_cross_entropy_forward_backward(X, W, b, T, cw, o, at(v, "loss"), at(v, "lse"), at(v, "grad_hidden"),
-                                            at(v, "grad_weight"), at(v, "grad_bias"), at(v, "grad_scale"), ws,
-                                            stream);
+                                            at(v, "grad_weight"), at(v, "grad_bias"), at(v, "grad_scale"), ws, stream);
     } else if (which == "backward") {
       linear_cross_entropy_backward(X, W, b, T, cw, at(v, "lse"), at(v, "grad_loss"), o, at(v, "grad_hidden"),
                                     at(v, "grad_weight"), at(v, "grad_bias"), ws, stream);
     } else if (which == "shard_partials") {
       linear_cross_entropy_shard_partials(X, W, b, T, cw, vs, o, at(v, "partials"), ws, stream);
     } else if (which == "shard_backward") {
-      linear_cross_entropy_shard_backward(X, W, b, T, cw, vs, at(v, "lse"), at(v, "grad_loss"), o,
-                                          at(v, "grad_hidden"), at(v, "grad_weight"), at(v, "grad_bias"), ws,
-                                          stream);
+      linear_cross_entropy_shard_backward(X, W, b, T, cw, vs, at(v, "lse"), at(v, "grad_loss"), o, at(v, "grad_hidden"),
+                                          at(v, "grad_weight"), at(v, "grad_bias"), ws, stream);
     } else {
       linear_cross_entropy_shard_forward_backward_step(ShardStep::kLogits, 0, at(v, "partials"), X, W, b, T, cw, vs, o,
                                                        at(v, "loss"), at(v, "lse"), at(v, "grad_hidden"),
@@ -530,8 +530,8 @@ Call sls_call(const std::string& which, Draw& d) {
   c.ws_query = [o](const Views& v) { return selective_log_softmax_workspace_bytes(at(v, "logits"), at(v, "ids"), o); };
   c.fn = [which, o](const Views& v, Workspace ws, StreamHandle stream) {
     if (which == "forward") {
-      selective_log_softmax_forward(at(v, "logits"), at(v, "ids"), o, at(v, "logp"), at(v, "entropy"), at(v, "lse"),
-                                    ws, stream);
+      selective_log_softmax_forward(at(v, "logits"), at(v, "ids"), o, at(v, "logp"), at(v, "entropy"), at(v, "lse"), ws,
+                                    stream);
     } else {
       selective_log_softmax_backward(at(v, "logits"), at(v, "ids"), at(v, "lse"), at(v, "grad_logp"), o,
                                      at(v, "grad_logits"), ws, stream);
@@ -618,8 +618,8 @@ Call lsls_call(const std::string& which, Draw& d) {
                                            at(v, "logp"), at(v, "entropy"), at(v, "lse"), ws, stream);
     } else {
       LinearPolicyLossGrads g{at(v, "grad_hidden"), at(v, "grad_weight"), at(v, "grad_bias")};
-      linear_selective_log_softmax_backward(at(v, "hidden"), at(v, "weight"), at(v, "bias"), at(v, "ids"),
-                                            at(v, "lse"), at(v, "grad_logp"), o, g, ws, stream);
+      linear_selective_log_softmax_backward(at(v, "hidden"), at(v, "weight"), at(v, "bias"), at(v, "ids"), at(v, "lse"),
+                                            at(v, "grad_logp"), o, g, ws, stream);
     }
   };
   return c;
@@ -647,7 +647,10 @@ Call rms_call(const std::string& which, Draw& d) {
     c.out("grad_x", poisoned(dt, {kN, kH}));
     c.out("grad_weight", poisoned(DType::kFloat32, {kH}), true);
   }
-  c.in_place = {{"y", "x"}, {"residual_out", "x"}, {"residual_out", "residual"}, {"grad_x", "grad_y"},
+  c.in_place = {{"y", "x"},
+                {"residual_out", "x"},
+                {"residual_out", "residual"},
+                {"grad_x", "grad_y"},
                 {"grad_x", "grad_residual_out"}};
   RMSNormOptions o;
   if (which == "backward")
@@ -781,9 +784,15 @@ void expect_propagation(Call& c, const std::string& input, int64_t flat, float v
       const Expect e = pred(name, i);
       bool ok = true;
       switch (e) {
-        case Expect::kSame: ok = std::memcmp(&g, &b, sizeof g) == 0 || (std::isnan(g) && std::isnan(b)); break;
-        case Expect::kNaN: ok = std::isnan(g); break;
-        case Expect::kNonFinite: ok = !std::isfinite(g); break;
+        case Expect::kSame:
+          ok = std::memcmp(&g, &b, sizeof g) == 0 || (std::isnan(g) && std::isnan(b));
+          break;
+        case Expect::kNaN:
+          ok = std::isnan(g);
+          break;
+        case Expect::kNonFinite:
+          ok = !std::isfinite(g);
+          break;
         case Expect::kRef: {
           const float w = want.at(name)[i];
           ok = std::isfinite(g) && std::abs(g - w) <= 1e-4 * std::max(1.f, std::abs(w));
@@ -793,8 +802,10 @@ void expect_propagation(Call& c, const std::string& input, int64_t flat, float v
       if (!ok) {
         ++bad;
         ADD_FAILURE() << name << "[" << i << "] = " << g << " (clean " << b << "), expected "
-                      << (e == Expect::kSame ? "the clean value" : e == Expect::kNaN ? "NaN"
-                                                 : e == Expect::kNonFinite ? "inf or NaN" : "the reference");
+                      << (e == Expect::kSame        ? "the clean value"
+                          : e == Expect::kNaN       ? "NaN"
+                          : e == Expect::kNonFinite ? "inf or NaN"
+                                                    : "the reference");
       }
     }
   }
@@ -851,10 +862,13 @@ TEST(HostileNumbers, CrossEntropy) {
   expect_propagation(c, "logits", i * kV + j, -INFINITY, clean, row_is(i, Expect::kRef),
                      [&] { return ce_reference(c); });
   // ... at the target: loss +inf, every other output of the row finite (the target's probability is 0).
-  expect_propagation(c, "logits", i * kV + t, -INFINITY, clean, [&](const std::string& out, int64_t f) {
-    if ((out == "grad_logits" ? f / kV : f) != i) return Expect::kSame;
-    return out == "loss" ? Expect::kNonFinite : Expect::kRef;
-  }, [&] { return ce_reference(c); });
+  expect_propagation(
+      c, "logits", i * kV + t, -INFINITY, clean,
+      [&](const std::string& out, int64_t f) {
+        if ((out == "grad_logits" ? f / kV : f) != i) return Expect::kSame;
+        return out == "loss" ? Expect::kNonFinite : Expect::kRef;
+      },
+      [&] { return ce_reference(c); });
   // A NaN weight of a targeted class: the rows that target it are NaN (loss and gradient; lse and z-loss are not
   // weighted). A NaN or inf weight of a class no row targets changes nothing (no label smoothing).
   std::vector<bool> targeted(kV, false);
@@ -885,10 +899,9 @@ TEST(HostileNumbers, CrossEntropyReducedAndBackward) {
     return (out == "grad_logits" ? f / kV : f) == i ? Expect::kNaN : Expect::kSame;
   });
   // A NaN upstream gradient of the reduced loss: every gradient element, nothing else.
-  expect_propagation(m, "grad_scale", 0, NAN, clean,
-                     [](const std::string& out, int64_t) {
-                       return out == "grad_logits" ? Expect::kNaN : Expect::kSame;
-                     });
+  expect_propagation(m, "grad_scale", 0, NAN, clean, [](const std::string& out, int64_t) {
+    return out == "grad_logits" ? Expect::kNaN : Expect::kSame;
+  });
   // Backward from a saved lse: a NaN lse or upstream factor makes its row's gradient NaN.
   Call b = ce_call("backward", d, Reduction::kNone);
   const Outs bclean = run_outputs(b);
@@ -1106,8 +1119,7 @@ std::vector<std::vector<uint8_t>> device_bytes(Call& c) {
   return out;
 }
 
-void expect_refused_on_gpu(Call& c, const std::string& arg, const std::string& what,
-                           const std::function<void()>& fn) {
+void expect_refused_on_gpu(Call& c, const std::string& arg, const std::string& what, const std::function<void()>& fn) {
   SCOPED_TRACE(c.name + " on the GPU: " + what);
   const auto before = device_bytes(c);
   std::string msg;

@@ -26,33 +26,58 @@ namespace {
 enum class Layout { kContiguous, kPadded, kShifted };
 // kWide: logits spread over hundreds of units, most targets far below their row's maximum (the fused gradient in
 // forward rewrites such rows: params.h, ExpGradParams).
-enum class Preset { kPlain, kIgnore, kSmoothing, kWeights, kZLoss, kSoftcap, kAll, kAllIgnored, kBadTargetNoCheck,
-                    kWide };
+enum class Preset {
+  kPlain,
+  kIgnore,
+  kSmoothing,
+  kWeights,
+  kZLoss,
+  kSoftcap,
+  kAll,
+  kAllIgnored,
+  kBadTargetNoCheck,
+  kWide
+};
 
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::kContiguous: return "contig";
-    case Layout::kPadded: return "padded";
-    case Layout::kShifted: return "shifted";
+    case Layout::kContiguous:
+      return "contig";
+    case Layout::kPadded:
+      return "padded";
+    case Layout::kShifted:
+      return "shifted";
   }
   return "?";
 }
 const char* preset_name(Preset p) {
   switch (p) {
-    case Preset::kPlain: return "plain";
-    case Preset::kIgnore: return "ignore";
-    case Preset::kSmoothing: return "smooth";
-    case Preset::kWeights: return "weights";
-    case Preset::kZLoss: return "zloss";
-    case Preset::kSoftcap: return "softcap";
-    case Preset::kAll: return "all";
-    case Preset::kAllIgnored: return "allignored";
-    case Preset::kBadTargetNoCheck: return "badnocheck";
-    case Preset::kWide: return "wide";
+    case Preset::kPlain:
+      return "plain";
+    case Preset::kIgnore:
+      return "ignore";
+    case Preset::kSmoothing:
+      return "smooth";
+    case Preset::kWeights:
+      return "weights";
+    case Preset::kZLoss:
+      return "zloss";
+    case Preset::kSoftcap:
+      return "softcap";
+    case Preset::kAll:
+      return "all";
+    case Preset::kAllIgnored:
+      return "allignored";
+    case Preset::kBadTargetNoCheck:
+      return "badnocheck";
+    case Preset::kWide:
+      return "wide";
   }
   return "?";
 }
-const char* reduction_name(Reduction r) { return r == Reduction::kNone ? "none" : r == Reduction::kSum ? "sum" : "mean"; }
+const char* reduction_name(Reduction r) {
+  return r == Reduction::kNone ? "none" : r == Reduction::kSum ? "sum" : "mean";
+}
 
 struct LceCase {
   int64_t n, h, v;
@@ -75,17 +100,26 @@ LinearCrossEntropyOptions options_for(const LceCase& c) {
   LinearCrossEntropyOptions o;
   o.reduction = c.reduction;
   switch (c.preset) {
-    case Preset::kSmoothing: o.label_smoothing = 0.1; break;
-    case Preset::kZLoss: o.z_loss = 1e-3; break;
-    case Preset::kSoftcap: o.softcap = 4.0; break;
+    case Preset::kSmoothing:
+      o.label_smoothing = 0.1;
+      break;
+    case Preset::kZLoss:
+      o.z_loss = 1e-3;
+      break;
+    case Preset::kSoftcap:
+      o.softcap = 4.0;
+      break;
     case Preset::kAll:
       o.label_smoothing = 0.05;
       o.z_loss = 1e-2;
       o.softcap = 8.0;
       o.ignore_index = 2;  // an index inside [0, V)
       break;
-    case Preset::kBadTargetNoCheck: o.check_targets = false; break;
-    default: break;
+    case Preset::kBadTargetNoCheck:
+      o.check_targets = false;
+      break;
+    default:
+      break;
   }
   return o;
 }
@@ -133,7 +167,7 @@ struct LceInputs {
     target.fill_storage_bytes(0x7F);
     hidden.fill_normal(seed, 1.f);
     // Logits of about unit spread (several units with softcap, so that the cap bends them).
-    const float spread = c.preset == Preset::kWide                                 ? 60.f
+    const float spread = c.preset == Preset::kWide                                  ? 60.f
                          : c.preset == Preset::kSoftcap || c.preset == Preset::kAll ? 6.f
                                                                                     : 2.f;
     weight.fill_normal(seed + 1, spread / std::sqrt(static_cast<float>(H)));
@@ -243,8 +277,8 @@ Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1
       const double y = z[i * V + j];
       const double xj = o.softcap > 0 ? o.softcap * std::tanh(y / o.softcap) : y;
       const double p = std::exp(xj - lse[i]);
-      double d = (1 - eps) * w(t) * (p - (j == t ? 1.0 : 0.0));  // -(1-eps) w_t d log p_t / dx_j
-      if (eps != 0) d += eps / V * (W * p - w(j));                // label smoothing
+      double d = (1 - eps) * w(t) * (p - (j == t ? 1.0 : 0.0));       // -(1-eps) w_t d log p_t / dx_j
+      if (eps != 0) d += eps / V * (W * p - w(j));                    // label smoothing
       d = up * inv * d + up * inv_count * 2 * o.z_loss * lse[i] * p;  // z-loss: d(lse^2) = 2 lse p_j
       if (o.softcap > 0) d *= 1 - (xj / o.softcap) * (xj / o.softcap);
       g[i * V + j] = d;
@@ -323,21 +357,26 @@ Outputs run_backend(LceInputs& in, Entry e, bool dev, const std::vector<double>&
   const TensorView gxv = gx.view(dev), gwv = gw.view(dev), gbv = in.has_bias() ? gb.view(dev) : TensorView{};
   size_t bytes = 0;
   switch (e) {
-    case Entry::kForward: bytes = linear_cross_entropy_forward_workspace_bytes(h, w, t, o); break;
+    case Entry::kForward:
+      bytes = linear_cross_entropy_forward_workspace_bytes(h, w, t, o);
+      break;
     case Entry::kForwardBackward:
       bytes = linear_cross_entropy_forward_backward_workspace_bytes(h, w, t, gxv, gwv, gbv, o);
       break;
-    case Entry::kBackward: bytes = linear_cross_entropy_backward_workspace_bytes(h, w, t, gxv, gwv, gbv, o); break;
+    case Entry::kBackward:
+      bytes = linear_cross_entropy_backward_workspace_bytes(h, w, t, gxv, gwv, gbv, o);
+      break;
   }
   if (!dev) EXPECT_EQ(bytes, 0u);
   DeviceScratch ws(dev ? bytes : 0);
   switch (e) {
     case Entry::kForward:
-      linear_cross_entropy_forward(h, w, in.bv(dev), t, in.cwv(dev), o, loss.view(dev), lse.view(dev), ws.ws(), nullptr);
+      linear_cross_entropy_forward(h, w, in.bv(dev), t, in.cwv(dev), o, loss.view(dev), lse.view(dev), ws.ws(),
+                                   nullptr);
       break;
     case Entry::kForwardBackward:
-      linear_cross_entropy_forward_backward(h, w, in.bv(dev), t, in.cwv(dev), o, loss.view(dev), lse.view(dev), gxv, gwv,
-                                            gbv, up.view(dev), ws.ws(), nullptr);
+      linear_cross_entropy_forward_backward(h, w, in.bv(dev), t, in.cwv(dev), o, loss.view(dev), lse.view(dev), gxv,
+                                            gwv, gbv, up.view(dev), ws.ws(), nullptr);
       break;
     case Entry::kBackward:
       linear_cross_entropy_backward(h, w, in.bv(dev), t, in.cwv(dev), lse.view(dev), up.view(dev), o, gxv, gwv, gbv,
@@ -370,7 +409,7 @@ std::vector<double> upstream_for(const LceInputs& in, uint64_t seed) {
   std::uniform_real_distribution<double> u(0.5, 1.5);
   std::vector<double> up(in.opt.reduction == Reduction::kNone ? std::max<int64_t>(in.c.n, 0) : 1);
   for (auto& v : up) v = static_cast<float>(u(rng));  // float32-exact
-  if (up.empty()) up.push_back(1.0);  // reduction none over no tokens: a [0] tensor (not read)
+  if (up.empty()) up.push_back(1.0);                  // reduction none over no tokens: a [0] tensor (not read)
   return up;
 }
 
@@ -439,8 +478,8 @@ std::vector<LceCase> make_cuda_cases() {
     int64_t n, h, v;
   };
   // The CPU oracle (double sums) bounds the sizes: at most ~1e9 multiply-adds per product.
-  const Shape shapes[] = {{0, 64, 1000}, {1, 64, 32003}, {7, 33, 1000}, {333, 96, 7777}, {256, 128, 32003},
-                          {64, 128, 128256}, {1024, 256, 4099}};
+  const Shape shapes[] = {{0, 64, 1000},     {1, 64, 32003},    {7, 33, 1000},    {333, 96, 7777},
+                          {256, 128, 32003}, {64, 128, 128256}, {1024, 256, 4099}};
   for (DType dt : dts) {
     for (const Shape& s : shapes) {
       cases.push_back({s.n, s.h, s.v, dt, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false});
@@ -535,12 +574,10 @@ TEST(LinearCrossEntropyCudaFused, RunsOnHopperFor16BitInputs) {
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
   const bool hopper = major == 9 && minor == 0;
-  for (const LceCase c : {LceCase{64, 128, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain,
-                                  Reduction::kMean, false},
-                          LceCase{7, 33, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain,
-                                  Reduction::kMean, false},
-                          LceCase{64, 128, 1000, DType::kFloat32, Layout::kContiguous, Preset::kPlain,
-                                  Reduction::kMean, false}}) {
+  for (const LceCase c :
+       {LceCase{64, 128, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
+        LceCase{7, 33, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
+        LceCase{64, 128, 1000, DType::kFloat32, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false}}) {
     SCOPED_TRACE(case_name(c));
     LceInputs in(c, seed_of(c));
     const auto up = upstream_for(in, seed_of(c) + 1);
@@ -729,8 +766,8 @@ TEST(LinearCrossEntropy, BroadcastHiddenRows) {
     return ::testing::AssertionFailure() << what << ": " << a.size() << " vs " << b.size() << " elements";
   for (size_t i = 0; i < a.size(); ++i) {
     if (!std::isfinite(a[i]) || !std::isfinite(b[i]))
-      return ::testing::AssertionFailure() << what << "[" << i << "]: " << a[i] << " and " << b[i]
-                                           << " (expected finite)";
+      return ::testing::AssertionFailure()
+             << what << "[" << i << "]: " << a[i] << " and " << b[i] << " (expected finite)";
     // The values are floats widened exactly to double: equal double bits are equal float bits (-0 != +0).
     if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0)
       return ::testing::AssertionFailure() << what << "[" << i << "]: " << std::hexfloat << a[i] << " vs " << b[i];
@@ -830,14 +867,18 @@ TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
             float* dst = grad.data() + r * ld + c;
             const auto load_full = [&](float* x) {
               for (int k = 0; k < K; ++k) {
-                if (c + k >= width) outside("full load", c + k, width);
-                else if (r == 0) ++loaded[v0 + c + k];
+                if (c + k >= width)
+                  outside("full load", c + k, width);
+                else if (r == 0)
+                  ++loaded[v0 + c + k];
                 x[k] = src[k];
               }
             };
             const auto load_one = [&](int k) {
-              if (c + k >= width) outside("load", c + k, width);
-              else if (r == 0) ++loaded[v0 + c + k];
+              if (c + k >= width)
+                outside("load", c + k, width);
+              else if (r == 0)
+                ++loaded[v0 + c + k];
               return src[k];
             };
             // The label-smoothing gradient's class-weight read, as ce::grad_elem does it.
@@ -856,14 +897,18 @@ TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
               if (!((mask >> k) & 1u)) EXPECT_EQ(v[k], 0.f) << "slot " << k << " of the group at " << c;
             const auto store_full = [&](const float* w) {
               for (int k = 0; k < K; ++k) {
-                if (c + k >= width) outside("full store", c + k, width);
-                else if (r == 0) ++stored[v0 + c + k];
+                if (c + k >= width)
+                  outside("full store", c + k, width);
+                else if (r == 0)
+                  ++stored[v0 + c + k];
                 dst[k] = w[k];
               }
             };
             const auto store_one = [&](int k, float w) {
-              if (c + k >= width) outside("store", c + k, width);
-              else if (r == 0) ++stored[v0 + c + k];
+              if (c + k >= width)
+                outside("store", c + k, width);
+              else if (r == 0)
+                ++stored[v0 + c + k];
               dst[k] = w;
             };
             lce::grad_group_store(mask, v, store_full, store_one, colsum);
@@ -928,9 +973,10 @@ void expect_layout_sound(const lce::Plan& p) {
     EXPECT_EQ(regions[i].first % 256, 0u);
     if (i) EXPECT_LE(regions[i - 1].second, regions[i].first);
   }
-  const size_t offs[] = {p.off_scalars, p.off_targets, p.off_row_loss, p.off_lse, p.off_hidden, p.off_logits,
-                         p.off_dlogits, p.off_dw, p.off_dx, p.off_db, p.off_db_partial, p.off_partials,
-                         p.off_shift, p.off_row_scale, p.off_fixups, p.off_scaled_hidden, p.off_dx_rows};
+  const size_t offs[] = {p.off_scalars,       p.off_targets,  p.off_row_loss, p.off_lse,       p.off_hidden,
+                         p.off_logits,        p.off_dlogits,  p.off_dw,       p.off_dx,        p.off_db,
+                         p.off_db_partial,    p.off_partials, p.off_shift,    p.off_row_scale, p.off_fixups,
+                         p.off_scaled_hidden, p.off_dx_rows};
   for (size_t off : offs)
     if (off != lce::Plan::kNone) {
       EXPECT_EQ(off % 256, 0u);
@@ -1094,8 +1140,8 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   EXPECT_FALSE(g.dw_accumulator);
   EXPECT_EQ(g.off_logits, lce::Plan::kNone);
   EXPECT_EQ(g.ce_bytes, 0u);
-  for (size_t off : {g.off_partials, g.off_dlogits, g.off_shift, g.off_row_scale, g.off_fixups, g.off_scaled_hidden,
-                     g.off_dx_rows})
+  for (size_t off :
+       {g.off_partials, g.off_dlogits, g.off_shift, g.off_row_scale, g.off_fixups, g.off_scaled_hidden, g.off_dx_rows})
     EXPECT_NE(off, lce::Plan::kNone);
   EXPECT_GE(g.bytes, size_t{8192} * 272908);
   EXPECT_LE(g.bytes, size_t{8192} * 272908 + (size_t{40} << 20));
@@ -1261,8 +1307,10 @@ TEST(LinearCrossEntropyErrors, GradientOutputs) {
   EXPECT_TRUE(has(s.fwd_bwd(gx, gw16.host_view(), {}, {}), "grad_weight: expected dtype float32 (weight's)"));
   EXPECT_TRUE(has(s.fwd_bwd(gx, gw, s.gb.host_view(), {}), "grad_bias: expected None (there is no bias)"));
   // A gradient output may not share memory with an input.
-  EXPECT_TRUE(has(s.fwd_bwd(s.hidden.host_view(), gw, {}, {}), "grad_hidden: expected memory that does not overlap hidden"));
-  EXPECT_TRUE(has(s.fwd_bwd(gx, s.weight.host_view(), {}, {}), "grad_weight: expected memory that does not overlap weight"));
+  EXPECT_TRUE(
+      has(s.fwd_bwd(s.hidden.host_view(), gw, {}, {}), "grad_hidden: expected memory that does not overlap hidden"));
+  EXPECT_TRUE(
+      has(s.fwd_bwd(gx, s.weight.host_view(), {}, {}), "grad_weight: expected memory that does not overlap weight"));
   // The backward needs the forward's lse.
   const std::string b = error_of([&] {
     linear_cross_entropy_backward(s.hidden.host_view(), s.weight.host_view(), {}, s.target.host_view(), {}, {},
@@ -1294,9 +1342,11 @@ TEST(LinearCrossEntropyErrors, BadTargetNamesFirstRowAndWritesNothing) {
 TEST(LinearCrossEntropySchedule, RecomputeIsFasterQuery) {
   const LinearCrossEntropyOptions o;
   const Device cpu{DeviceType::kCPU, 0};
-  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, cpu, true, true, false, o));
+  EXPECT_FALSE(
+      linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, cpu, true, true, false, o));
   EXPECT_TRUE(has(error_of([&] {
-                    linear_cross_entropy_recompute_is_faster(-1, 2304, 256000, DType::kBFloat16, cpu, true, true, false, o);
+                    linear_cross_entropy_recompute_is_faster(-1, 2304, 256000, DType::kBFloat16, cpu, true, true, false,
+                                                             o);
                   }),
                   "n_tokens"));
   EXPECT_TRUE(has(error_of([&] {
@@ -1307,21 +1357,25 @@ TEST(LinearCrossEntropySchedule, RecomputeIsFasterQuery) {
                     linear_cross_entropy_recompute_is_faster(8, 16, 0, DType::kBFloat16, cpu, true, true, false, o);
                   }),
                   "vocab"));
-  EXPECT_TRUE(has(error_of([&] {
-                    linear_cross_entropy_recompute_is_faster(8, 16, 32, DType::kInt64, cpu, true, true, false, o);
-                  }),
-                  "dtype"));
+  EXPECT_TRUE(has(
+      error_of([&] { linear_cross_entropy_recompute_is_faster(8, 16, 32, DType::kInt64, cpu, true, true, false, o); }),
+      "dtype"));
 }
 
 TEST(LinearCrossEntropyCudaSchedule, RecomputeIsFasterQuery) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const LinearCrossEntropyOptions o;
   const Device gpu{DeviceType::kCUDA, 0};
-  EXPECT_TRUE(linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, gpu, true, true, false, o));
-  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(16384, 2048, 128256, DType::kBFloat16, gpu, true, true, false, o));
-  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(8192, 4096, 128256, DType::kBFloat16, gpu, true, true, true, o));
-  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kFloat32, gpu, true, true, false, o));
-  EXPECT_FALSE(linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, gpu, true, false, false, o));
+  EXPECT_TRUE(
+      linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, gpu, true, true, false, o));
+  EXPECT_FALSE(
+      linear_cross_entropy_recompute_is_faster(16384, 2048, 128256, DType::kBFloat16, gpu, true, true, false, o));
+  EXPECT_FALSE(
+      linear_cross_entropy_recompute_is_faster(8192, 4096, 128256, DType::kBFloat16, gpu, true, true, true, o));
+  EXPECT_FALSE(
+      linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kFloat32, gpu, true, true, false, o));
+  EXPECT_FALSE(
+      linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, gpu, true, false, false, o));
 }
 
 TEST(LinearCrossEntropyCudaErrors, BadTargetAndSmallWorkspace) {

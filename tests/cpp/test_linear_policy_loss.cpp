@@ -31,9 +31,12 @@ enum class Layout { kShifted, kAligned, kView };
 
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::kShifted: return "shifted";
-    case Layout::kAligned: return "aligned";
-    case Layout::kView: return "view";
+    case Layout::kShifted:
+      return "shifted";
+    case Layout::kAligned:
+      return "aligned";
+    case Layout::kView:
+      return "view";
   }
   return "?";
 }
@@ -243,10 +246,14 @@ const char* entry_name(Entry e) {
 enum class Chunking { kDefault, kShort, kSequences, kBudget };
 const char* chunking_name(Chunking c) {
   switch (c) {
-    case Chunking::kDefault: return "default chunks";
-    case Chunking::kShort: return "short chunks";
-    case Chunking::kSequences: return "sequence chunks";
-    case Chunking::kBudget: return "small budget";
+    case Chunking::kDefault:
+      return "default chunks";
+    case Chunking::kShort:
+      return "short chunks";
+    case Chunking::kSequences:
+      return "sequence chunks";
+    case Chunking::kBudget:
+      return "small budget";
   }
   return "?";
 }
@@ -254,10 +261,17 @@ const char* chunking_name(Chunking c) {
 LinearPolicyLossOptions chunked(const LplInputs& in, Chunking ch) {
   LinearPolicyLossOptions o = in.opt;
   switch (ch) {
-    case Chunking::kDefault: break;
-    case Chunking::kShort: o.chunk_tokens = std::max<int64_t>(1, in.Lg / 2 + 1); break;
-    case Chunking::kSequences: o.chunk_tokens = 2 * in.Lg + 1; break;
-    case Chunking::kBudget: o.memory_budget = static_cast<size_t>(4 * ((in.c.V + 7) / 8 * 8) * 12); break;
+    case Chunking::kDefault:
+      break;
+    case Chunking::kShort:
+      o.chunk_tokens = std::max<int64_t>(1, in.Lg / 2 + 1);
+      break;
+    case Chunking::kSequences:
+      o.chunk_tokens = 2 * in.Lg + 1;
+      break;
+    case Chunking::kBudget:
+      o.memory_budget = static_cast<size_t>(4 * ((in.c.V + 7) / 8 * 8) * 12);
+      break;
   }
   return o;
 }
@@ -273,7 +287,7 @@ Out run_backend(LplInputs& in, Entry e, bool dev, float upstream, const Out* sav
   const DType gdt = f32_grads ? DType::kFloat32 : in.c.dtype;
   PolicyOutputTensors outs(B, L);
   TestTensor gx = in.c.layout == Layout::kAligned ? TestTensor(gdt, {B, in.Lg, H}, {in.Lg * (H + 5), H + 5, 1}, 2)
-                                                 : TestTensor(gdt, {B, in.Lg, H});
+                                                  : TestTensor(gdt, {B, in.Lg, H});
   TestTensor gw(gdt, {V, H}), gb(gdt, {V});
   TestTensor gscale(DType::kFloat32, {});
   gscale.set(0, upstream);
@@ -298,14 +312,22 @@ Out run_backend(LplInputs& in, Entry e, bool dev, float upstream, const Out* sav
   if (in.c.bias) g.grad_bias = gb.view(dev);
   size_t bytes = 0;
   switch (e) {
-    case Entry::kForward: bytes = linear_policy_loss_forward_workspace_bytes(pin, o); break;
-    case Entry::kForwardBackward: bytes = linear_policy_loss_forward_backward_workspace_bytes(pin, o, g); break;
-    case Entry::kBackward: bytes = linear_policy_loss_backward_workspace_bytes(pin, o, g); break;
+    case Entry::kForward:
+      bytes = linear_policy_loss_forward_workspace_bytes(pin, o);
+      break;
+    case Entry::kForwardBackward:
+      bytes = linear_policy_loss_forward_backward_workspace_bytes(pin, o, g);
+      break;
+    case Entry::kBackward:
+      bytes = linear_policy_loss_backward_workspace_bytes(pin, o, g);
+      break;
   }
   if (!dev) EXPECT_EQ(bytes, 0u);
   DeviceScratch ws(dev ? bytes : 0);
   switch (e) {
-    case Entry::kForward: linear_policy_loss_forward(pin, o, out, ws.ws(), nullptr); break;
+    case Entry::kForward:
+      linear_policy_loss_forward(pin, o, out, ws.ws(), nullptr);
+      break;
     case Entry::kForwardBackward:
       linear_policy_loss_forward_backward(pin, o, out, g, gscale.view(dev), ws.ws(), nullptr);
       break;
@@ -381,9 +403,9 @@ std::vector<LplCase> make_cases(bool gpu) {
   using Shape = std::array<int64_t, 4>;  // B, L, H, V
   // CPU: small shapes (the reference is O(B L H V)). GPU: the CPU backend is the expectation (O(B L H V) in
   // double per pass), so vocabularies up to Qwen's 150000 at a few tokens, and a few hundred tokens at V=4099.
-  const std::vector<Shape> shapes = gpu ? std::vector<Shape>{{3, 5, 64, 1000}, {2, 37, 96, 32003}, {2, 3, 64, 150000},
-                                                             {4, 64, 128, 4099}}
-                                        : std::vector<Shape>{{3, 5, 16, 37}, {2, 4, 33, 200}};
+  const std::vector<Shape> shapes =
+      gpu ? std::vector<Shape>{{3, 5, 64, 1000}, {2, 37, 96, 32003}, {2, 3, 64, 150000}, {4, 64, 128, 4099}}
+          : std::vector<Shape>{{3, 5, 16, 37}, {2, 4, 33, 200}};
   for (size_t si = 0; si < shapes.size(); ++si) {
     const Shape& s = shapes[si];
     const bool bias = si % 2 == 0;
@@ -417,8 +439,8 @@ std::vector<LplCase> make_cases(bool gpu) {
     }
   }
   // Edge shapes: one token, one class, H = 1, an empty batch, sequences of no tokens (positions but no tokens).
-  for (const Shape& s : {Shape{1, 1, 8, 7}, Shape{2, 3, 5, 1}, Shape{2, 3, 1, 9}, Shape{0, 4, 8, 9},
-                         Shape{3, 0, 8, 9}}) {
+  for (const Shape& s :
+       {Shape{1, 1, 8, 7}, Shape{2, 3, 5, 1}, Shape{2, 3, 1, 9}, Shape{0, 4, 8, 9}, Shape{3, 0, 8, 9}}) {
     cases.push_back({s[0], s[1], s[2], s[3], DType::kFloat32, Layout::kShifted, Preset::kFull, PolicyLossType::kGrpo,
                      ImportanceSamplingLevel::kSequence, true});
     cases.push_back({s[0], s[1], s[2], s[3], DType::kBFloat16, Layout::kAligned, Preset::kSeedLike,
@@ -476,8 +498,16 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearPolicyLossCuda, ::testing::ValuesIn(make_
 TEST(LinearPolicyLoss, Float32GradientsOf16BitInputs) {
   for (bool dev : {false, true}) {
     if (dev && !has_gpu()) continue;
-    const LplCase c{3, 40, 64, 3001, DType::kBFloat16, Layout::kShifted, Preset::kFull, PolicyLossType::kBnpo,
-                    ImportanceSamplingLevel::kSequence, true};
+    const LplCase c{3,
+                    40,
+                    64,
+                    3001,
+                    DType::kBFloat16,
+                    Layout::kShifted,
+                    Preset::kFull,
+                    PolicyLossType::kBnpo,
+                    ImportanceSamplingLevel::kSequence,
+                    true};
     LplInputs in(c, 17);
     const Ref ref = reference(in, 1.f, /*want_grads=*/!dev);
     const Out want = dev ? run_backend(in, Entry::kForwardBackward, false, 1.f, nullptr) : from_reference(ref);
@@ -603,9 +633,14 @@ TEST(LinearPolicyLossPlan, ChunksAreWholeSequencesAndRegionsDisjoint) {
   EXPECT_FALSE(p.dw_accumulator);
   // Regions: 256-aligned, disjoint, inside `bytes`.
   std::vector<std::pair<size_t, size_t>> regions = {
-      {p.off_steps, in.steps_bytes}, {p.off_logp, 4 * 8192}, {p.off_lse, 4 * 8192}, {p.off_coeff, 4 * 8192},
-      {p.off_cublas, p.cublas_bytes}, {p.off_logits, static_cast<size_t>(p.chunk_rows * p.ld_logits * 4)},
-      {p.off_dlogits, static_cast<size_t>(p.group_rows * p.ld_dlogits * 2)}, {p.off_db, 150000 * 4}};
+      {p.off_steps, in.steps_bytes},
+      {p.off_logp, 4 * 8192},
+      {p.off_lse, 4 * 8192},
+      {p.off_coeff, 4 * 8192},
+      {p.off_cublas, p.cublas_bytes},
+      {p.off_logits, static_cast<size_t>(p.chunk_rows * p.ld_logits * 4)},
+      {p.off_dlogits, static_cast<size_t>(p.group_rows * p.ld_dlogits * 2)},
+      {p.off_db, 150000 * 4}};
   std::sort(regions.begin(), regions.end());
   for (size_t i = 0; i < regions.size(); ++i) {
     ASSERT_NE(regions[i].first, lpl::Plan::kNone) << i;
@@ -704,8 +739,8 @@ SelOut run_selective(SelInputs& in, bool dev, Chunking ch = Chunking::kDefault) 
   const TensorView h = in.hidden.view(dev), w = in.weight.view(dev), i = in.ids.view(dev);
   {
     DeviceScratch ws(dev ? linear_selective_log_softmax_forward_workspace_bytes(h, w, i, o) : 0);
-    linear_selective_log_softmax_forward(h, w, in.bv(dev), i, o, logp.view(dev), ent.view(dev), lse.view(dev),
-                                         ws.ws(), nullptr);
+    linear_selective_log_softmax_forward(h, w, in.bv(dev), i, o, logp.view(dev), ent.view(dev), lse.view(dev), ws.ws(),
+                                         nullptr);
   }
   {
     DeviceScratch ws(dev ? linear_selective_log_softmax_backward_workspace_bytes(h, w, i, o, g) : 0);
@@ -764,8 +799,8 @@ void expect_selective(const SelInputs& in, const SelOut& got, const SelOut& want
   const double unit = std::max(gmax * std::max({wmax, hmax, 1.0}) / in.c.temperature, 1.5e-3 / in.c.temperature);
   EXPECT_TRUE(grad_close(got.dx, want.dx, tol, unit, who + " grad_hidden"));
   EXPECT_TRUE(grad_close(got.dw, want.dw, tol, unit, who + " grad_weight"));
-  if (in.c.bias) EXPECT_TRUE(grad_close(got.db, want.db, tolerance(DType::kFloat32, Quantity::kLceGrad), unit,
-                                        who + " grad_bias"));
+  if (in.c.bias)
+    EXPECT_TRUE(grad_close(got.db, want.db, tolerance(DType::kFloat32, Quantity::kLceGrad), unit, who + " grad_bias"));
 }
 
 std::vector<SelCase> sel_cases(bool gpu) {
@@ -773,9 +808,9 @@ std::vector<SelCase> sel_cases(bool gpu) {
   struct Shape {
     int64_t n, h, v;
   };
-  const std::vector<Shape> shapes = gpu ? std::vector<Shape>{{0, 64, 5}, {1, 64, 1}, {37, 96, 1000}, {5, 64, 150000},
-                                                             {300, 128, 32003}}
-                                        : std::vector<Shape>{{0, 8, 5}, {1, 4, 1}, {7, 5, 3}, {9, 16, 200}};
+  const std::vector<Shape> shapes =
+      gpu ? std::vector<Shape>{{0, 64, 5}, {1, 64, 1}, {37, 96, 1000}, {5, 64, 150000}, {300, 128, 32003}}
+          : std::vector<Shape>{{0, 8, 5}, {1, 4, 1}, {7, 5, 3}, {9, 16, 200}};
   for (const Shape& s : shapes)
     for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
       for (bool padded : {false, true}) cases.push_back({s.n, s.h, s.v, dt, padded, padded ? 0.6 : 1.0, padded});
@@ -808,8 +843,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearSelectiveLogSoftmaxCuda, ::testing::Value
 struct Small {
   TestTensor hidden{DType::kFloat32, {2, 4, 5}}, weight{DType::kFloat32, {6, 5}}, bias{DType::kFloat32, {6}},
       ids{DType::kInt64, {2, 3}}, adv{DType::kFloat32, {2}}, mask{DType::kInt32, {2, 3}}, ref{DType::kFloat32, {2, 3}},
-      loss{DType::kFloat32, {}}, gx{DType::kFloat32, {2, 4, 5}}, gw{DType::kFloat32, {6, 5}},
-      gb{DType::kFloat32, {6}};
+      loss{DType::kFloat32, {}}, gx{DType::kFloat32, {2, 4, 5}}, gw{DType::kFloat32, {6, 5}}, gb{DType::kFloat32, {6}};
   LinearPolicyLossOptions opt;
   Small() {
     hidden.fill_normal(3, 1.f);
@@ -848,8 +882,8 @@ TEST(LinearPolicyLossErrors, ShapesNameTheArgument) {
   EXPECT_EQ(s.run(s.in(), s.grads()), "");
   s.loss.set(0, 123.f);
   TestTensor h_long(DType::kFloat32, {2, 5, 5}), h2(DType::kFloat32, {8, 5}), w_h(DType::kFloat32, {6, 4}),
-      b7(DType::kFloat32, {7}), ids3(DType::kInt64, {3, 3}), adv3(DType::kFloat32, {3}), gx_bad(DType::kFloat32, {2, 3, 5}),
-      gw_bad(DType::kFloat32, {5, 5}), h16(DType::kFloat16, {2, 4, 5});
+      b7(DType::kFloat32, {7}), ids3(DType::kInt64, {3, 3}), adv3(DType::kFloat32, {3}),
+      gx_bad(DType::kFloat32, {2, 3, 5}), gw_bad(DType::kFloat32, {5, 5}), h16(DType::kFloat16, {2, 4, 5});
   auto with = [&](auto f) {
     LinearPolicyLossInputs p = s.in();
     LinearPolicyLossGrads g = s.grads();
@@ -857,8 +891,9 @@ TEST(LinearPolicyLossErrors, ShapesNameTheArgument) {
     return s.run(p, g);
   };
   auto has = [](const std::string& msg, const std::string& what) {
-    return msg.find(what) != std::string::npos ? ::testing::AssertionSuccess()
-                                               : ::testing::AssertionFailure() << "'" << msg << "' lacks '" << what << "'";
+    return msg.find(what) != std::string::npos
+               ? ::testing::AssertionSuccess()
+               : ::testing::AssertionFailure() << "'" << msg << "' lacks '" << what << "'";
   };
   EXPECT_TRUE(has(with([&](auto& p, auto&) { p.hidden = h_long.host_view(); }), "hidden: expected shape [2, 4, H]"));
   EXPECT_TRUE(has(with([&](auto& p, auto&) { p.hidden = h2.host_view(); }), "hidden: expected shape [2, 4, H]"));
@@ -878,7 +913,8 @@ TEST(LinearPolicyLossErrors, ShapesNameTheArgument) {
                   "grad_weight: expected memory that does not overlap weight"));
   TensorView strided = s.hidden.host_view();
   strided.strides[2] = 2;
-  EXPECT_TRUE(has(with([&](auto& p, auto&) { p.hidden = strided; }), "hidden: expected a last dimension with stride 1"));
+  EXPECT_TRUE(
+      has(with([&](auto& p, auto&) { p.hidden = strided; }), "hidden: expected a last dimension with stride 1"));
   EXPECT_EQ(s.loss.get(0), 123.f);  // nothing was written by any failing call
 }
 
@@ -920,8 +956,8 @@ TEST(LinearPolicyLossErrors, OptionsIdsAndBackwardInputs) {
   }
   TestTensor logp5(DType::kFloat32, {5}), lse(DType::kFloat32, {2, 3}), gl(DType::kFloat32, {});
   EXPECT_NE(error_of([&] {
-              linear_policy_loss_backward(s.in(), s.opt, logp5.host_view(), lse.host_view(), gl.host_view(),
-                                          s.grads(), {}, nullptr);
+              linear_policy_loss_backward(s.in(), s.opt, logp5.host_view(), lse.host_view(), gl.host_view(), s.grads(),
+                                          {}, nullptr);
             }).find("logp: expected 6 elements"),
             std::string::npos);
   EXPECT_NE(error_of([&] {
@@ -967,9 +1003,8 @@ TEST(LinearPolicyLossCudaErrors, BadIdAndWorkspaceOnGpu) {
   p.ref_logp = s.ref.view(true);
   PolicyLossOutputs o;
   o.loss = s.loss.view(true);
-  expect_gpu_workspace_and_bad_id_errors(
-      [&](Workspace ws) { linear_policy_loss_forward(p, s.opt, o, ws, nullptr); },
-      linear_policy_loss_forward_workspace_bytes(p, s.opt));
+  expect_gpu_workspace_and_bad_id_errors([&](Workspace ws) { linear_policy_loss_forward(p, s.opt, o, ws, nullptr); },
+                                         linear_policy_loss_forward_workspace_bytes(p, s.opt));
 }
 
 }  // namespace

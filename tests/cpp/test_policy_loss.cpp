@@ -32,9 +32,12 @@ namespace {
 enum class PlLayout { kShifted, kAligned, kStrided };
 const char* layout_name(PlLayout l) {
   switch (l) {
-    case PlLayout::kShifted: return "shifted";
-    case PlLayout::kAligned: return "aligned";
-    case PlLayout::kStrided: return "strided";
+    case PlLayout::kShifted:
+      return "shifted";
+    case PlLayout::kAligned:
+      return "aligned";
+    case PlLayout::kStrided:
+      return "strided";
   }
   return "?";
 }
@@ -178,9 +181,12 @@ PlRef reference(const PlInputs& in, double upstream, bool want_logits_grad) {
 enum class PlEntry { kForward, kForwardBackward, kInPlace };
 const char* entry_name(PlEntry e) {
   switch (e) {
-    case PlEntry::kForward: return "forward";
-    case PlEntry::kForwardBackward: return "forward_backward";
-    case PlEntry::kInPlace: return "forward_backward(in place)";
+    case PlEntry::kForward:
+      return "forward";
+    case PlEntry::kForwardBackward:
+      return "forward_backward";
+    case PlEntry::kInPlace:
+      return "forward_backward(in place)";
   }
   return "?";
 }
@@ -208,7 +214,9 @@ PlOut run_backend(PlInputs& in, PlEntry e, bool dev, float upstream, bool want_e
   const PolicyLossOutputs out = outs.views(dev, want_entropy);
   DeviceScratch ws(dev ? policy_loss_workspace_bytes(pin, in.opt) : 0);
   switch (e) {
-    case PlEntry::kForward: policy_loss_forward(pin, in.opt, out, ws.ws(), nullptr); break;
+    case PlEntry::kForward:
+      policy_loss_forward(pin, in.opt, out, ws.ws(), nullptr);
+      break;
     case PlEntry::kForwardBackward:
       policy_loss_forward_backward(pin, in.opt, out, grad.view(dev), gscale.view(dev), ws.ws(), nullptr);
       break;
@@ -268,9 +276,9 @@ std::vector<PlCase> make_cases(bool gpu_suite) {
   using Shape = std::array<int64_t, 3>;
   // CPU: small shapes (the float64 reference is O(B L V) per loss evaluation). GPU: the CPU backend is the
   // expectation, so larger vocabularies (V=150000 is Qwen's, the benchmark's) and a few hundred rows.
-  const std::vector<Shape> shapes = gpu_suite ? std::vector<Shape>{{3, 5, 1000}, {2, 37, 32003}, {2, 3, 150000},
-                                                                   {4, 64, 4099}}
-                                              : std::vector<Shape>{{3, 5, 37}, {2, 4, 1000}};
+  const std::vector<Shape> shapes =
+      gpu_suite ? std::vector<Shape>{{3, 5, 1000}, {2, 37, 32003}, {2, 3, 150000}, {4, 64, 4099}}
+                : std::vector<Shape>{{3, 5, 37}, {2, 4, 1000}};
   for (const Shape& s : shapes) {
     for (DType dt : dts) {
       // Every loss type at both levels with every option set (mask, old, ref, temperature, clip-higher).
@@ -298,8 +306,8 @@ std::vector<PlCase> make_cases(bool gpu_suite) {
   for (const Shape& s : {Shape{1, 1, 7}, Shape{2, 3, 1}, Shape{0, 4, 9}, Shape{3, 0, 9}}) {
     cases.push_back({s[0], s[1], s[2], DType::kFloat32, PlLayout::kShifted, Preset::kFull, PolicyLossType::kGrpo,
                      ImportanceSamplingLevel::kSequence});
-    cases.push_back({s[0], s[1], s[2], DType::kBFloat16, PlLayout::kAligned, Preset::kSeedLike,
-                     PolicyLossType::kDapo, ImportanceSamplingLevel::kToken});
+    cases.push_back({s[0], s[1], s[2], DType::kBFloat16, PlLayout::kAligned, Preset::kSeedLike, PolicyLossType::kDapo,
+                     ImportanceSamplingLevel::kToken});
   }
   return cases;
 }
@@ -361,11 +369,11 @@ TEST_P(PolicyLossCuda, EveryAlgorithmMatchesCpuBackend) {
     PolicyLossAlgo algo;
     int cluster, threads;
   };
-  for (const Variant v : {Variant{PolicyLossAlgo::kStreaming, 0, 0}, Variant{PolicyLossAlgo::kStreaming, 0, 512},
-                          Variant{PolicyLossAlgo::kCluster, 0, 0}, Variant{PolicyLossAlgo::kCluster, 2, 256},
-                          Variant{PolicyLossAlgo::kCluster, 8, 128}, Variant{PolicyLossAlgo::kRowResident, 0, 0},
-                          Variant{PolicyLossAlgo::kRowResident, 3, 128},
-                          Variant{PolicyLossAlgo::kRowResident, 16, 0}}) {
+  for (const Variant v :
+       {Variant{PolicyLossAlgo::kStreaming, 0, 0}, Variant{PolicyLossAlgo::kStreaming, 0, 512},
+        Variant{PolicyLossAlgo::kCluster, 0, 0}, Variant{PolicyLossAlgo::kCluster, 2, 256},
+        Variant{PolicyLossAlgo::kCluster, 8, 128}, Variant{PolicyLossAlgo::kRowResident, 0, 0},
+        Variant{PolicyLossAlgo::kRowResident, 3, 128}, Variant{PolicyLossAlgo::kRowResident, 16, 0}}) {
     SCOPED_TRACE(std::to_string(static_cast<int>(v.algo)) + " cluster " + std::to_string(v.cluster) + " threads " +
                  std::to_string(v.threads));
     in.opt.algo = v.algo;
@@ -432,7 +440,13 @@ TEST(PolicyLossReference, GradientMatchesFiniteDifferences) {
 // The loss and its gradient at the seed's setting by hand: no old policy, so the ratio term is -A per token and
 // the gradient of logp_t is (-A + beta (1 - exp(ref - logp))) times the reduction's factor.
 TEST(PolicyLossReference, SeedSettingByHand) {
-  PlCase c{2, 2, 4, DType::kFloat32, PlLayout::kShifted, Preset::kSeedLike, PolicyLossType::kBnpo,
+  PlCase c{2,
+           2,
+           4,
+           DType::kFloat32,
+           PlLayout::kShifted,
+           Preset::kSeedLike,
+           PolicyLossType::kBnpo,
            ImportanceSamplingLevel::kToken};
   PlInputs in(c, 5);
   const PlRef r = reference(in, 1.0, /*want_logits_grad=*/true);
@@ -533,8 +547,8 @@ SelRun run_selective(SelInputs& in, bool dev) {
     for (TestTensor* t : {&in.logits, &in.ids, &in.grad_logp, &logp, &ent, &lse, &grad}) t->to_device();
   }
   DeviceScratch ws(dev ? selective_log_softmax_workspace_bytes(in.logits.view(dev), in.ids.view(dev), o) : 0);
-  selective_log_softmax_forward(in.logits.view(dev), in.ids.view(dev), o, logp.view(dev), ent.view(dev),
-                                lse.view(dev), ws.ws(), nullptr);
+  selective_log_softmax_forward(in.logits.view(dev), in.ids.view(dev), o, logp.view(dev), ent.view(dev), lse.view(dev),
+                                ws.ws(), nullptr);
   selective_log_softmax_backward(in.logits.view(dev), in.ids.view(dev), lse.view(dev), in.grad_logp.view(dev), o,
                                  grad.view(dev), ws.ws(), nullptr);
   if (dev) {
@@ -642,9 +656,9 @@ TEST(PolicyLossErrors, ShapesNameTheArgument) {
             std::string::npos);
   EXPECT_NE(with([&](auto& p) { p.advantages = adv3.host_view(); }).find("advantages: expected shape [2]"),
             std::string::npos);
-  EXPECT_NE(with([&](auto& p) { p.completion_mask = mask2.host_view(); })
-                .find("completion_mask: expected shape [2, 3]"),
-            std::string::npos);
+  EXPECT_NE(
+      with([&](auto& p) { p.completion_mask = mask2.host_view(); }).find("completion_mask: expected shape [2, 3]"),
+      std::string::npos);
   EXPECT_NE(with([&](auto& p) { p.ref_logp = ref2.host_view(); }).find("ref_logp: expected shape [2, 3]"),
             std::string::npos);
   EXPECT_NE(with([&](auto& p) { p.logits = logits_bad.host_view(); }).find("logits: expected shape [2, 4, V]"),
@@ -654,8 +668,9 @@ TEST(PolicyLossErrors, ShapesNameTheArgument) {
   EXPECT_NE(with([&](auto& p) { p.completion_mask = mask_f16.host_view(); }).find("completion_mask: expected dtype"),
             std::string::npos);
   TestTensor ids_f(DType::kFloat32, {2, 3});
-  EXPECT_NE(with([&](auto& p) { p.completion_ids = ids_f.host_view(); })
-                .find("completion_ids: expected dtype int32 or int64"),
+  EXPECT_NE(with([&](auto& p) {
+              p.completion_ids = ids_f.host_view();
+            }).find("completion_ids: expected dtype int32 or int64"),
             std::string::npos);
   TensorView strided = s.logits.host_view();
   strided.strides[2] = 2;
@@ -685,16 +700,18 @@ TEST(PolicyLossErrors, OptionsNameTheArgument) {
 
 TEST(PolicyLossErrors, BadIdNamesFirstUnmaskedToken) {
   SmallPolicy s;
-  s.ids.set_index(1, 6);    // [0, 1]: masked below, so ignored
+  s.ids.set_index(1, 6);  // [0, 1]: masked below, so ignored
   s.mask.set_index(1, 0);
-  s.ids.set_index(4, -1);   // [1, 1]: the first bad unmasked token
+  s.ids.set_index(4, -1);  // [1, 1]: the first bad unmasked token
   s.ids.set_index(5, 99);
   Error::Kind kind{};
-  const std::string msg = error_of([&] {
-    PolicyLossOutputs o;
-    o.loss = s.loss.host_view();
-    policy_loss_forward(s.in(), s.opt, o, {}, nullptr);
-  }, &kind);
+  const std::string msg = error_of(
+      [&] {
+        PolicyLossOutputs o;
+        o.loss = s.loss.host_view();
+        policy_loss_forward(s.in(), s.opt, o, {}, nullptr);
+      },
+      &kind);
   EXPECT_NE(msg.find("completion_ids"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[1, 1]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("got -1"), std::string::npos) << msg;
@@ -722,9 +739,9 @@ TEST(PolicyLossErrors, OutputsAndSelective) {
             std::string::npos);
   o.kl = {};
   o.is_clipped = clip_f.host_view();
-  EXPECT_NE(error_of([&] { policy_loss_forward(s.in(), s.opt, o, {}, nullptr); })
-                .find("is_clipped: expected dtype bool"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { policy_loss_forward(s.in(), s.opt, o, {}, nullptr); }).find("is_clipped: expected dtype bool"),
+      std::string::npos);
 
   TestTensor logits(DType::kFloat32, {4, 5}), ids(DType::kInt64, {4}), logp(DType::kFloat32, {4}),
       ids3(DType::kInt64, {3});
@@ -812,8 +829,8 @@ TEST(PolicyLossLarge, BeyondInt32Offsets) {
     const double lse = m + std::log(s);
     const int64_t id = ids.get_index(t);
     EXPECT_NEAR(logp.get(t), x[id] - lse, 1e-4) << t;
-    test_copy_device_to_host(row.data(),
-                             static_cast<const char*>(logits.view(true).data) + (b * (L + 1) + l) * V * es, V * es);
+    test_copy_device_to_host(row.data(), static_cast<const char*>(logits.view(true).data) + (b * (L + 1) + l) * V * es,
+                             V * es);
     const double c = -adv.get(b) / static_cast<double>(B * L);
     std::vector<double> got(V), want(V);
     for (int64_t j = 0; j < V; ++j) {
@@ -827,7 +844,6 @@ TEST(PolicyLossLarge, BeyondInt32Offsets) {
   test_copy_device_to_host(row.data(), last, V * es);
   for (int64_t j = 0; j < V; ++j) ASSERT_EQ(row[j], 0) << j;
 }
-
 
 // ---- the tile planner (a pure host function) ------------------------------------------------------------------
 pl::RowsPlanInputs hopper(int64_t V, int elem_bytes, bool fused) {

@@ -22,17 +22,23 @@ enum class Layout { kContiguous, kPadded, kStrided };
 
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::kContiguous: return "contig";
-    case Layout::kPadded: return "padded";
-    case Layout::kStrided: return "strided";
+    case Layout::kContiguous:
+      return "contig";
+    case Layout::kPadded:
+      return "padded";
+    case Layout::kStrided:
+      return "strided";
   }
   return "?";
 }
 const char* casting_name(RMSNormCasting c) {
   switch (c) {
-    case RMSNormCasting::kLlama: return "llama";
-    case RMSNormCasting::kGemma: return "gemma";
-    case RMSNormCasting::kNone: return "none";
+    case RMSNormCasting::kLlama:
+      return "llama";
+    case RMSNormCasting::kGemma:
+      return "gemma";
+    case RMSNormCasting::kNone:
+      return "none";
   }
   return "?";
 }
@@ -220,8 +226,14 @@ Forward run_forward(Inputs& in, bool dev, bool in_place, const RMSNormOptions& o
     in.weight.to_device();
     if (in.c.residual) in.residual.to_device();
     f.rstd.to_device();
-    if (xin) xin->to_device(); else f.y.to_device();
-    if (resin) resin->to_device(); else if (in.c.residual) f.s.to_device();
+    if (xin)
+      xin->to_device();
+    else
+      f.y.to_device();
+    if (resin)
+      resin->to_device();
+    else if (in.c.residual)
+      f.s.to_device();
   }
   const TensorView xv = xin ? xin->view(dev) : in.x.view(dev);
   const TensorView yv = xin ? xin->view(dev) : f.y.view(dev);
@@ -231,8 +243,14 @@ Forward run_forward(Inputs& in, bool dev, bool in_place, const RMSNormOptions& o
   if (dev) {
     device_synchronize();
     f.rstd.to_host();
-    if (xin) xin->to_host(); else f.y.to_host();
-    if (resin) resin->to_host(); else if (in.c.residual) f.s.to_host();
+    if (xin)
+      xin->to_host();
+    else
+      f.y.to_host();
+    if (resin)
+      resin->to_host();
+    else if (in.c.residual)
+      f.s.to_host();
   }
   if (xin) f.y = std::move(*xin);
   if (resin) f.s = std::move(*resin);
@@ -264,7 +282,10 @@ Backward run_backward(Inputs& in, TestTensor& xs, TestTensor& rstd, bool dev, bo
     in.weight.to_device();
     in.dy.to_device();
     if (in.c.residual) in.dres.to_device();
-    if (dyin) dyin->to_device(); else b.dx.to_device();
+    if (dyin)
+      dyin->to_device();
+    else
+      b.dx.to_device();
     b.dw.to_device();
   }
   const TensorView dyv = dyin ? dyin->view(dev) : in.dy.view(dev);
@@ -272,11 +293,14 @@ Backward run_backward(Inputs& in, TestTensor& xs, TestTensor& rstd, bool dev, bo
   const size_t ws_bytes = rms_norm_backward_workspace_bytes(xs.view(dev), in.weight.view(dev), opt);
   if (!dev) EXPECT_EQ(ws_bytes, 0u);
   DeviceScratch ws(dev ? ws_bytes : 0);
-  rms_norm_backward(dyv, in.dres_view(dev), xs.view(dev), in.weight.view(dev), rstd.view(dev), opt, dxv,
-                    b.dw.view(dev), ws.ws(), nullptr);
+  rms_norm_backward(dyv, in.dres_view(dev), xs.view(dev), in.weight.view(dev), rstd.view(dev), opt, dxv, b.dw.view(dev),
+                    ws.ws(), nullptr);
   if (dev) {
     device_synchronize();
-    if (dyin) dyin->to_host(); else b.dx.to_host();
+    if (dyin)
+      dyin->to_host();
+    else
+      b.dx.to_host();
     b.dw.to_host();
   }
   if (dyin) b.dx = std::move(*dyin);
@@ -319,8 +343,8 @@ std::vector<RmsCase> make_cases(bool gpu_suite) {
   std::vector<RmsCase> cases;
   const std::vector<DType> dts = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
   // Shapes for both suites: N = 0 and 1, odd H, H below a warp, and a hidden size of a real model.
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {{0, 64}, {1, 1}, {1, 4096}, {7, 3}, {5, 100},
-                                                          {33, 1000}, {64, 4096}, {9, 4097}};
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{0, 64},  {1, 1},     {1, 4096},  {7, 3},
+                                                           {5, 100}, {33, 1000}, {64, 4096}, {9, 4097}};
   for (const auto& [N, H] : shapes)
     for (DType dt : dts) add_variants(cases, N, H, dt, false);
   if (gpu_suite) {
@@ -329,9 +353,9 @@ std::vector<RmsCase> make_cases(bool gpu_suite) {
     // and enough rows for many persistent-CTA iterations.
     // About 4M elements each (the CPU expectation and the host-side checks dominate the suite's time), with
     // enough rows for at least two persistent-CTA iterations on an H100; one 16M-element shape for many.
-    const std::vector<std::pair<int64_t, int64_t>> big = {
-        {4096, 896}, {3000, 1536}, {2048, 2048}, {1024, 3072}, {1056, 4096}, {777, 5120},
-        {528, 8192}, {300, 16384}, {64, 32768},  {16, 65536},  {5, 100003}};
+    const std::vector<std::pair<int64_t, int64_t>> big = {{4096, 896},  {3000, 1536}, {2048, 2048}, {1024, 3072},
+                                                          {1056, 4096}, {777, 5120},  {528, 8192},  {300, 16384},
+                                                          {64, 32768},  {16, 65536},  {5, 100003}};
     for (const auto& [N, H] : big)
       for (DType dt : dts) add_variants(cases, N, H, dt, dt != DType::kBFloat16);
     add_variants(cases, 16384, 1024, DType::kBFloat16, true);
@@ -740,42 +764,42 @@ TEST(RMSNormPlan, InvariantsForEveryHiddenSize) {
       for (bool aligned : {true, false})
         for (int vpt : {0, 8})
           for (bool res : {false, true})
-          for (int64_t H = 1; H <= 70000; H += (H < 2048 ? 1 : 61)) {
-            rms::PlanInputs in;
-            in.hidden = H;
-            in.elem_bytes = es;
-            in.backward = bwd;
-            in.vector_ok = aligned;
-            in.residual = res;
-            in.vpt = vpt;
-            in.smem_per_block = 227 * 1024;
-            const rms::Plan p = rms::plan_rms_norm(in);
-            const int tpr = p.threads_per_row, rows = p.rows_per_cta;
-            SCOPED_TRACE(testing::Message() << "H " << H << " es " << es << " bwd " << bwd << " vpt " << vpt
-                                            << " residual " << res);
-            ASSERT_EQ(p.threads() % 32, 0);
-            if (tpr > 32) {
-              ASSERT_EQ(tpr % 32, 0);
-              ASSERT_LE(rows, rms::kMaxNamedBarrierRows);
-            } else {
-              ASSERT_EQ(tpr & (tpr - 1), 0);
+            for (int64_t H = 1; H <= 70000; H += (H < 2048 ? 1 : 61)) {
+              rms::PlanInputs in;
+              in.hidden = H;
+              in.elem_bytes = es;
+              in.backward = bwd;
+              in.vector_ok = aligned;
+              in.residual = res;
+              in.vpt = vpt;
+              in.smem_per_block = 227 * 1024;
+              const rms::Plan p = rms::plan_rms_norm(in);
+              const int tpr = p.threads_per_row, rows = p.rows_per_cta;
+              SCOPED_TRACE(testing::Message()
+                           << "H " << H << " es " << es << " bwd " << bwd << " vpt " << vpt << " residual " << res);
+              ASSERT_EQ(p.threads() % 32, 0);
+              if (tpr > 32) {
+                ASSERT_EQ(tpr % 32, 0);
+                ASSERT_LE(rows, rms::kMaxNamedBarrierRows);
+              } else {
+                ASSERT_EQ(tpr & (tpr - 1), 0);
+              }
+              ASSERT_EQ(rms::plan_error(p, in), nullptr);
+              if (p.algo == RMSNormAlgo::kRegisters) {
+                ASSERT_TRUE(rms::instantiated(bwd, p.vpt, p.prefetch, p.dw_in_smem));
+                ASSERT_LE(p.threads(), rms::max_cta_threads(bwd, p.vpt, p.prefetch, res, p.dw_in_smem));
+                // A prefetching forward needs a next row: a persistent grid.
+                if (!bwd && p.prefetch) ASSERT_GT(p.ctas_per_sm, 0);
+                ASSERT_GE(static_cast<int64_t>(tpr) * p.vpt * (16 / es), H);
+                ASSERT_EQ(H % (16 / es), 0);
+                ASSERT_LE(p.smem_bytes, p.dw_in_smem ? 227u * 1024 : 48u * 1024);
+                if (p.dw_in_smem) ASSERT_TRUE(bwd);
+              } else {
+                ASSERT_EQ(p.algo, RMSNormAlgo::kGeneric);
+                ASSERT_LE(p.threads(), rms::kGenericCtaThreads);
+                if (bwd && p.dw_in_smem) ASSERT_EQ(p.smem_bytes, static_cast<size_t>(rows) * H * 4);
+              }
             }
-            ASSERT_EQ(rms::plan_error(p, in), nullptr);
-            if (p.algo == RMSNormAlgo::kRegisters) {
-              ASSERT_TRUE(rms::instantiated(bwd, p.vpt, p.prefetch, p.dw_in_smem));
-              ASSERT_LE(p.threads(), rms::max_cta_threads(bwd, p.vpt, p.prefetch, res, p.dw_in_smem));
-              // A prefetching forward needs a next row: a persistent grid.
-              if (!bwd && p.prefetch) ASSERT_GT(p.ctas_per_sm, 0);
-              ASSERT_GE(static_cast<int64_t>(tpr) * p.vpt * (16 / es), H);
-              ASSERT_EQ(H % (16 / es), 0);
-              ASSERT_LE(p.smem_bytes, p.dw_in_smem ? 227u * 1024 : 48u * 1024);
-              if (p.dw_in_smem) ASSERT_TRUE(bwd);
-            } else {
-              ASSERT_EQ(p.algo, RMSNormAlgo::kGeneric);
-              ASSERT_LE(p.threads(), rms::kGenericCtaThreads);
-              if (bwd && p.dw_in_smem) ASSERT_EQ(p.smem_bytes, static_cast<size_t>(rows) * H * 4);
-            }
-          }
 }
 
 TEST(RMSNormPlan, PersistentGridIsBalancedAndBounded) {
@@ -820,13 +844,13 @@ TEST(RMSNormPlan, PlanErrorRefusesWhatTheKernelsCannotRun) {
     edit(p);
     return rms::plan_error(p, in) != nullptr;
   };
-  EXPECT_TRUE(broken([](rms::Plan& p) { p.vpt = 2; }));                          // no forward kernel at 2
-  EXPECT_TRUE(broken([](rms::Plan& p) { p.vpt = 16, p.prefetch = true; }));      // nor 16 prefetching
-  EXPECT_TRUE(broken([](rms::Plan& p) { p.threads_per_row = 32; }));             // does not cover H
-  EXPECT_TRUE(broken([](rms::Plan& p) { p.threads_per_row = 48; }));             // not whole warps
-  EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 16; }));                // named barriers
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.vpt = 2; }));                      // no forward kernel at 2
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.vpt = 16, p.prefetch = true; }));  // nor 16 prefetching
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.threads_per_row = 32; }));         // does not cover H
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.threads_per_row = 48; }));         // not whole warps
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 16; }));            // named barriers
   EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 0; }));
-  EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 8; }));                 // 1024 > its 608 threads
+  EXPECT_TRUE(broken([](rms::Plan& p) { p.rows_per_cta = 8; }));  // 1024 > its 608 threads
   EXPECT_TRUE(broken([](rms::Plan& p) { p.ctas_per_sm = -1; }));
   EXPECT_TRUE(broken([](rms::Plan& p) { p.smem_bytes = 16; }));
   EXPECT_FALSE(broken([](rms::Plan& p) { p.rows_per_cta = 4, p.ctas_per_sm = 2; }));
@@ -851,10 +875,9 @@ TEST(RMSNormPlan, PlanErrorRefusesWhatTheKernelsCannotRun) {
   // Every instantiated register kernel has a plan at H = 4096 bf16 in both directions.
   for (bool bwd : {false, true}) {
     in.backward = bwd;
-    for (const rms::KernelVariant& k : bwd ? std::vector<rms::KernelVariant>(std::begin(rms::kBackwardVariants),
-                                                                             std::end(rms::kBackwardVariants))
-                                           : std::vector<rms::KernelVariant>(std::begin(rms::kForwardVariants),
-                                                                             std::end(rms::kForwardVariants))) {
+    for (const rms::KernelVariant& k :
+         bwd ? std::vector<rms::KernelVariant>(std::begin(rms::kBackwardVariants), std::end(rms::kBackwardVariants))
+             : std::vector<rms::KernelVariant>(std::begin(rms::kForwardVariants), std::end(rms::kForwardVariants))) {
       rms::Plan p = rms::plan_rms_norm(in);
       p.vpt = k.vpt;
       p.prefetch = k.prefetch;
@@ -870,8 +893,7 @@ TEST(RMSNormPlan, PlanErrorRefusesWhatTheKernelsCannotRun) {
 // ---- bad input ---------------------------------------------------------------------------------------------
 struct Small {
   TestTensor x{DType::kBFloat16, {4, 5}}, w{DType::kBFloat16, {5}}, y{DType::kBFloat16, {4, 5}},
-      rstd{DType::kFloat32, {4}}, dy{DType::kBFloat16, {4, 5}}, dx{DType::kBFloat16, {4, 5}},
-      dw{DType::kBFloat16, {5}};
+      rstd{DType::kFloat32, {4}}, dy{DType::kBFloat16, {4, 5}}, dx{DType::kBFloat16, {4, 5}}, dw{DType::kBFloat16, {5}};
   Small() {
     for (int64_t i = 0; i < 20; ++i) x.set(i, 0.1f * static_cast<float>(i % 7) - 0.2f), dy.set(i, 1.f);
     for (int64_t j = 0; j < 5; ++j) w.set(j, 1.f);
@@ -893,11 +915,13 @@ TEST(RMSNormErrors, NamesTheArgumentWithExpectedAndGot) {
   Small s;
   const TensorView x = s.x.host_view(), w = s.w.host_view(), y = s.y.host_view(), r = s.rstd.host_view();
   TestTensor w4(DType::kBFloat16, {4});
-  EXPECT_MSG(s.fwd(x, {}, w4.host_view(), y, {}, r), "weight: expected shape [5] (the last dimension of x), got shape [4]");
+  EXPECT_MSG(s.fwd(x, {}, w4.host_view(), y, {}, r),
+             "weight: expected shape [5] (the last dimension of x), got shape [4]");
   TestTensor wh(DType::kFloat16, {5});
   EXPECT_MSG(s.fwd(x, {}, wh.host_view(), y, {}, r), "weight: expected dtype bfloat16 (x's) or float32, got float16");
   TestTensor res16(DType::kFloat16, {4, 5}), s16(DType::kBFloat16, {4, 5});
-  EXPECT_MSG(s.fwd(x, res16.host_view(), w, y, s16.host_view(), r), "residual: expected dtype bfloat16 (x's), got float16");
+  EXPECT_MSG(s.fwd(x, res16.host_view(), w, y, s16.host_view(), r),
+             "residual: expected dtype bfloat16 (x's), got float16");
   TestTensor yf(DType::kFloat32, {4, 5});
   EXPECT_MSG(s.fwd(x, {}, w, yf.host_view(), {}, r), "y: expected dtype bfloat16 (x's), got float32");
   TestTensor y3(DType::kBFloat16, {3, 5});
@@ -932,7 +956,8 @@ TEST(RMSNormErrors, NamesTheArgumentWithExpectedAndGot) {
   // Backward.
   const TensorView dy = s.dy.host_view(), dx = s.dx.host_view(), dw = s.dw.host_view();
   TestTensor dwh(DType::kFloat16, {5});
-  EXPECT_MSG(s.bwd(dy, x, w, r, dx, dwh.host_view()), "grad_weight: expected dtype bfloat16 (weight's) or float32, got float16");
+  EXPECT_MSG(s.bwd(dy, x, w, r, dx, dwh.host_view()),
+             "grad_weight: expected dtype bfloat16 (weight's) or float32, got float16");
   EXPECT_MSG(s.bwd(dy, x, w, {}, dx, dw), "rstd: expected a tensor, got None");
   TestTensor xf(DType::kFloat32, {4, 5});
   EXPECT_MSG(s.bwd(dy, xf.host_view(), w, r, dx, dw), "x: expected dtype bfloat16 (grad_y's), got float32");
@@ -950,16 +975,17 @@ TEST(RMSNormErrors, OutputsMustNotPartiallyOverlapInputs) {
   EXPECT_MSG(s.fwd(x3, {}, s.w.host_view(), y, {}, r3.host_view()),
              "y: expected x itself (in place) or memory that does not overlap x, got an overlapping buffer");
   // grad_x may be grad_y itself but never x.
-  EXPECT_MSG(s.bwd(s.dy.host_view(), s.x.host_view(), s.w.host_view(), s.rstd.host_view(), s.x.host_view(),
-                   s.dw.host_view()),
-             "grad_x: expected memory that does not overlap x");
-  EXPECT_EQ(s.bwd(s.dy.host_view(), s.x.host_view(), s.w.host_view(), s.rstd.host_view(), s.dy.host_view(),
-                  s.dw.host_view()),
-            "");
+  EXPECT_MSG(
+      s.bwd(s.dy.host_view(), s.x.host_view(), s.w.host_view(), s.rstd.host_view(), s.x.host_view(), s.dw.host_view()),
+      "grad_x: expected memory that does not overlap x");
+  EXPECT_EQ(
+      s.bwd(s.dy.host_view(), s.x.host_view(), s.w.host_view(), s.rstd.host_view(), s.dy.host_view(), s.dw.host_view()),
+      "");
   // Output rows must not overlap each other (a broadcast output).
   TensorView yb = s.y.host_view();
   yb.strides[0] = 0;
-  EXPECT_MSG(s.fwd(s.x.host_view(), {}, s.w.host_view(), yb, {}, s.rstd.host_view()), "y: expected rows that do not overlap");
+  EXPECT_MSG(s.fwd(s.x.host_view(), {}, s.w.host_view(), yb, {}, s.rstd.host_view()),
+             "y: expected rows that do not overlap");
 }
 
 TEST(RMSNormErrors, WorkspaceTooSmallOnCuda) {

@@ -22,19 +22,27 @@ enum class Tables { kBT, k1T, kT, kPos64, kPos32 };
 
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::kBhtd: return "bhtd";
-    case Layout::kBthd: return "bthd";
-    case Layout::kPadded: return "padded";
+    case Layout::kBhtd:
+      return "bhtd";
+    case Layout::kBthd:
+      return "bthd";
+    case Layout::kPadded:
+      return "padded";
   }
   return "?";
 }
 const char* tables_name(Tables t) {
   switch (t) {
-    case Tables::kBT: return "cos_bt";
-    case Tables::k1T: return "cos_1t";
-    case Tables::kT: return "cos_t";
-    case Tables::kPos64: return "pos64";
-    case Tables::kPos32: return "pos32";
+    case Tables::kBT:
+      return "cos_bt";
+    case Tables::k1T:
+      return "cos_1t";
+    case Tables::kT:
+      return "cos_t";
+    case Tables::kPos64:
+      return "pos64";
+    case Tables::kPos32:
+      return "pos32";
   }
   return "?";
 }
@@ -60,9 +68,12 @@ uint64_t seed_of(const RopeCase& c) { return std::hash<std::string>{}(case_name(
 TestTensor heads_tensor(const RopeCase& c, int64_t H) {
   const int64_t B = c.b, T = c.t, D = c.d;
   switch (c.layout) {
-    case Layout::kBthd: return TestTensor(c.dtype, {B, H, T, D}, {T * H * D, D, H * D, 1});
-    case Layout::kPadded: return TestTensor(c.dtype, {B, H, T, D}, {H * T * (D + 3), T * (D + 3), D + 3, 1}, 1);
-    default: return TestTensor(c.dtype, {B, H, T, D});
+    case Layout::kBthd:
+      return TestTensor(c.dtype, {B, H, T, D}, {T * H * D, D, H * D, 1});
+    case Layout::kPadded:
+      return TestTensor(c.dtype, {B, H, T, D}, {H * T * (D + 3), T * (D + 3), D + 3, 1}, 1);
+    default:
+      return TestTensor(c.dtype, {B, H, T, D});
   }
 }
 
@@ -82,10 +93,18 @@ struct Inputs {
     const int64_t B = c.b, T = c.t, Dr = c.dr, h = Dr / 2;
     std::vector<int64_t> shape;
     switch (c.tables) {
-      case Tables::kBT: shape = {B, T, Dr}; break;
-      case Tables::k1T: shape = {1, T, Dr}; break;
-      case Tables::kT: shape = {T, Dr}; break;
-      default: n_pos = T + 5, shape = {n_pos, Dr}; break;
+      case Tables::kBT:
+        shape = {B, T, Dr};
+        break;
+      case Tables::k1T:
+        shape = {1, T, Dr};
+        break;
+      case Tables::kT:
+        shape = {T, Dr};
+        break;
+      default:
+        n_pos = T + 5, shape = {n_pos, Dr};
+        break;
     }
     cos = TestTensor(cdt, shape);
     sin = TestTensor(cdt, shape);
@@ -96,10 +115,12 @@ struct Inputs {
       for (int64_t i = 0; i < h; ++i) {
         if (c.tables == Tables::kBT) {
           // Arbitrary values, halves unequal: the inverse must be the transpose, not the rotation by -sin.
-          for (int64_t j : {i, i + h}) cos.set(r * Dr + j, static_cast<float>(any(rng))), sin.set(r * Dr + j, static_cast<float>(any(rng)));
+          for (int64_t j : {i, i + h})
+            cos.set(r * Dr + j, static_cast<float>(any(rng))), sin.set(r * Dr + j, static_cast<float>(any(rng)));
         } else {
           const double a = angle(rng);  // what a rotary module makes: one angle for both halves
-          for (int64_t j : {i, i + h}) cos.set(r * Dr + j, static_cast<float>(std::cos(a))), sin.set(r * Dr + j, static_cast<float>(std::sin(a)));
+          for (int64_t j : {i, i + h})
+            cos.set(r * Dr + j, static_cast<float>(std::cos(a))), sin.set(r * Dr + j, static_cast<float>(std::sin(a)));
         }
       }
     if (n_pos) {
@@ -117,9 +138,13 @@ struct Inputs {
   // The cos/sin row of token (b, t).
   int64_t table_row(int64_t b, int64_t t) const {
     switch (c.tables) {
-      case Tables::kBT: return b * c.t + t;
-      case Tables::k1T: case Tables::kT: return t;
-      default: return pos.get_index(b * c.t + t);
+      case Tables::kBT:
+        return b * c.t + t;
+      case Tables::k1T:
+      case Tables::kT:
+        return t;
+      default:
+        return pos.get_index(b * c.t + t);
     }
   }
 };
@@ -185,9 +210,8 @@ std::vector<RopeCase> make_cases(bool gpu_suite) {
   const Tables tables[] = {Tables::kBT, Tables::k1T, Tables::kT, Tables::kPos64, Tables::kPos32};
   // (B, Hq, Hk, T, D, Dr): GQA, no k, partial rotary (Phi's 32 of 80, a quarter, half), D below a vector,
   // nothing to do, one token.
-  const std::vector<std::array<int64_t, 6>> shapes = {{2, 4, 2, 7, 64, 64},  {1, 3, 0, 5, 16, 16},
-                                                      {2, 2, 1, 9, 80, 32},  {1, 2, 2, 3, 128, 32},
-                                                      {3, 1, 1, 4, 8, 4},    {1, 2, 1, 1, 64, 64},
+  const std::vector<std::array<int64_t, 6>> shapes = {{2, 4, 2, 7, 64, 64},  {1, 3, 0, 5, 16, 16}, {2, 2, 1, 9, 80, 32},
+                                                      {1, 2, 2, 3, 128, 32}, {3, 1, 1, 4, 8, 4},   {1, 2, 1, 1, 64, 64},
                                                       {0, 2, 1, 3, 16, 16},  {2, 2, 1, 5, 6, 2}};
   int k = 0;
   for (const auto& s : shapes)
@@ -199,8 +223,8 @@ std::vector<RopeCase> make_cases(bool gpu_suite) {
   if (gpu_suite) {
     // Llama-3-8B's heads (32 q, 8 kv of 128) on real sequence lengths, a partial-rotary model (Phi-2: 32 of 80),
     // and heads of 64 and 256.
-    const std::vector<std::array<int64_t, 6>> big = {{2, 32, 8, 257, 128, 128}, {1, 32, 32, 300, 80, 32},
-                                                     {4, 8, 1, 129, 64, 64},    {1, 8, 4, 100, 256, 128}};
+    const std::vector<std::array<int64_t, 6>> big = {
+        {2, 32, 8, 257, 128, 128}, {1, 32, 32, 300, 80, 32}, {4, 8, 1, 129, 64, 64}, {1, 8, 4, 100, 256, 128}};
     for (const auto& s : big)
       for (DType dt : dts)
         for (Layout l : layouts) {
@@ -407,9 +431,8 @@ TEST(RopeErrors, NamesTheArgumentWithExpectedAndGot) {
   TestTensor q(bf, {2, 4, 3, 16}), k(bf, {2, 2, 3, 16}), qo(bf, {2, 4, 3, 16}), ko(bf, {2, 2, 3, 16}),
       cos(bf, {2, 3, 16}), sin(bf, {2, 3, 16});
   auto call = [&](const TensorView& a, const TensorView& b, const TensorView& c, const TensorView& s,
-                  const TensorView& p, const TensorView& ao, const TensorView& bo) {
-    return error_of([&] { rope_apply(a, b, c, s, p, {}, ao, bo, nullptr); });
-  };
+                  const TensorView& p, const TensorView& ao,
+                  const TensorView& bo) { return error_of([&] { rope_apply(a, b, c, s, p, {}, ao, bo, nullptr); }); };
   const TensorView qv = q.host_view(), kv = k.host_view(), qov = qo.host_view(), kov = ko.host_view(),
                    cv = cos.host_view(), sv = sin.host_view();
   EXPECT_EQ(call(qv, kv, cv, sv, {}, qov, kov), "");
@@ -420,15 +443,21 @@ TEST(RopeErrors, NamesTheArgumentWithExpectedAndGot) {
   EXPECT_MSG(call(q3.host_view(), {}, cv, sv, {}, q3.host_view(), {}), "q: expected 4 dimensions");
   EXPECT_MSG(call(qv, kv, cv, sv, {}, qov, {}), "k_out: expected a tensor (k was given)");
   TestTensor c7(bf, {2, 3, 7}), c18(bf, {2, 3, 18}), cf(DType::kFloat16, {2, 3, 16}), c5(bf, {2, 5, 16});
-  EXPECT_MSG(call(qv, kv, c7.host_view(), c7.host_view(), {}, qov, kov), "cos: expected a last dimension (the rotary width) that is even");
+  EXPECT_MSG(call(qv, kv, c7.host_view(), c7.host_view(), {}, qov, kov),
+             "cos: expected a last dimension (the rotary width) that is even");
   EXPECT_MSG(call(qv, kv, c18.host_view(), c18.host_view(), {}, qov, kov), "in [2, 16]");
-  EXPECT_MSG(call(qv, kv, cf.host_view(), cf.host_view(), {}, qov, kov), "cos: expected dtype bfloat16 (q's) or float32");
+  EXPECT_MSG(call(qv, kv, cf.host_view(), cf.host_view(), {}, qov, kov),
+             "cos: expected dtype bfloat16 (q's) or float32");
   EXPECT_MSG(call(qv, kv, cv, cf.host_view(), {}, qov, kov), "sin: expected dtype bfloat16 (cos's)");
-  EXPECT_MSG(call(qv, kv, c5.host_view(), c5.host_view(), {}, qov, kov), "cos: expected shape [2, 3, Dr], [1, 3, Dr] or [3, Dr]");
-  TestTensor table(bf, {10, 16}), pos(DType::kInt64, {2, 3}), posf(DType::kFloat32, {2, 3}), pos4(DType::kInt64, {2, 4});
+  EXPECT_MSG(call(qv, kv, c5.host_view(), c5.host_view(), {}, qov, kov),
+             "cos: expected shape [2, 3, Dr], [1, 3, Dr] or [3, Dr]");
+  TestTensor table(bf, {10, 16}), pos(DType::kInt64, {2, 3}), posf(DType::kFloat32, {2, 3}),
+      pos4(DType::kInt64, {2, 4});
   EXPECT_EQ(call(qv, kv, table.host_view(), table.host_view(), pos.host_view(), qov, kov), "");
-  EXPECT_MSG(call(qv, kv, table.host_view(), table.host_view(), posf.host_view(), qov, kov), "position_ids: expected dtype int32 or int64");
-  EXPECT_MSG(call(qv, kv, table.host_view(), table.host_view(), pos4.host_view(), qov, kov), "position_ids: expected shape [2, 3]");
+  EXPECT_MSG(call(qv, kv, table.host_view(), table.host_view(), posf.host_view(), qov, kov),
+             "position_ids: expected dtype int32 or int64");
+  EXPECT_MSG(call(qv, kv, table.host_view(), table.host_view(), pos4.host_view(), qov, kov),
+             "position_ids: expected shape [2, 3]");
   EXPECT_MSG(call(qv, kv, cv, sv, pos.host_view(), qov, kov), "cos: expected shape [P, Dr]");
   // Outputs: in place over the matching input only.
   EXPECT_MSG(call(qv, kv, cv, sv, {}, qov, qov), "k_out: expected shape [2, 2, 3, 16]");

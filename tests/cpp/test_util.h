@@ -21,8 +21,8 @@ namespace logitless::test {
 
 bool has_gpu();
 
-#define LOGITLESS_SKIP_WITHOUT_GPU() \
-  do {                               \
+#define LOGITLESS_SKIP_WITHOUT_GPU()                                     \
+  do {                                                                   \
     if (!::logitless::test::has_gpu()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
@@ -51,9 +51,9 @@ class TestTensor {
   // Every viewed element ~ N(0, stddev^2) (float tensors), from a counter-based generator: parallel, and the
   // same values for the same seed whatever the thread count.
   void fill_normal(uint64_t seed, float stddev);
-  TestTensor clone() const;  // same dtype, sizes, strides, offset and storage bytes (host side)
+  TestTensor clone() const;                 // same dtype, sizes, strides, offset and storage bytes (host side)
   std::vector<float> gather_float() const;  // the viewed elements as float, flat order
-  void fill_storage_nan();                // float tensors: every storage element NaN (poison)
+  void fill_storage_nan();                  // float tensors: every storage element NaN (poison)
 
   // Device mirror. to_device() allocates (once) and uploads; to_host() downloads.
   void to_device();
@@ -98,18 +98,22 @@ struct Tol {
   double floor = 0;  // absolute slack independent of scale (float16 subnormals are 6e-8 apart)
 };
 enum class Quantity {
-  kLoss, kLse, kGrad,                   // cross-entropy
-  kNormOut, kNormRstd, kNormWeightGrad,  // rms_norm: y / residual_out / grad_x; rstd; grad_weight (its dtype)
-  kElementwise,  // glu, rope: outputs and gradients of float32 (CPU: double) arithmetic rounded once to the dtype
-  kLceGrad  // linear_cross_entropy grad_hidden / grad_weight / grad_bias: rtol = relative L2 error of the
-            // tensor, atol = any element's error over the tensor's largest magnitude
+  kLoss,
+  kLse,
+  kGrad,  // cross-entropy
+  kNormOut,
+  kNormRstd,
+  kNormWeightGrad,  // rms_norm: y / residual_out / grad_x; rstd; grad_weight (its dtype)
+  kElementwise,     // glu, rope: outputs and gradients of float32 (CPU: double) arithmetic rounded once to the dtype
+  kLceGrad          // linear_cross_entropy grad_hidden / grad_weight / grad_bias: rtol = relative L2 error of the
+                    // tensor, atol = any element's error over the tensor's largest magnitude
 };
 // Tolerance of a backend's output in `dtype` (the logits dtype) against a more exact reference.
 Tol tolerance(DType dtype, Quantity q);
 
 // |a - b| <= floor + atol * scale + rtol * |b| elementwise (NaN must match NaN); reports the worst element.
-::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected,
-                                     Tol tol, double scale, const std::string& what);
+::testing::AssertionResult all_close(const std::vector<double>& actual, const std::vector<double>& expected, Tol tol,
+                                     double scale, const std::string& what);
 ::testing::AssertionResult all_close(const std::vector<float>& actual, const std::vector<float>& expected, Tol tol,
                                      double scale, const std::string& what);
 

@@ -24,22 +24,33 @@ enum class Preset { kPlain, kIgnore, kSmoothing, kWeightsSmoothing, kZLoss, kSof
 
 const char* preset_name(Preset p) {
   switch (p) {
-    case Preset::kPlain: return "plain";
-    case Preset::kIgnore: return "ignore";
-    case Preset::kSmoothing: return "smooth";
-    case Preset::kWeightsSmoothing: return "wsmooth";
-    case Preset::kZLoss: return "zloss";
-    case Preset::kSoftcap: return "softcap";
-    case Preset::kAll: return "all";
-    case Preset::kAllIgnored: return "allignored";
-    case Preset::kBadNoCheck: return "badnocheck";
+    case Preset::kPlain:
+      return "plain";
+    case Preset::kIgnore:
+      return "ignore";
+    case Preset::kSmoothing:
+      return "smooth";
+    case Preset::kWeightsSmoothing:
+      return "wsmooth";
+    case Preset::kZLoss:
+      return "zloss";
+    case Preset::kSoftcap:
+      return "softcap";
+    case Preset::kAll:
+      return "all";
+    case Preset::kAllIgnored:
+      return "allignored";
+    case Preset::kBadNoCheck:
+      return "badnocheck";
   }
   return "?";
 }
-const char* reduction_name(Reduction r) { return r == Reduction::kNone ? "none" : r == Reduction::kSum ? "sum" : "mean"; }
+const char* reduction_name(Reduction r) {
+  return r == Reduction::kNone ? "none" : r == Reduction::kSum ? "sum" : "mean";
+}
 
-const Preset kPresets[] = {Preset::kPlain,   Preset::kIgnore, Preset::kSmoothing,  Preset::kWeightsSmoothing,
-                           Preset::kZLoss,   Preset::kSoftcap, Preset::kAll,       Preset::kAllIgnored,
+const Preset kPresets[] = {Preset::kPlain,     Preset::kIgnore,  Preset::kSmoothing, Preset::kWeightsSmoothing,
+                           Preset::kZLoss,     Preset::kSoftcap, Preset::kAll,       Preset::kAllIgnored,
                            Preset::kBadNoCheck};
 
 // The options of a preset, in the cross-entropy family's terms (the linear variant copies them).
@@ -47,18 +58,29 @@ CrossEntropyOptions ce_options_for(Preset p, Reduction r) {
   CrossEntropyOptions o;
   o.reduction = r;
   switch (p) {
-    case Preset::kSmoothing: o.label_smoothing = 0.1; break;
-    case Preset::kWeightsSmoothing: o.label_smoothing = 0.2; break;
-    case Preset::kZLoss: o.z_loss = 1e-3; break;
-    case Preset::kSoftcap: o.softcap = 4.0; break;
+    case Preset::kSmoothing:
+      o.label_smoothing = 0.1;
+      break;
+    case Preset::kWeightsSmoothing:
+      o.label_smoothing = 0.2;
+      break;
+    case Preset::kZLoss:
+      o.z_loss = 1e-3;
+      break;
+    case Preset::kSoftcap:
+      o.softcap = 4.0;
+      break;
     case Preset::kAll:
       o.label_smoothing = 0.05;
       o.z_loss = 1e-2;
       o.softcap = 8.0;
       o.ignore_index = 2;  // an index inside [0, V)
       break;
-    case Preset::kBadNoCheck: o.check_targets = false; break;
-    default: break;
+    case Preset::kBadNoCheck:
+      o.check_targets = false;
+      break;
+    default:
+      break;
   }
   return o;
 }
@@ -345,8 +367,10 @@ void expect_ce(const CeInputs& in, const CrossEntropyOptions& o, const std::vect
   }
   const DType dt = in.c.dtype;
   EXPECT_TRUE(all_close(got.loss, want.loss, tolerance(dt, Quantity::kLoss), loss_scale, tag + " loss"));
-  EXPECT_TRUE(all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), std::max(1.0, max_abs(want.lse)), tag + " lse"));
-  EXPECT_TRUE(all_close(got.z, want.z, tolerance(dt, Quantity::kLoss), std::max(1.0, max_abs(want.z)), tag + " z_loss"));
+  EXPECT_TRUE(
+      all_close(got.lse, want.lse, tolerance(dt, Quantity::kLse), std::max(1.0, max_abs(want.lse)), tag + " lse"));
+  EXPECT_TRUE(
+      all_close(got.z, want.z, tolerance(dt, Quantity::kLoss), std::max(1.0, max_abs(want.z)), tag + " z_loss"));
   double gmax = 0;
   for (float x : want.grad)
     if (std::isfinite(x)) gmax = std::max(gmax, static_cast<double>(std::abs(x)));
@@ -508,8 +532,8 @@ TEST(VocabParallelCrossEntropyErrors, BadArguments) {
   for (int64_t i = 0; i < 4; ++i) target.set_index(i, i);
   const auto part = [&](VocabShard s, const TensorView& w = {}, const TensorView& pv = {}) {
     return error_of([&] {
-      cross_entropy_shard_partials(logits.host_view(), target.host_view(), w, s, {}, pv.defined() ? pv : partials.host_view(),
-                                   {}, nullptr);
+      cross_entropy_shard_partials(logits.host_view(), target.host_view(), w, s, {},
+                                   pv.defined() ? pv : partials.host_view(), {}, nullptr);
     });
   };
   EXPECT_EQ(part({2, 5}), "");
@@ -530,9 +554,8 @@ TEST(VocabParallelCrossEntropyErrors, BadArguments) {
   TestTensor g2(DType::kFloat32, {2, 4, 4}), g_bad(DType::kFloat32, {2, 3, 4});
   for (int64_t i = 0; i < g2.numel(); ++i) g2.set(i, 0.f);
   const auto fin = [&](const TensorView& g, int64_t V) {
-    return error_of([&] {
-      cross_entropy_shard_finalize(g, target.host_view(), {}, V, {}, loss.host_view(), {}, {}, {}, nullptr);
-    });
+    return error_of(
+        [&] { cross_entropy_shard_finalize(g, target.host_view(), {}, V, {}, loss.host_view(), {}, {}, {}, nullptr); });
   };
   EXPECT_EQ(fin(g2.host_view(), 5), "");
   EXPECT_NE(fin(g_bad.host_view(), 5).find("partials"), std::string::npos);
@@ -579,7 +602,9 @@ struct LceInputs {
   }
   bool has_cw() const { return uses_weights(c.preset); }
   TensorView cwv(bool dev) const { return has_cw() ? class_weight.view(dev) : TensorView{}; }
-  TensorView bias_rows(bool dev, int64_t r0, int64_t n) const { return c.bias ? rows_of(bias, dev, r0, n) : TensorView{}; }
+  TensorView bias_rows(bool dev, int64_t r0, int64_t n) const {
+    return c.bias ? rows_of(bias, dev, r0, n) : TensorView{};
+  }
   void to_device() {
     hidden.to_device();
     weight.to_device();
@@ -602,8 +627,8 @@ LceOut lce_unsharded(LceInputs& in, const LinearCrossEntropyOptions& o, const st
       gb(DType::kFloat32, {V});
   TestTensor g = upstream_tensor(up, N, o.reduction);
   const TensorView bv = in.c.bias ? in.bias.host_view() : TensorView{};
-  linear_cross_entropy_forward(in.hidden.host_view(), in.weight.host_view(), bv, in.target.host_view(), in.cwv(false), o,
-                               loss.host_view(), lse.host_view(), {}, nullptr);
+  linear_cross_entropy_forward(in.hidden.host_view(), in.weight.host_view(), bv, in.target.host_view(), in.cwv(false),
+                               o, loss.host_view(), lse.host_view(), {}, nullptr);
   linear_cross_entropy_backward(in.hidden.host_view(), in.weight.host_view(), bv, in.target.host_view(), in.cwv(false),
                                 lse.host_view(), g.host_view(), o, gx.host_view(), gw.host_view(),
                                 in.c.bias ? gb.host_view() : TensorView{}, {}, nullptr);
@@ -735,10 +760,9 @@ LceOut lce_steps(LceInputs& in, LinearCrossEntropyOptions o, int64_t chunk, cons
   std::vector<std::unique_ptr<Scratch>> ws;
   int64_t chunks = -1;
   for (int64_t r = 0; r < R; ++r) {
-    const LinearCrossEntropyShardSteps st =
-        linear_cross_entropy_shard_steps(h, rows_of(in.weight, dev, off[r], split[r]), t, grads.gx[r].view(dev),
-                                         grads.gwv(dev, off[r], split[r]), grads.gbv(in, dev, off[r], split[r]),
-                                         VocabShard{off[r], V}, o);
+    const LinearCrossEntropyShardSteps st = linear_cross_entropy_shard_steps(
+        h, rows_of(in.weight, dev, off[r], split[r]), t, grads.gx[r].view(dev), grads.gwv(dev, off[r], split[r]),
+        grads.gbv(in, dev, off[r], split[r]), VocabShard{off[r], V}, o);
     EXPECT_EQ(st.chunk_tokens, o.chunk_tokens);
     if (chunks >= 0) EXPECT_EQ(st.num_chunks, chunks);
     chunks = st.num_chunks;
@@ -913,24 +937,26 @@ TEST(VocabParallelLinearCrossEntropyErrors, BadArguments) {
   TestTensor partials(DType::kFloat32, {6, 4}), loss(DType::kFloat32, {}), gx(DType::kFloat32, {6, 4}),
       cw(DType::kFloat32, {4});
   LinearCrossEntropyOptions o;
-  EXPECT_NE(error_of([&] {
-              linear_cross_entropy_shard_partials(h, w, {}, t, {}, VocabShard{6, 9}, o, partials.host_view(), {},
-                                                  nullptr);
-            }).find("shard.vocab"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] {
+        linear_cross_entropy_shard_partials(h, w, {}, t, {}, VocabShard{6, 9}, o, partials.host_view(), {}, nullptr);
+      }).find("shard.vocab"),
+      std::string::npos);
   EXPECT_NE(error_of([&] {
               linear_cross_entropy_shard_partials(h, w, {}, t, cw.host_view(), VocabShard{3, 9}, o,
                                                   partials.host_view(), {}, nullptr);
             }).find("class_weight: expected shape [9]"),
             std::string::npos);
   // The steps need the agreed chunk, a reduced loss and a chunk in range.
-  EXPECT_NE(error_of([&] { linear_cross_entropy_shard_steps(h, w, t, gx.host_view(), {}, {}, VocabShard{3, 9}, o); })
-                .find("chunk_tokens"),
+  EXPECT_NE(error_of([&] {
+              linear_cross_entropy_shard_steps(h, w, t, gx.host_view(), {}, {}, VocabShard{3, 9}, o);
+            }).find("chunk_tokens"),
             std::string::npos);
   o.chunk_tokens = 4;
   o.reduction = Reduction::kNone;
-  EXPECT_NE(error_of([&] { linear_cross_entropy_shard_steps(h, w, t, gx.host_view(), {}, {}, VocabShard{3, 9}, o); })
-                .find("reduction"),
+  EXPECT_NE(error_of([&] {
+              linear_cross_entropy_shard_steps(h, w, t, gx.host_view(), {}, {}, VocabShard{3, 9}, o);
+            }).find("reduction"),
             std::string::npos);
   o.reduction = Reduction::kMean;
   const LinearCrossEntropyShardSteps st =
@@ -946,10 +972,12 @@ TEST(VocabParallelLinearCrossEntropyErrors, BadArguments) {
     });
   };
   EXPECT_EQ(step(ShardStep::kLogits, 0, p4.host_view(), ws), "");
-  EXPECT_NE(step(ShardStep::kLogits, 2, p4.host_view(), ws).find("chunk: expected a chunk in [0, 2)"), std::string::npos);
+  EXPECT_NE(step(ShardStep::kLogits, 2, p4.host_view(), ws).find("chunk: expected a chunk in [0, 2)"),
+            std::string::npos);
   EXPECT_NE(step(ShardStep::kLogits, 1, p4.host_view(), ws).find("partials"), std::string::npos);  // 2 rows
   EXPECT_EQ(step(ShardStep::kLogits, 1, p2.host_view(), ws), "");
-  EXPECT_NE(step(ShardStep::kLogits, 0, p4.host_view(), Workspace{host.data(), 8}).find("workspace"), std::string::npos);
+  EXPECT_NE(step(ShardStep::kLogits, 0, p4.host_view(), Workspace{host.data(), 8}).find("workspace"),
+            std::string::npos);
   // A bad target fails the first step, before any exchange.
   in.target.set_index(3, 9);
   const std::string bad = step(ShardStep::kLogits, 0, p4.host_view(), ws);

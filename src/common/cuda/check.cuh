@@ -14,19 +14,19 @@ namespace logitless {
 
 // A failed call also leaves its error as the runtime's "last error": it is read back here (a sticky error stays
 // anyway), so that the next launch check does not blame an unrelated launch.
-#define LOGITLESS_CUDA_CHECK(expr)                                        \
-  do {                                                                    \
-    const cudaError_t err_ = (expr);                                      \
-    if (err_ != cudaSuccess) {                                            \
-      cudaGetLastError();                                                 \
-      ::logitless::throw_cuda(err_, #expr, __FILE__, __LINE__);           \
-    }                                                                     \
+#define LOGITLESS_CUDA_CHECK(expr)                              \
+  do {                                                          \
+    const cudaError_t err_ = (expr);                            \
+    if (err_ != cudaSuccess) {                                  \
+      cudaGetLastError();                                       \
+      ::logitless::throw_cuda(err_, #expr, __FILE__, __LINE__); \
+    }                                                           \
   } while (0)
 
 // After a launch: catches bad configurations at once (asynchronous faults surface at the next sync).
-#define LOGITLESS_CUDA_CHECK_LAUNCH(name)                                 \
-  do {                                                                    \
-    const cudaError_t err_ = cudaGetLastError();                          \
+#define LOGITLESS_CUDA_CHECK_LAUNCH(name)                                                          \
+  do {                                                                                             \
+    const cudaError_t err_ = cudaGetLastError();                                                   \
     if (err_ != cudaSuccess) ::logitless::throw_cuda(err_, "launch of " name, __FILE__, __LINE__); \
   } while (0)
 

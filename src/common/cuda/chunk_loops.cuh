@@ -52,8 +52,8 @@ struct RowChunkLoops {
   // Gradient of the whole chunks, src -> gdst: 16-byte stores when the gradient's alignment matches the
   // logits' (always, in place), element stores otherwise.
   template <bool kVecStore, typename G>
-  __device__ void grad(const char* src, int q_lo, int q_hi, int64_t j0, const G& g, float lse_l2, int q_t,
-                       int slot_t, int64_t t, const ChunkSpan<T>& span, char* gdst) const {
+  __device__ void grad(const char* src, int q_lo, int q_hi, int64_t j0, const G& g, float lse_l2, int q_t, int slot_t,
+                       int64_t t, const ChunkSpan<T>& span, char* gdst) const {
     const int nt = blockDim.x;
     char* gbase = gdst - span.mis;
     auto put = [&](int q, const float* v) {

@@ -27,8 +27,8 @@ template <typename T>
 struct ChunkSpan {
   static constexpr int kVec = Vec<T>::kN;
   const char* base;
-  int mis;           // start - base, bytes
-  int64_t end;       // mis + len * sizeof(T), bytes from base
+  int mis;      // start - base, bytes
+  int64_t end;  // mis + len * sizeof(T), bytes from base
   int64_t nchunks;
 
   __device__ ChunkSpan(const void* start, int64_t len) {
@@ -40,9 +40,7 @@ struct ChunkSpan {
   }
   __device__ bool full(int64_t q) const { return 16 * q >= mis && 16 * q + 16 <= end; }
   // Element index (within the span) of slot k of chunk q; may be outside [0, len) for partial chunks.
-  __device__ int64_t elem(int64_t q, int k) const {
-    return (16 * q - mis) / static_cast<int64_t>(sizeof(T)) + k;
-  }
+  __device__ int64_t elem(int64_t q, int k) const { return (16 * q - mis) / static_cast<int64_t>(sizeof(T)) + k; }
   __device__ bool valid(int64_t q, int k) const {
     const int64_t b = 16 * q + k * static_cast<int64_t>(sizeof(T));
     return b >= mis && b < end;

@@ -7,18 +7,22 @@
 namespace logitless {
 
 void throw_cublas(cublasStatus_t status, const char* what, const char* file, int line) {
-  throw_runtime(str_cat("cuBLAS error in ", what, ": ", cublasGetStatusName(status), " (", cublasGetStatusString(status),
-                        ") at ", file, ":", line));
+  throw_runtime(str_cat("cuBLAS error in ", what, ": ", cublasGetStatusName(status), " (",
+                        cublasGetStatusString(status), ") at ", file, ":", line));
 }
 
 namespace {
 
 cudaDataType cuda_type(DType t) {
   switch (t) {
-    case DType::kFloat32: return CUDA_R_32F;
-    case DType::kFloat16: return CUDA_R_16F;
-    case DType::kBFloat16: return CUDA_R_16BF;
-    default: throw_invalid(str_cat("gemm: unsupported dtype ", dtype_name(t)));
+    case DType::kFloat32:
+      return CUDA_R_32F;
+    case DType::kFloat16:
+      return CUDA_R_16F;
+    case DType::kBFloat16:
+      return CUDA_R_16BF;
+    default:
+      throw_invalid(str_cat("gemm: unsupported dtype ", dtype_name(t)));
   }
 }
 
@@ -33,8 +37,9 @@ cublasHandle_t cublas_handle(cudaStream_t stream, void* ws, size_t bytes) {
   if (static_cast<size_t>(device) >= handles.size()) handles.resize(device + 1, nullptr);
   if (!handles[device]) {
     if (stream_is_capturing(stream))
-      throw_runtime("cuBLAS handle: the first call on this thread and device is inside a CUDA graph capture; make one "
-                    "call before capturing (cublasCreate allocates memory, which capture forbids)");
+      throw_runtime(
+          "cuBLAS handle: the first call on this thread and device is inside a CUDA graph capture; make one "
+          "call before capturing (cublasCreate allocates memory, which capture forbids)");
     LOGITLESS_CUBLAS_CHECK(cublasCreate(&handles[device]));
   }
   cublasHandle_t h = handles[device];
@@ -44,9 +49,9 @@ cublasHandle_t cublas_handle(cudaStream_t stream, void* ws, size_t bytes) {
   return h;
 }
 
-void gemm_row_major(cublasHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
-                    const void* a, int64_t lda, const void* b, int64_t ldb, DType ab_dtype, void* c, int64_t ldc,
-                    DType c_dtype, bool accumulate) {
+void gemm_row_major(cublasHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a,
+                    int64_t lda, const void* b, int64_t ldb, DType ab_dtype, void* c, int64_t ldc, DType c_dtype,
+                    bool accumulate) {
   if (m == 0 || n == 0 || k == 0) return;
   // cuBLAS is column-major: a row-major X [r, s] with leading dimension ld is the column-major Xᵀ [s, r] with
   // the same ld. So the row-major C = A'·B' is computed as the column-major Cᵀ = B'ᵀ·A'ᵀ, whose operands are

@@ -14,9 +14,9 @@ namespace logitless {
 
 [[noreturn]] void throw_cublas(cublasStatus_t status, const char* what, const char* file, int line);
 
-#define LOGITLESS_CUBLAS_CHECK(expr)                                                      \
-  do {                                                                                    \
-    const cublasStatus_t st_ = (expr);                                                    \
+#define LOGITLESS_CUBLAS_CHECK(expr)                                                             \
+  do {                                                                                           \
+    const cublasStatus_t st_ = (expr);                                                           \
     if (st_ != CUBLAS_STATUS_SUCCESS) ::logitless::throw_cublas(st_, #expr, __FILE__, __LINE__); \
   } while (0)
 
@@ -34,8 +34,8 @@ cublasHandle_t cublas_handle(cudaStream_t stream, void* ws, size_t bytes);
 //                    B' = B [k, n] (ldb), or Bᵀ with B stored [n, k] when `trans_b`
 // A and B share a dtype (fp32 / fp16 / bf16); C is that dtype or float32. Sizes and leading dimensions must be
 // below 2^31 (the callers check); m, n or k of 0 is a no-op.
-void gemm_row_major(cublasHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
-                    const void* a, int64_t lda, const void* b, int64_t ldb, DType ab_dtype, void* c, int64_t ldc,
-                    DType c_dtype, bool accumulate);
+void gemm_row_major(cublasHandle_t handle, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a,
+                    int64_t lda, const void* b, int64_t ldb, DType ab_dtype, void* c, int64_t ldc, DType c_dtype,
+                    bool accumulate);
 
 }  // namespace logitless

@@ -49,8 +49,8 @@ void check_cuda_target(const char* name, const Device& device, StreamHandle stre
   const cudaError_t err = cudaStreamGetDevice(s, &stream_device);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    throw_invalid(str_cat("stream: expected a CUDA stream, got a handle the runtime rejects (", cudaGetErrorName(err),
-                          ")"));
+    throw_invalid(
+        str_cat("stream: expected a CUDA stream, got a handle the runtime rejects (", cudaGetErrorName(err), ")"));
   }
   // A kernel launched on another device's stream fails (or runs on the wrong device) after the checks have passed.
   LOGITLESS_CHECK_ARG(stream_device == device.index, "stream",

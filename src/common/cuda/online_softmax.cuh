@@ -97,8 +97,7 @@ __device__ __forceinline__ float online_entropy(float s, float u) { return logf(
 // 32 float4. Two barriers: the second keeps a following reduction from overwriting scratch before everyone has
 // read it.
 template <bool kEntropy>
-__device__ __forceinline__ void block_online_scaled(float& m, float& s, float& u, float& w, float c,
-                                                    float4* scratch) {
+__device__ __forceinline__ void block_online_scaled(float& m, float& s, float& u, float& w, float c, float4* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {

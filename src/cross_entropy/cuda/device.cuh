@@ -113,8 +113,8 @@ __device__ __forceinline__ void write_row_partials(const KernelParams& p, int64_
 }
 
 // d(loss)/d(logit) of one element with capped value x at column j of a row whose target is column t.
-__device__ __forceinline__ float grad_elem(const KernelParams& p, const GradCoeffs& g, float lse_l2, float x,
-                                           int64_t j, int64_t t) {
+__device__ __forceinline__ float grad_elem(const KernelParams& p, const GradCoeffs& g, float lse_l2, float x, int64_t j,
+                                           int64_t t) {
   // p_j = exp(x - lse) = 2^(x log2e - lse log2e)
   float d = g.a * fast_exp2(fmaf(x, kLog2e, -lse_l2));
   if (g.c != 0.f) d -= g.c * class_weight(p, j);
@@ -183,8 +183,8 @@ struct ChunkLoops {
   }
 
   template <bool kVecStore>
-  __device__ void grad(const char* src, int q_lo, int q_hi, int64_t j0, const GradCoeffs& g, float lse_l2,
-                       int q_t, int slot_t, int64_t t, const ChunkSpan<T>& span, char* gdst) const {
+  __device__ void grad(const char* src, int q_lo, int q_hi, int64_t j0, const GradCoeffs& g, float lse_l2, int q_t,
+                       int slot_t, int64_t t, const ChunkSpan<T>& span, char* gdst) const {
     loops.template grad<kVecStore>(src, q_lo, q_hi, j0, g, lse_l2, q_t, slot_t, t, span, gdst);
   }
 };

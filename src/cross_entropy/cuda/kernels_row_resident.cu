@@ -79,7 +79,9 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
 
   auto row_of = [&](int64_t k) { return cluster_id + k * num_clusters; };
   auto slice_src = [&](int64_t row) { return p.logits + (p.logits_rows.offset(row) + slice_begin) * kEs; };
-  auto stage_ptr = [&](int s) { return reinterpret_cast<const char*>(smem) + static_cast<size_t>(s) * shape.stage_bytes; };
+  auto stage_ptr = [&](int s) {
+    return reinterpret_cast<const char*>(smem) + static_cast<size_t>(s) * shape.stage_bytes;
+  };
   // Producer (thread 0): start the load of iteration k's slice into stage k % S, if the row needs reading.
   auto issue = [&](int64_t k) {
     const int64_t row = row_of(k);
@@ -307,10 +309,14 @@ bool row_resident_available(int device) {
 
 int launch_row_resident(DType dtype, const KernelParams& p, const Plan& plan, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kFloat32: return launch_typed<float>(p, plan, stream);
-    case DType::kFloat16: return launch_typed<__half>(p, plan, stream);
-    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(p, plan, stream);
-    default: throw_invalid("logits: unsupported dtype");
+    case DType::kFloat32:
+      return launch_typed<float>(p, plan, stream);
+    case DType::kFloat16:
+      return launch_typed<__half>(p, plan, stream);
+    case DType::kBFloat16:
+      return launch_typed<__nv_bfloat16>(p, plan, stream);
+    default:
+      throw_invalid("logits: unsupported dtype");
   }
 }
 

@@ -101,8 +101,8 @@ __global__ void __launch_bounds__(kStreamingThreads) streaming_kernel(const __gr
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kStreamingThreads)
-    scale_rows_kernel(char* grad, const RowLayout rows, int64_t n_rows, int64_t vocab, const float* scale, int per_row) {
+__global__ void __launch_bounds__(kStreamingThreads) scale_rows_kernel(char* grad, const RowLayout rows, int64_t n_rows,
+                                                                       int64_t vocab, const float* scale, int per_row) {
   constexpr int kVec = Vec<T>::kN;
   // The common case, one upstream gradient of 1.0, costs one read per CTA.
   if (!per_row && scale[0] == 1.f) return;
@@ -131,11 +131,11 @@ void streaming_typed(const KernelParams& p, bool with_lse, int sm_count, cudaStr
   const int grid = grid_for(p.n_rows, sm_count);
   const bool general = p.softcap > 0.f || p.eps != 0.f;
   if (with_lse) {
-    (general ? streaming_kernel<T, true, true> : streaming_kernel<T, false, true>)<<<grid, kStreamingThreads, 0,
-                                                                                    stream>>>(p);
+    (general ? streaming_kernel<T, true, true>
+             : streaming_kernel<T, false, true>)<<<grid, kStreamingThreads, 0, stream>>>(p);
   } else {
-    (general ? streaming_kernel<T, true, false> : streaming_kernel<T, false, false>)<<<grid, kStreamingThreads, 0,
-                                                                                      stream>>>(p);
+    (general ? streaming_kernel<T, true, false>
+             : streaming_kernel<T, false, false>)<<<grid, kStreamingThreads, 0, stream>>>(p);
   }
   LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy streaming kernel");
 }
@@ -144,10 +144,14 @@ void streaming_typed(const KernelParams& p, bool with_lse, int sm_count, cudaStr
 
 void launch_streaming(DType dtype, const KernelParams& p, bool with_lse, int sm_count, cudaStream_t stream) {
   switch (dtype) {
-    case DType::kFloat32: return streaming_typed<float>(p, with_lse, sm_count, stream);
-    case DType::kFloat16: return streaming_typed<__half>(p, with_lse, sm_count, stream);
-    case DType::kBFloat16: return streaming_typed<__nv_bfloat16>(p, with_lse, sm_count, stream);
-    default: throw_invalid("logits: unsupported dtype");
+    case DType::kFloat32:
+      return streaming_typed<float>(p, with_lse, sm_count, stream);
+    case DType::kFloat16:
+      return streaming_typed<__half>(p, with_lse, sm_count, stream);
+    case DType::kBFloat16:
+      return streaming_typed<__nv_bfloat16>(p, with_lse, sm_count, stream);
+    default:
+      throw_invalid("logits: unsupported dtype");
   }
 }
 
@@ -162,10 +166,11 @@ void launch_scale_rows(DType dtype, char* grad, const RowLayout& rows, int64_t n
       scale_rows_kernel<__half><<<grid, kStreamingThreads, 0, stream>>>(grad, rows, n_rows, vocab, scale, per_row);
       break;
     case DType::kBFloat16:
-      scale_rows_kernel<__nv_bfloat16><<<grid, kStreamingThreads, 0, stream>>>(grad, rows, n_rows, vocab, scale,
-                                                                               per_row);
+      scale_rows_kernel<__nv_bfloat16>
+          <<<grid, kStreamingThreads, 0, stream>>>(grad, rows, n_rows, vocab, scale, per_row);
       break;
-    default: throw_invalid("grad: unsupported dtype");
+    default:
+      throw_invalid("grad: unsupported dtype");
   }
   LOGITLESS_CUDA_CHECK_LAUNCH("scale_rows kernel");
 }

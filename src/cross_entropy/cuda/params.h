@@ -9,9 +9,9 @@ namespace logitless::ce {
 
 // Workspace layout (device memory the caller provides).
 struct Scalars {
-  float inv_denom;      // 1/sum of target weights for mean (0 when every row is ignored), 1 otherwise
-  float inv_count;      // 1/count of the rows not ignored for mean (the z-loss term's divisor; 0 when none), 1 otherwise
-  float weight_sum;     // W = sum_j w_j (V without class weights)
+  float inv_denom;   // 1/sum of target weights for mean (0 when every row is ignored), 1 otherwise
+  float inv_count;   // 1/count of the rows not ignored for mean (the z-loss term's divisor; 0 when none), 1 otherwise
+  float weight_sum;  // W = sum_j w_j (V without class weights)
   long long first_bad;  // smallest row with a target outside [0, V) and != ignore_index; n_rows if none
 };
 inline constexpr size_t kScalarsBytes = 256;

@@ -30,25 +30,26 @@ inline constexpr int64_t kMinSharedStage = 32 * 1024;
 
 struct Plan {
   CrossEntropyAlgo algo = CrossEntropyAlgo::kStreaming;
-  int cluster = 1;          // CTAs sharing one row (row-resident)
-  int stages = 0;           // shared-memory row slices in flight per CTA (row-resident)
+  int cluster = 1;  // CTAs sharing one row (row-resident)
+  int stages = 0;   // shared-memory row slices in flight per CTA (row-resident)
   int threads = kStreamingThreads;
-  int64_t slice = 0;        // elements of a row each CTA of the cluster owns (row-resident)
-  size_t stage_bytes = 0;   // shared memory per stage
-  size_t smem_bytes = 0;    // dynamic shared memory per CTA
-  int copy_pieces = 1;      // bulk copies per slice (row-resident)
-  int grid_clusters = 0;    // clusters to launch; 0: as many as the occupancy calculator says fit
-  bool pipelined = false;   // row-resident: a row's exchange overlaps the next row's statistics (kernels_row_resident.cu)
+  int64_t slice = 0;       // elements of a row each CTA of the cluster owns (row-resident)
+  size_t stage_bytes = 0;  // shared memory per stage
+  size_t smem_bytes = 0;   // dynamic shared memory per CTA
+  int copy_pieces = 1;     // bulk copies per slice (row-resident)
+  int grid_clusters = 0;   // clusters to launch; 0: as many as the occupancy calculator says fit
+  bool pipelined =
+      false;  // row-resident: a row's exchange overlaps the next row's statistics (kernels_row_resident.cu)
 };
 
 struct PlanInputs {
   int64_t vocab = 0;
   int elem_bytes = 2;
-  bool backward_only = false;      // the gradient from a saved lse needs no row residency
-  bool forward_only = false;       // the loss alone needs no row residency either
+  bool backward_only = false;         // the gradient from a saved lse needs no row residency
+  bool forward_only = false;          // the loss alone needs no row residency either
   bool row_resident_capable = false;  // the device and this build can run the Hopper kernel
-  int smem_per_block = 0;          // dynamic shared memory a CTA may opt into (bytes)
-  int smem_per_sm = 0;             // shared memory of one SM (bytes; 0: unknown, one CTA per SM assumed)
+  int smem_per_block = 0;             // dynamic shared memory a CTA may opt into (bytes)
+  int smem_per_sm = 0;                // shared memory of one SM (bytes; 0: unknown, one CTA per SM assumed)
   CrossEntropyAlgo requested = CrossEntropyAlgo::kAuto;
 };
 

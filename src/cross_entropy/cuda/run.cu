@@ -28,8 +28,8 @@ thread_local debug::LaunchRecord t_last_launch;
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 // Fixed thread count and fixed per-thread order: the sums come out bit-identical on every run.
-__global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const KernelParams p, Reduction reduction,
-                                                                 Scalars* out) {
+__global__ void __launch_bounds__(kReduceThreads)
+    prepass_kernel(const KernelParams p, Reduction reduction, Scalars* out) {
   __shared__ double sh_d[kReduceThreads / 32];
   __shared__ long long sh_b[kReduceThreads / 32], sh_c[kReduceThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -73,8 +73,8 @@ __global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const KernelPar
   }
 }
 
-__global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const float* row_loss, int64_t n_rows,
-                                                                  const Scalars* scalars, float* loss, int abort_on_bad) {
+__global__ void __launch_bounds__(kReduceThreads)
+    finalize_kernel(const float* row_loss, int64_t n_rows, const Scalars* scalars, float* loss, int abort_on_bad) {
   __shared__ double sh[kReduceThreads / 32];
   if (abort_on_bad && scalars->first_bad < n_rows) return;  // as the row kernels (KernelParams::abort_on_bad)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -173,7 +173,8 @@ BadTargetReadback& start_bad_target_readback(int device, const Scalars* scalars,
   BadTargetReadback& rb = *per_device[device];
   // A call that threw before its wait may have left a copy in flight (on another stream, perhaps): let it land.
   LOGITLESS_CUDA_CHECK(cudaEventSynchronize(rb.copied));
-  LOGITLESS_CUDA_CHECK(cudaMemcpyAsync(rb.slot, &scalars->first_bad, sizeof(long long), cudaMemcpyDeviceToHost, stream));
+  LOGITLESS_CUDA_CHECK(
+      cudaMemcpyAsync(rb.slot, &scalars->first_bad, sizeof(long long), cudaMemcpyDeviceToHost, stream));
   LOGITLESS_CUDA_CHECK(cudaEventRecord(rb.copied, stream));
   return rb;
 }
@@ -188,8 +189,8 @@ void throw_if_bad_target(const Problem& pr, BadTargetReadback& rb) {
   const char* addr = static_cast<const char*>(pr.target) + pr.target_rows.offset(first_bad) * es;
   LOGITLESS_CUDA_CHECK(cudaMemcpy(&value, addr, es, cudaMemcpyDeviceToHost));
   if (es == 4) value = static_cast<int32_t>(value & 0xFFFFFFFF);
-  throw_invalid(str_cat("target: expected values in [0, ", pr.total_vocab(), ") or ignore_index (", pr.ignore_index, "), got ",
-                        value, " at row ", first_bad, " (the first bad row)"));
+  throw_invalid(str_cat("target: expected values in [0, ", pr.total_vocab(), ") or ignore_index (", pr.ignore_index,
+                        "), got ", value, " at row ", first_bad, " (the first bad row)"));
 }
 
 }  // namespace
@@ -247,9 +248,10 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
       Plan plan = plan_cross_entropy(in);
       if (g_plan_hook) g_plan_hook(plan);
       if (plan.algo == CrossEntropyAlgo::kAuto)
-        throw_invalid(str_cat("algo: expected an algorithm this GPU can run; row_resident needs a Hopper GPU (sm_90) "
-                              "and rows that fit a cluster's shared memory, got V=",
-                              pr.vocab, " on sm_", info.sm_major, info.sm_minor));
+        throw_invalid(
+            str_cat("algo: expected an algorithm this GPU can run; row_resident needs a Hopper GPU (sm_90) "
+                    "and rows that fit a cluster's shared memory, got V=",
+                    pr.vocab, " on sm_", info.sm_major, info.sm_minor));
       int clusters = 0;
       if (plan.algo == CrossEntropyAlgo::kRowResident) {
         clusters = launch_row_resident(pr.dtype, kp, plan, stream);
@@ -272,8 +274,8 @@ void set_plan_hook(PlanHook hook) { g_plan_hook = hook; }
 LaunchRecord last_launch() { return t_last_launch; }
 }  // namespace debug
 
-void scale_rows_cuda(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab,
-                     const float* scale, bool per_row, Device device, StreamHandle stream) {
+void scale_rows_cuda(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab, const float* scale,
+                     bool per_row, Device device, StreamHandle stream) {
   DeviceGuard guard(device.index);
   launch_scale_rows(dtype, static_cast<char*>(grad), rows, n_rows, vocab, scale, per_row,
                     device_info(device.index).sm_count, static_cast<cudaStream_t>(stream));

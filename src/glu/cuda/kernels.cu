@@ -154,10 +154,14 @@ Kernel pick(bool backward, bool vector, GLUActivation a) {
 
 Kernel pick(DType dtype, bool backward, bool vector, GLUActivation a) {
   switch (dtype) {
-    case DType::kFloat32: return pick<float>(backward, vector, a);
-    case DType::kFloat16: return pick<__half>(backward, vector, a);
-    case DType::kBFloat16: return pick<__nv_bfloat16>(backward, vector, a);
-    default: throw_invalid(str_cat("gate: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
+    case DType::kFloat32:
+      return pick<float>(backward, vector, a);
+    case DType::kFloat16:
+      return pick<__half>(backward, vector, a);
+    case DType::kBFloat16:
+      return pick<__nv_bfloat16>(backward, vector, a);
+    default:
+      throw_invalid(str_cat("gate: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
   }
 }
 
@@ -192,8 +196,8 @@ void run_cuda(const Problem& p, StreamHandle stream) {
   in.requested = p.algo;
   const Plan plan = plan_glu(in);
   if (plan.why_not)
-    throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got vector, which cannot: ",
-                          plan.why_not));
+    throw_invalid(
+        str_cat("algo: expected a kernel that can run these arguments, got vector, which cannot: ", plan.why_not));
   const Kernel kernel = pick(p.dtype, p.backward, plan.vector, p.activation);
 
   Params kp;

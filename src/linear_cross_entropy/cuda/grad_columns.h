@@ -45,8 +45,8 @@ LOGITLESS_HD uint32_t grad_slot_mask(int64_t c, int64_t width) {
 // once, `load_one(k)` the logit of slot k, `elem(x_k, k)` is d(loss)/d(logit) of slot k. A partial group
 // loads and evaluates only the slots in `mask`; the others get 0.
 template <typename LoadFull, typename LoadOne, typename Elem>
-LOGITLESS_HD void grad_group_values(uint32_t mask, const LoadFull& load_full, const LoadOne& load_one,
-                                    const Elem& elem, float* v) {
+LOGITLESS_HD void grad_group_values(uint32_t mask, const LoadFull& load_full, const LoadOne& load_one, const Elem& elem,
+                                    float* v) {
   if (mask == kGradFullMask) {
     float x[kGradCols];
     load_full(x);

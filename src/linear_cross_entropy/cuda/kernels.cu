@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constan
         const float* src = p.logits + r * p.ld_logits + c;
         const float lse = p.lse[r];
         const float up = p.upstream ? p.upstream[p.upstream_per_row ? r : 0] : 1.f;
-        const ce::GradCoeffs g = ce::row_grad_coeffs(lse, ce::target_weight(p.ce, t), W, p.ce.eps, p.ce.inv_v,
-                                                     p.ce.z, inv_denom * up, inv_count * up);
+        const ce::GradCoeffs g = ce::row_grad_coeffs(lse, ce::target_weight(p.ce, t), W, p.ce.eps, p.ce.inv_v, p.ce.z,
+                                                     inv_denom * up, inv_count * up);
         const float lse_l2 = lse * ce::kLog2e;
         const int64_t j0 = p.col0 + c;
         // 16-byte aligned: ld_logits is a multiple of 8 columns, c of 4, and the chunk buffers 256-byte aligned.
@@ -260,8 +260,8 @@ __global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t
   }
 }
 
-__global__ void __launch_bounds__(kReduceThreads) reduce_loss_kernel(const float* row_loss, const float* row_z,
-                                                                     int64_t n, const Scalars* scalars, float* loss) {
+__global__ void __launch_bounds__(kReduceThreads)
+    reduce_loss_kernel(const float* row_loss, const float* row_z, int64_t n, const Scalars* scalars, float* loss) {
   __shared__ double sh[kReduceThreads / 32], sh_z[kReduceThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   double s = 0, sz = 0;
@@ -279,8 +279,8 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_loss_kernel(const float
     double total = 0, total_z = 0;
     for (int i = 0; i < kReduceThreads / 32; ++i) total += sh[i], total_z += sh_z[i];
     // The z-loss terms (held apart only where their divisor differs) over the count, the rest over the weights.
-    const double out = row_z ? (total - total_z) * scalars->inv_denom + total_z * scalars->inv_count
-                             : total * scalars->inv_denom;
+    const double out =
+        row_z ? (total - total_z) * scalars->inv_denom + total_z * scalars->inv_count : total * scalars->inv_denom;
     loss[0] = n > 0 ? static_cast<float>(out) : 0.f;
   }
 }
@@ -288,7 +288,8 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_loss_kernel(const float
 // A 2-D grid for (rows x cols) elementwise kernels: columns across threads and x-blocks, rows across y-blocks.
 dim3 grid_2d(int64_t rows, int64_t cols, int sm_count) {
   const int64_t bx = std::max<int64_t>(1, std::min<int64_t>((cols + kEltThreads - 1) / kEltThreads, 64));
-  const int64_t by = std::max<int64_t>(1, std::min<int64_t>({rows, 65535, (static_cast<int64_t>(sm_count) * 32 + bx - 1) / bx}));
+  const int64_t by =
+      std::max<int64_t>(1, std::min<int64_t>({rows, 65535, (static_cast<int64_t>(sm_count) * 32 + bx - 1) / bx}));
   return dim3(static_cast<unsigned>(bx), static_cast<unsigned>(by));
 }
 
@@ -320,10 +321,14 @@ void launch_fill_bias(float* logits, int64_t ld, int64_t rows, int64_t width, co
 void launch_grad(const GradParams& p, DType out_dtype, cudaStream_t stream) {
   if (p.rows == 0 || p.width == 0) return;
   switch (out_dtype) {
-    case DType::kFloat32: return grad_typed<float>(p, stream);
-    case DType::kFloat16: return grad_typed<__half>(p, stream);
-    case DType::kBFloat16: return grad_typed<__nv_bfloat16>(p, stream);
-    default: throw_invalid("linear cross-entropy gradient: unsupported dtype");
+    case DType::kFloat32:
+      return grad_typed<float>(p, stream);
+    case DType::kFloat16:
+      return grad_typed<__half>(p, stream);
+    case DType::kBFloat16:
+      return grad_typed<__nv_bfloat16>(p, stream);
+    default:
+      throw_invalid("linear cross-entropy gradient: unsupported dtype");
   }
 }
 
@@ -369,11 +374,11 @@ void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t
   if (n == 0 || h == 0) return;
   const dim3 grid = grid_2d(n, h, sm_count);
   if (elem_bytes == 4) {
-    copy_rows_kernel<uint32_t><<<grid, kEltThreads, 0, stream>>>(static_cast<const uint32_t*>(src), rows, n, h,
-                                                                 static_cast<uint32_t*>(dst));
+    copy_rows_kernel<uint32_t>
+        <<<grid, kEltThreads, 0, stream>>>(static_cast<const uint32_t*>(src), rows, n, h, static_cast<uint32_t*>(dst));
   } else {
-    copy_rows_kernel<uint16_t><<<grid, kEltThreads, 0, stream>>>(static_cast<const uint16_t*>(src), rows, n, h,
-                                                                 static_cast<uint16_t*>(dst));
+    copy_rows_kernel<uint16_t>
+        <<<grid, kEltThreads, 0, stream>>>(static_cast<const uint16_t*>(src), rows, n, h, static_cast<uint16_t*>(dst));
   }
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy row copy");
 }

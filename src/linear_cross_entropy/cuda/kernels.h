@@ -33,10 +33,11 @@ void launch_cast(const float* src, int64_t src_ld, int64_t rows, int64_t cols, v
 void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t h, int elem_bytes, void* dst,
                       int sm_count, cudaStream_t stream);
 
-// The rows' loss and lse from the fused forward's tile statistics partials [rows, tiles, 4] (kernels_hopper.h): one warp
-// per row combines its tiles as a vocabulary-parallel finalize combines shards (include/logitless/vocab_parallel.h)
-// and applies the cross-entropy's row loss. target_logit: the rows' target logits, or nullptr to take them from the
-// partials. lse and z_rows (the rows' z-loss terms) may be nullptr. ce: the row kinds, class weights and options.
+// The rows' loss and lse from the fused forward's tile statistics partials [rows, tiles, 4] (kernels_hopper.h): one
+// warp per row combines its tiles as a vocabulary-parallel finalize combines shards
+// (include/logitless/vocab_parallel.h) and applies the cross-entropy's row loss. target_logit: the rows' target logits,
+// or nullptr to take them from the partials. lse and z_rows (the rows' z-loss terms) may be nullptr. ce: the row kinds,
+// class weights and options.
 void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
                         const float* target_logit, const ce::KernelParams& ce, const Scalars* scalars, float* loss,
                         float* lse, float* z_rows, int sm_count, cudaStream_t stream);

@@ -26,10 +26,10 @@
 #include "linear_cross_entropy/cuda/dtype_io.cuh"
 
 #if defined(LOGITLESS_WITH_CUTLASS)
-#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
+#include <cute/tensor.hpp>
 #endif
 
 namespace logitless::lce {
@@ -40,16 +40,17 @@ namespace {
 using namespace cute;
 
 constexpr int kBM = 128, kBN = static_cast<int>(kFusedTileCols), kBK = 64, kStages = 4;
-constexpr int kThreads = 384;     // a producer warpgroup, two consumer warpgroups
-constexpr int kCluster = 2;       // CTAs per cluster: token tiles sharing one class tile
-constexpr int kGroupTiles = 8;    // token-tile pairs per raster group
-constexpr int kMaxDevices = 64;   // devices whose launch configuration is remembered (others ask every launch)
-constexpr int kEpiCols = 64;      // columns of an output chunk (stage_and_store): one 128-byte swizzle row of T
+constexpr int kThreads = 384;    // a producer warpgroup, two consumer warpgroups
+constexpr int kCluster = 2;      // CTAs per cluster: token tiles sharing one class tile
+constexpr int kGroupTiles = 8;   // token-tile pairs per raster group
+constexpr int kMaxDevices = 64;  // devices whose launch configuration is remembered (others ask every launch)
+constexpr int kEpiCols = 64;     // columns of an output chunk (stage_and_store): one 128-byte swizzle row of T
 constexpr int kEpiChunks = kBN / kEpiCols;
-constexpr int kEpiBarrier = 1;    // named barriers kEpiBarrier + w: consumer warpgroup w (0 is __syncthreads)
-constexpr int kLanes = 4;         // independent accumulation chains per row in the epilogues
+constexpr int kEpiBarrier = 1;  // named barriers kEpiBarrier + w: consumer warpgroup w (0 is __syncthreads)
+constexpr int kLanes = 4;       // independent accumulation chains per row in the epilogues
 
-// kernels_hopper.h: statistics, gradient, statistics and exponentials; kNone: no epilogue (debug::launch_fused_mainloop)
+// kernels_hopper.h: statistics, gradient, statistics and exponentials; kNone: no epilogue
+// (debug::launch_fused_mainloop)
 enum class Epi { kStats, kGrad, kExp, kNone };
 
 template <typename T>
@@ -65,10 +66,10 @@ struct MmaOf<cutlass::half_t> {
 
 template <typename T>
 struct Config {
-  using SmemA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
-                                       make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
-  using SmemB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
-                                       make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{})));
+  using SmemA =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
+  using SmemB =
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{})));
   using TiledMma = decltype(make_tiled_mma(typename MmaOf<T>::Op{}, Layout<Shape<_2, _1, _1>>{}));
   static constexpr uint32_t kStageBytes = (kBM + kBN) * kBK * sizeof(T);
 };
@@ -177,8 +178,8 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 // the output's end.
 // val(e): the value of accumulator element e, called once per element in order.
 template <typename T, class TmaE, class Val>
-__device__ __forceinline__ void stage_and_store(const TmaE& tma_e, T* ebuf, int wgl, int tw, int mt, int nt,
-                                                int m, int n, Val&& val) {
+__device__ __forceinline__ void stage_and_store(const TmaE& tma_e, T* ebuf, int wgl, int tw, int mt, int nt, int m,
+                                                int n, Val&& val) {
   const int lane = tw & 31, k = lane >> 3, i = lane & 7;
   const int r = 16 * (tw >> 5) + 8 * (k & 1) + i;  // the row (of the warpgroup's 64) whose address this lane gives
   Tensor mE = tma_e.get_tma_tensor(make_shape(m, n));
@@ -196,10 +197,10 @@ __device__ __forceinline__ void stage_and_store(const TmaE& tma_e, T* ebuf, int 
     const uint32_t row_addr = cast_smem_ptr_to_uint(buf) + r * (kEpiCols * sizeof(T));
     CUTE_UNROLL
     for (int jj = 0; jj < kEpiCols / 8; jj += 2) {  // two 8-column blocks of the chunk per instruction
-      const int q = 2 * jj;  // packed pairs of blocks jj, jj + 1: top, bottom, top, bottom
+      const int q = 2 * jj;                         // packed pairs of blocks jj, jj + 1: top, bottom, top, bottom
       const uint32_t addr = row_addr + (((jj + (k >> 1)) ^ i) << 4);  // the 16-byte chunk, swizzled by row % 8
-      asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
-                   "r"(packed[q]), "r"(packed[q + 1]), "r"(packed[q + 2]), "r"(packed[q + 3]));
+      asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(packed[q]),
+                   "r"(packed[q + 1]), "r"(packed[q + 2]), "r"(packed[q + 3]));
     }
     tma_store_fence();  // the writes above, visible to the TMA unit
     // One barrier per chunk: before it, the first thread waits until every store it issued has read its buffer,
@@ -592,10 +593,11 @@ void launch_typed(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
   if constexpr (kEpi == Epi::kGrad || kEpi == Epi::kExp) {
     // The output through TMA stores: 16-byte aligned rows (the plan's buffers are).
     if (reinterpret_cast<uintptr_t>(p.dlogits) % 16 != 0 || p.ld_dlogits % 8 != 0)
-      throw_invalid("linear cross-entropy fused GEMM: expected a 16-byte aligned output with rows of a multiple of 8 "
-                    "elements (the workspace's alignment), got another");
-    Tensor mE = make_tensor(make_gmem_ptr(static_cast<T*>(p.dlogits)), make_shape(m, n),
-                            make_stride(p.ld_dlogits, Int<1>{}));
+      throw_invalid(
+          "linear cross-entropy fused GEMM: expected a 16-byte aligned output with rows of a multiple of 8 "
+          "elements (the workspace's alignment), got another");
+    Tensor mE =
+        make_tensor(make_gmem_ptr(static_cast<T*>(p.dlogits)), make_shape(m, n), make_stride(p.ld_dlogits, Int<1>{}));
     auto tma_e = make_tma_copy(SM90_TMA_STORE{}, mE, SmemEChunk<T>{});
     launch_kernel<T, kEpi, kGeneral>(p, sm_count, stream, tma_a, tma_b, tma_e);
   } else {

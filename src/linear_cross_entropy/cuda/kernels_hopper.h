@@ -26,11 +26,11 @@ struct FusedGemmParams {
   DType dtype = DType::kBFloat16;  // of x and w: bf16 or fp16
   const void* x = nullptr;         // [m, k], row stride ldx (elements)
   int64_t ldx = 0;
-  const void* w = nullptr;         // [n, k], row stride ldw: the weight rows of classes col0 .. col0 + n
+  const void* w = nullptr;  // [n, k], row stride ldw: the weight rows of classes col0 .. col0 + n
   int64_t ldw = 0;
   int64_t m = 0, n = 0, k = 0;
-  int64_t col0 = 0;                // the class of column 0, relative to ce.vocab_offset
-  const void* bias = nullptr;      // bias[(col0 + c) * bias_stride] or nullptr
+  int64_t col0 = 0;            // the class of column 0, relative to ce.vocab_offset
+  const void* bias = nullptr;  // bias[(col0 + c) * bias_stride] or nullptr
   DType bias_dtype = DType::kFloat32;
   int64_t bias_stride = 1;
   const int64_t* target = nullptr;  // [m]
@@ -47,7 +47,7 @@ struct FusedGemmParams {
   const float* upstream = nullptr;  // nullptr (1), [1] or [m] (upstream_per_row)
   int upstream_per_row = 0;
   const Scalars* scalars = nullptr;
-  void* dlogits = nullptr;          // [m, ld_dlogits] in dtype
+  void* dlogits = nullptr;  // [m, ld_dlogits] in dtype
   int64_t ld_dlogits = 0;
 
   int64_t debug_spin = 0;  // debug::launch_fused_mainloop only: cycles each tile's (empty) epilogue waits

@@ -38,9 +38,9 @@ struct PrepassParams {
 struct GradParams {
   const float* logits = nullptr;  // [rows, ld_logits]
   int64_t ld_logits = 0;
-  void* dlogits = nullptr;        // [rows, ld_dlogits] in the GEMMs' dtype; may be `logits` itself (float32)
+  void* dlogits = nullptr;  // [rows, ld_dlogits] in the GEMMs' dtype; may be `logits` itself (float32)
   int64_t ld_dlogits = 0;
-  float* db_partial = nullptr;    // [ceil(rows / kGradRowsPerBlock), ld_logits] column sums, or nullptr
+  float* db_partial = nullptr;      // [ceil(rows / kGradRowsPerBlock), ld_logits] column sums, or nullptr
   const int64_t* target = nullptr;  // [rows]: the chunk's targets
   const float* lse = nullptr;       // [rows]
   const float* upstream = nullptr;  // nullptr (1), [] or [rows] (per_row)
@@ -52,11 +52,11 @@ struct GradParams {
 
 // The gradient in forward on the fused Hopper path, one token group at a time. The logits GEMM (kernels_hopper.h, exp
 // epilogue) writes E[r, j] = exp(z[r, j] - shift[r]) in bfloat16 next to the tile statistics, with shift[r] the
-// target's logit (a dot product before the GEMM), so that d(loss)/dZ[r, j] = scale[r] * E[r, j] for every j but the target; exp_rows puts
-// (a p_t - b) / scale[r] in the target's place. Then grad_hidden = scale ⊙ (E W) and grad_weight = Eᵀ (scale ⊙ X):
-// the three GEMMs with no pass over the [rows, V] matrix between them. Rows where that form loses range or precision
-// (lse more than kExpRange above shift, or a row scale near 0 beside its target term) go to exp_fixup, which
-// recomputes their logits and writes their gradient over a scale of its own.
+// target's logit (a dot product before the GEMM), so that d(loss)/dZ[r, j] = scale[r] * E[r, j] for every j but the
+// target; exp_rows puts (a p_t - b) / scale[r] in the target's place. Then grad_hidden = scale ⊙ (E W) and grad_weight
+// = Eᵀ (scale ⊙ X): the three GEMMs with no pass over the [rows, V] matrix between them. Rows where that form loses
+// range or precision (lse more than kExpRange above shift, or a row scale near 0 beside its target term) go to
+// exp_fixup, which recomputes their logits and writes their gradient over a scale of its own.
 struct ExpGradParams {
   int64_t rows = 0, h = 0, v = 0;
   const void* x = nullptr;  // bfloat16 hidden rows [rows, h], row stride ldx
@@ -76,7 +76,7 @@ struct ExpGradParams {
   float* scale = nullptr;      // [rows]: 0 for ignored rows, NaN for bad ones
   void* e = nullptr;           // bfloat16 [rows, ld_e]
   int64_t ld_e = 0;
-  void* xs = nullptr;  // bfloat16 [rows, h]: scale[r] * x[r]; nullptr when no grad_weight is asked for
+  void* xs = nullptr;     // bfloat16 [rows, h]: scale[r] * x[r]; nullptr when no grad_weight is asked for
   int* fixups = nullptr;  // [1 + rows]: the count, then the rows exp_fixup rewrites
   int force_fixups = 0;   // tests: every valid row goes through exp_fixup
 };

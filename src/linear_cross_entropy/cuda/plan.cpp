@@ -233,8 +233,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
 //    18 against 14 per logit), plus its float32 grad_hidden accumulator, read and written by every vocabulary
 //    chunk's GEMM after the first (8 N H bytes each);
 //  * gradient in forward: its float32 grad_weight accumulator, read and written by every token group's GEMM
-//    (counted at 10 V H bytes a group, below), and each chunk's re-read of the weight where a chunk is too short for its logits
-//    GEMM to be compute-bound (2 V H (1 - chunk / kFlopsPerByte) bytes a chunk).
+//    (counted at 10 V H bytes a group, below), and each chunk's re-read of the weight where a chunk is too short for
+//    its logits GEMM to be compute-bound (2 V H (1 - chunk / kFlopsPerByte) bytes a chunk).
 // The model orders the two schedules as they were measured on H100, with the generic kernels and with the fused
 // ones, at the three shapes of bench/RESULTS.md's "which schedule "auto" takes for bf16".
 bool recompute_is_faster(const PlanInputs& gif) {

@@ -33,21 +33,21 @@ inline constexpr int64_t kFusedTileCols = 256;
 struct PlanInputs {
   Pass pass = Pass::kForward;
   int64_t n = 0, h = 0, v = 0;
-  int elem_bytes = 2;              // hidden and weight (and so the logits' gradient the GEMMs read)
+  int elem_bytes = 2;  // hidden and weight (and so the logits' gradient the GEMMs read)
   bool need_dx = false, need_dw = false, need_db = false;
-  bool grad_hidden_f32 = false;    // grad_hidden is float32 (sums into it directly, no accumulator)
+  bool grad_hidden_f32 = false;  // grad_hidden is float32 (sums into it directly, no accumulator)
   bool grad_weight_f32 = false;
-  bool copy_hidden = false;        // hidden's rows do not have one stride a GEMM can take
-  bool reduction_none = false;     // per-token losses go straight to the output
-  bool z_rows = false;             // the z-loss terms are reduced apart from the rest (mean with z-loss: they are
-                                   // divided by the token count, the rest by the summed class weights)
-  bool fused = false;              // the device and operands take the fused Hopper kernels (kernels_hopper.h)
-  bool fused_exp = false;          // ... and the gradient in forward's exponential form (bfloat16, plain options)
+  bool copy_hidden = false;     // hidden's rows do not have one stride a GEMM can take
+  bool reduction_none = false;  // per-token losses go straight to the output
+  bool z_rows = false;          // the z-loss terms are reduced apart from the rest (mean with z-loss: they are
+                                // divided by the token count, the rest by the summed class weights)
+  bool fused = false;           // the device and operands take the fused Hopper kernels (kernels_hopper.h)
+  bool fused_exp = false;       // ... and the gradient in forward's exponential form (bfloat16, plain options)
   // The vocabulary-parallel gradient-in-forward steps (include/logitless/vocab_parallel.h): pass
   // kForwardBackward with chunks of exactly chunk_tokens (agreed between the ranks), two float32 logits slots
   // (a chunk's logits wait in one while the next chunk's are computed), groups of whole chunks.
   bool steps = false;
-  int64_t chunk_tokens = 0;        // options (0: from the budget)
+  int64_t chunk_tokens = 0;  // options (0: from the budget)
   int64_t chunk_vocab = 0;
   size_t memory_budget = size_t{512} << 20;
   size_t cublas_workspace_bytes = size_t{32} << 20;
@@ -65,8 +65,8 @@ struct Plan {
   int64_t chunk_rows = 0;
   int64_t group_rows = 0;
   int64_t vocab_cols = 0;
-  int64_t ld_logits = 0;    // elements per row of the float32 logits chunk (16-byte rows for vector loads)
-  int64_t ld_dlogits = 0;   // elements per row of the logits' gradient (its own buffer, or the logits' rows)
+  int64_t ld_logits = 0;          // elements per row of the float32 logits chunk (16-byte rows for vector loads)
+  int64_t ld_dlogits = 0;         // elements per row of the logits' gradient (its own buffer, or the logits' rows)
   bool dlogits_in_place = false;  // float32 inputs: the gradient overwrites its float32 logits
   bool dw_accumulator = false;    // grad_weight sums over token groups in a float32 buffer, cast at the end
   bool dx_accumulator = false;    // (backward) grad_hidden sums over vocabulary chunks in a float32 buffer
@@ -82,17 +82,17 @@ struct Plan {
                                 // reserved: the workspace queries do not see the lse argument)
   size_t off_ce = kNone;        // the cross-entropy call's own workspace
   size_t ce_bytes = 0;
-  size_t off_cublas = kNone;    // cuBLAS's workspace
+  size_t off_cublas = kNone;  // cuBLAS's workspace
   size_t cublas_bytes = 0;
-  size_t off_hidden = kNone;    // [N, H] contiguous copy of hidden
-  size_t off_logits = kNone;    // float32 logits chunk (steps: two slots, slot_bytes apart)
+  size_t off_hidden = kNone;  // [N, H] contiguous copy of hidden
+  size_t off_logits = kNone;  // float32 logits chunk (steps: two slots, slot_bytes apart)
   size_t slot_bytes = 0;
-  size_t off_dlogits = kNone;   // the logits' gradient in the inputs' dtype (absent when in place)
-  size_t off_dw = kNone;        // float32 [V, H]
-  size_t off_dx = kNone;        // float32 [N, H]
-  size_t off_db = kNone;        // float32 [V]
+  size_t off_dlogits = kNone;     // the logits' gradient in the inputs' dtype (absent when in place)
+  size_t off_dw = kNone;          // float32 [V, H]
+  size_t off_dx = kNone;          // float32 [N, H]
+  size_t off_db = kNone;          // float32 [V]
   size_t off_db_partial = kNone;  // float32 [db_partial_rows, width]
-  size_t off_partials = kNone;  // kHopperFused forward: float32 [chunk_rows, ceil(V / 256), 4] tile statistics
+  size_t off_partials = kNone;    // kHopperFused forward: float32 [chunk_rows, ceil(V / 256), 4] tile statistics
   // kHopperFused gradient in forward (params.h, ExpGradParams), per token of a group: the logits' exponentials
   // go to off_dlogits; the rows' shift, scale and rewrite list; hidden scaled by row (with a grad_weight) and
   // the unscaled grad_hidden rows in float32 (with a 16-bit grad_hidden).
@@ -101,7 +101,7 @@ struct Plan {
   size_t off_fixups = kNone;
   size_t off_scaled_hidden = kNone;
   size_t off_dx_rows = kNone;
-  size_t bytes = 0;             // total
+  size_t bytes = 0;  // total
 };
 
 Plan plan_linear_cross_entropy(const PlanInputs& in);

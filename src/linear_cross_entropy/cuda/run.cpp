@@ -25,8 +25,8 @@
 
 #include "common/cuda/check.cuh"
 #include "common/cuda/cublas.h"
-#include "linear_cross_entropy/cuda/kernels_hopper.h"
 #include "linear_cross_entropy/cuda/kernels.h"
+#include "linear_cross_entropy/cuda/kernels_hopper.h"
 #include "linear_cross_entropy/cuda/plan.h"
 #include "linear_cross_entropy/problem.h"
 #include "logitless/cross_entropy.h"
@@ -49,9 +49,12 @@ CrossEntropyOptions ce_options(const LinearCrossEntropyOptions& o) {
 Pass pass_of(Mode m) {
   switch (m) {
     case Mode::kForward:
-    case Mode::kPartials: return Pass::kForward;
-    case Mode::kBackward: return Pass::kBackward;
-    default: return Pass::kForwardBackward;
+    case Mode::kPartials:
+      return Pass::kForward;
+    case Mode::kBackward:
+      return Pass::kBackward;
+    default:
+      return Pass::kForwardBackward;
   }
 }
 
@@ -161,8 +164,7 @@ struct Run {
 
   // Z [rows, width] (float32, ld) = X[r0 : r0 + rows] · W[v0 : v0 + width]ᵀ (+ bias[v0 : v0 + width]).
   void logits(float* z, int64_t ld, int64_t r0, int64_t rows, int64_t v0, int64_t width) const {
-    if (p.bias)
-      launch_fill_bias(z, ld, rows, width, p.bias, p.bias_dtype, p.bias_stride, v0, sm_count, stream);
+    if (p.bias) launch_fill_bias(z, ld, rows, width, p.bias, p.bias_dtype, p.bias_stride, v0, sm_count, stream);
     gemm_row_major(blas, false, true, rows, width, p.hidden, hidden_rows(r0), ldx, weight_rows(v0), p.weight.ld,
                    p.dtype, z, ld, DType::kFloat32, /*accumulate=*/p.bias != nullptr);
   }
@@ -304,8 +306,8 @@ struct Run {
 
   // The loss rows and lse of a chunk from every shard's partials [R, rows, 4].
   void shard_finalize(const float* gathered, int64_t r0, int64_t rows, float* loss_rows, float* lse_rows) const {
-    const TensorView gv = TensorView::make(const_cast<float*>(gathered), DType::kFloat32, p.device,
-                                           {p.n_shards, rows, kShardStats});
+    const TensorView gv =
+        TensorView::make(const_cast<float*>(gathered), DType::kFloat32, p.device, {p.n_shards, rows, kShardStats});
     const TensorView tv = TensorView::make(targets + r0, DType::kInt64, p.device, {rows});
     const TensorView lv = TensorView::make(loss_rows, DType::kFloat32, p.device, {rows});
     const TensorView sv = TensorView::make(lse_rows, DType::kFloat32, p.device, {rows});
@@ -463,8 +465,8 @@ struct Run {
         if (V == 0) {  // an empty shard contributes nothing (a GEMM over k = 0 would leave dx unwritten)
           launch_cast(nullptr, 0, grows, H, dx, p.grad_hidden.dtype, p.grad_hidden.ld, 1, sm_count, stream);
         } else {
-          gemm_row_major(blas, false, false, grows, H, V, dz, plan.ld_dlogits, p.weight.data, p.weight.ld, p.dtype,
-                         dx, p.grad_hidden.ld, p.grad_hidden.dtype, false);
+          gemm_row_major(blas, false, false, grows, H, V, dz, plan.ld_dlogits, p.weight.data, p.weight.ld, p.dtype, dx,
+                         p.grad_hidden.ld, p.grad_hidden.dtype, false);
         }
       }
       if (p.grad_weight.data) {
@@ -529,8 +531,7 @@ struct Run {
                        ld, dt, /*accumulate=*/v0 > 0);
       }
       if (p.grad_weight.data) {
-        char* dw =
-            static_cast<char*>(p.grad_weight.data) + v0 * p.grad_weight.ld * dtype_size(p.grad_weight.dtype);
+        char* dw = static_cast<char*>(p.grad_weight.data) + v0 * p.grad_weight.ld * dtype_size(p.grad_weight.dtype);
         gemm_row_major(blas, true, false, cols, H, N, dz, plan.ld_dlogits, x, ldx, p.dtype, dw, p.grad_weight.ld,
                        p.grad_weight.dtype, false);
       }
@@ -547,8 +548,8 @@ struct Run {
     if (p.mode != Mode::kBackward) reduce_loss();
     if (p.mode == Mode::kForward) return;
     if (p.grad_weight.data)
-      launch_cast(nullptr, 0, p.vocab, p.hidden, p.grad_weight.data, p.grad_weight.dtype, p.grad_weight.ld, 1,
-                  sm_count, stream);
+      launch_cast(nullptr, 0, p.vocab, p.hidden, p.grad_weight.data, p.grad_weight.dtype, p.grad_weight.ld, 1, sm_count,
+                  stream);
     if (p.grad_bias)
       launch_cast(nullptr, 0, 1, p.vocab, p.grad_bias, p.grad_bias_dtype, 0, p.grad_bias_stride, sm_count, stream);
   }
@@ -619,22 +620,35 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   if (!p.hidden_uniform) {
     void* copy = r.at<void>(plan.off_hidden);
     if (!later_step)
-      launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_tokens, p.hidden, static_cast<int>(dtype_size(p.dtype)),
-                       copy, r.sm_count, stream);
+      launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_tokens, p.hidden, static_cast<int>(dtype_size(p.dtype)), copy,
+                       r.sm_count, stream);
     r.x = copy;
     r.ldx = p.hidden;
   }
   r.blas = cublas_handle(stream, r.at<void>(plan.off_cublas), plan.cublas_bytes);
   if (plan.kernel == Kernel::kHopperFused && reinterpret_cast<uintptr_t>(ws.data) % 16 != 0)
-    throw_invalid("workspace: expected a 16-byte aligned pointer (the fused Hopper kernels read and write buffers "
-                  "there through TMA descriptors), got a misaligned one");
+    throw_invalid(
+        "workspace: expected a 16-byte aligned pointer (the fused Hopper kernels read and write buffers "
+        "there through TMA descriptors), got a misaligned one");
   switch (p.mode) {
-    case Mode::kForward: r.forward(); break;
-    case Mode::kForwardBackward: r.forward_backward(); break;
-    case Mode::kBackward: r.backward(); break;
-    case Mode::kPartials: r.partials(); break;
-    case Mode::kStepLogits: r.step_logits(); break;
-    case Mode::kStepGradient: r.step_gradient(); break;
+    case Mode::kForward:
+      r.forward();
+      break;
+    case Mode::kForwardBackward:
+      r.forward_backward();
+      break;
+    case Mode::kBackward:
+      r.backward();
+      break;
+    case Mode::kPartials:
+      r.partials();
+      break;
+    case Mode::kStepLogits:
+      r.step_logits();
+      break;
+    case Mode::kStepGradient:
+      r.step_gradient();
+      break;
   }
 }
 

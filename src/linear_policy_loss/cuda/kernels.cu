@@ -27,10 +27,14 @@ __device__ __forceinline__ float token_weight(const GradParams& p, int64_t t) {
   const int64_t off = p.mask_rows.offset(t);
   switch (static_cast<DType>(p.mask_dtype)) {
     case DType::kBool:
-    case DType::kUInt8: return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
-    case DType::kInt32: return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
-    case DType::kInt64: return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
-    default: return static_cast<const float*>(p.mask)[off];
+    case DType::kUInt8:
+      return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
+    case DType::kInt32:
+      return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
+    case DType::kInt64:
+      return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
+    default:
+      return static_cast<const float*>(p.mask)[off];
   }
 }
 
@@ -136,10 +140,14 @@ void grad_typed(const GradParams& p, cudaStream_t stream) {
 void launch_grad(const GradParams& p, DType out_dtype, cudaStream_t stream) {
   if (p.rows == 0 || p.vocab == 0) return;
   switch (out_dtype) {
-    case DType::kFloat32: return grad_typed<float>(p, stream);
-    case DType::kFloat16: return grad_typed<__half>(p, stream);
-    case DType::kBFloat16: return grad_typed<__nv_bfloat16>(p, stream);
-    default: throw_invalid("linear policy-loss gradient: unsupported dtype");
+    case DType::kFloat32:
+      return grad_typed<float>(p, stream);
+    case DType::kFloat16:
+      return grad_typed<__half>(p, stream);
+    case DType::kBFloat16:
+      return grad_typed<__nv_bfloat16>(p, stream);
+    default:
+      throw_invalid("linear policy-loss gradient: unsupported dtype");
   }
 }
 

@@ -16,9 +16,9 @@ namespace logitless::lpl {
 struct GradParams {
   const float* logits = nullptr;  // [rows, ld_logits] float32, z = hidden · weightᵀ + bias
   int64_t ld_logits = 0;
-  void* dlogits = nullptr;        // [rows, ld_dlogits] in the GEMMs' dtype; may be `logits` itself (float32)
+  void* dlogits = nullptr;  // [rows, ld_dlogits] in the GEMMs' dtype; may be `logits` itself (float32)
   int64_t ld_dlogits = 0;
-  float* db_partial = nullptr;    // [ceil(rows / lce::kGradRowsPerBlock), ld_logits] column sums, or nullptr
+  float* db_partial = nullptr;  // [ceil(rows / lce::kGradRowsPerBlock), ld_logits] column sums, or nullptr
   int64_t rows = 0, row0 = 0, vocab = 0, row_len = 1, seq_len = 1;
   // Per token: c = d(loss)/d(logp) with every upstream factor, and the lse of z / temperature.
   const float* coeff = nullptr;

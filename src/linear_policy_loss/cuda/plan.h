@@ -22,30 +22,30 @@
 namespace logitless::lpl {
 
 struct PlanInputs {
-  bool grads = false;         // a gradient pass runs (forward-backward or backward)
-  int64_t rows = 0;           // positions: B * row_len
-  int64_t row_len = 1;        // positions per sequence (L or L + 1)
-  int64_t seq_len = 1;        // tokens per sequence (L)
-  int64_t tokens = 0;         // B * L
+  bool grads = false;   // a gradient pass runs (forward-backward or backward)
+  int64_t rows = 0;     // positions: B * row_len
+  int64_t row_len = 1;  // positions per sequence (L or L + 1)
+  int64_t seq_len = 1;  // tokens per sequence (L)
+  int64_t tokens = 0;   // B * L
   int64_t h = 0, v = 0;
-  int elem_bytes = 2;         // hidden and weight
+  int elem_bytes = 2;  // hidden and weight
   bool need_dx = false, need_dw = false, need_db = false;
   bool grad_weight_f32 = false;
-  bool copy_hidden = false;   // hidden's positions have no one stride a GEMM can take
-  bool token_logp = false;    // per-token logp kept in the workspace (the caller's output absent)
-  bool token_lse = false;     // per-token lse likewise
-  bool token_coeff = false;   // per-token d(loss)/d(logp)
+  bool copy_hidden = false;  // hidden's positions have no one stride a GEMM can take
+  bool token_logp = false;   // per-token logp kept in the workspace (the caller's output absent)
+  bool token_lse = false;    // per-token lse likewise
+  bool token_coeff = false;  // per-token d(loss)/d(logp)
   int64_t chunk_tokens = 0;
   size_t memory_budget = size_t{512} << 20;
   size_t cublas_workspace_bytes = size_t{32} << 20;
-  size_t steps_bytes = 0;     // the policy steps' own workspace (policy_loss/cuda/steps.h)
+  size_t steps_bytes = 0;  // the policy steps' own workspace (policy_loss/cuda/steps.h)
 };
 
 struct Plan {
-  int64_t chunk_rows = 0;   // positions of float32 logits per GEMM
-  int64_t group_rows = 0;   // positions of the logits' gradient per dX / dW GEMM pair
-  int64_t ld_logits = 0;    // elements per row of the float32 logits chunk
-  int64_t ld_dlogits = 0;   // ... of the logits' gradient
+  int64_t chunk_rows = 0;         // positions of float32 logits per GEMM
+  int64_t group_rows = 0;         // positions of the logits' gradient per dX / dW GEMM pair
+  int64_t ld_logits = 0;          // elements per row of the float32 logits chunk
+  int64_t ld_dlogits = 0;         // ... of the logits' gradient
   bool dlogits_in_place = false;  // float32 inputs: the gradient overwrites its logits
   bool dw_accumulator = false;    // grad_weight sums over groups in a float32 buffer, cast at the end
   int64_t db_partial_rows = 0;    // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
@@ -56,11 +56,11 @@ struct Plan {
   size_t off_logp = kNone, off_lse = kNone, off_coeff = kNone;  // float32 [tokens]
   size_t off_cublas = kNone;
   size_t cublas_bytes = 0;
-  size_t off_hidden = kNone;    // [rows, H] contiguous copy of hidden
-  size_t off_logits = kNone;    // float32 [chunk_rows, ld_logits]
-  size_t off_dlogits = kNone;   // [group_rows, ld_dlogits] in the inputs' dtype (absent when in place)
-  size_t off_dw = kNone;        // float32 [V, H]
-  size_t off_db = kNone;        // float32 [V]
+  size_t off_hidden = kNone;      // [rows, H] contiguous copy of hidden
+  size_t off_logits = kNone;      // float32 [chunk_rows, ld_logits]
+  size_t off_dlogits = kNone;     // [group_rows, ld_dlogits] in the inputs' dtype (absent when in place)
+  size_t off_dw = kNone;          // float32 [V, H]
+  size_t off_db = kNone;          // float32 [V]
   size_t off_db_partial = kNone;  // float32 [db_partial_rows, ld_logits]
   size_t bytes = 0;
 };

@@ -72,8 +72,8 @@ struct Run {
   cublasHandle_t blas = nullptr;
   const void* x = nullptr;  // hidden positions as a GEMM operand [n_rows, H] (ldx)
   int64_t ldx = 0;
-  pl::Problem tokens;       // the policy steps' problem: float32 chunks, per-token state in place
-  float* coeff = nullptr;   // [tokens]
+  pl::Problem tokens;      // the policy steps' problem: float32 chunks, per-token state in place
+  float* coeff = nullptr;  // [tokens]
   const float* lse = nullptr;
 
   template <typename T>
@@ -90,8 +90,7 @@ struct Run {
   float* logits(int64_t r0, int64_t rows, int64_t at_row) const {
     float* z = at<float>(plan.off_logits) + at_row * plan.ld_logits;
     if (p.bias)
-      lce::launch_fill_bias(z, plan.ld_logits, rows, p.vocab, p.bias, p.bias_dtype, p.bias_stride, 0, sm_count,
-                            stream);
+      lce::launch_fill_bias(z, plan.ld_logits, rows, p.vocab, p.bias, p.bias_dtype, p.bias_stride, 0, sm_count, stream);
     gemm_row_major(blas, false, true, rows, p.vocab, p.hidden, hidden_rows(r0), ldx, p.weight.data, p.weight.ld,
                    p.dtype, z, plan.ld_logits, DType::kFloat32, /*accumulate=*/p.bias != nullptr);
     return z;
@@ -141,8 +140,8 @@ struct Run {
 
   // The group's gradients: its rows of grad_hidden are final; grad_weight sums over groups in float32.
   void group_gemms(int64_t g0, int64_t grows) const {
-    const void* dz = plan.dlogits_in_place ? static_cast<const void*>(at<float>(plan.off_logits))
-                                           : at<void>(plan.off_dlogits);
+    const void* dz =
+        plan.dlogits_in_place ? static_cast<const void*>(at<float>(plan.off_logits)) : at<void>(plan.off_dlogits);
     if (p.grad_hidden.data) {
       char* dx = static_cast<char*>(p.grad_hidden.data) + g0 * p.grad_hidden.ld * dtype_size(p.grad_hidden.dtype);
       gemm_row_major(blas, false, false, grows, p.hidden, p.vocab, dz, plan.ld_dlogits, p.weight.data, p.weight.ld,
@@ -195,8 +194,7 @@ struct Run {
       lce::launch_cast(nullptr, 0, p.vocab, p.hidden, p.grad_weight.data, p.grad_weight.dtype, p.grad_weight.ld, 1,
                        sm_count, stream);
     if (p.grad_bias)
-      lce::launch_cast(nullptr, 0, 1, p.vocab, p.grad_bias, p.grad_bias_dtype, 0, p.grad_bias_stride, sm_count,
-                       stream);
+      lce::launch_cast(nullptr, 0, 1, p.vocab, p.grad_bias, p.grad_bias_dtype, 0, p.grad_bias_stride, sm_count, stream);
   }
 };
 
@@ -246,8 +244,8 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   r.ldx = p.hidden_ld;
   if (!p.hidden_uniform) {
     void* copy = r.at<void>(plan.off_hidden);
-    lce::launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_rows, p.hidden, static_cast<int>(dtype_size(p.dtype)),
-                          copy, r.sm_count, stream);
+    lce::launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_rows, p.hidden, static_cast<int>(dtype_size(p.dtype)), copy,
+                          r.sm_count, stream);
     r.x = copy;
     r.ldx = p.hidden;
   }

@@ -70,10 +70,14 @@ __device__ __forceinline__ float load_weight(const KernelParams& p, int64_t r) {
   const int64_t off = p.mask_rows.offset(r);
   switch (static_cast<DType>(p.mask_dtype)) {
     case DType::kBool:
-    case DType::kUInt8: return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
-    case DType::kInt32: return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
-    case DType::kInt64: return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
-    default: return static_cast<const float*>(p.mask)[off];
+    case DType::kUInt8:
+      return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
+    case DType::kInt32:
+      return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
+    case DType::kInt64:
+      return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
+    default:
+      return static_cast<const float*>(p.mask)[off];
   }
 }
 

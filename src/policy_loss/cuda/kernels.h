@@ -29,11 +29,10 @@ bool launch_rows(DType dtype, RowsVariant v, const KernelParams& p, const RowsPl
 // True when this build holds the row-resident kernel for sm_90+ and the device is Hopper or newer.
 bool rows_resident_available(int device);
 
-// Launches the row-resident kernel (kernels_row_resident.cu: the fused pass, each row read once) over p.n_rows rows with
-// a kRowResident `plan` (p.slice must be plan.slice). Returns false, launching nothing, when no cluster of
+// Launches the row-resident kernel (kernels_row_resident.cu: the fused pass, each row read once) over p.n_rows rows
+// with a kRowResident `plan` (p.slice must be plan.slice). Returns false, launching nothing, when no cluster of
 // plan.cluster CTAs with plan.smem_bytes of shared memory each can be placed on this device.
-bool launch_rows_resident(DType dtype, RowsVariant v, const KernelParams& p, const RowsPlan& plan,
-                          cudaStream_t stream);
+bool launch_rows_resident(DType dtype, RowsVariant v, const KernelParams& p, const RowsPlan& plan, cudaStream_t stream);
 
 // Zeroes `n` rows of `vocab` elements, `stride` elements apart (the unused last position's gradient).
 void launch_zero_rows(DType dtype, char* base, int64_t stride, int64_t n, int64_t vocab, cudaStream_t stream);

@@ -21,8 +21,8 @@
 
 #include "common/cuda/check.cuh"
 #include "common/cuda/resident.cuh"
-#include "policy_loss/cuda/kernels.h"
 #include "policy_loss/cuda/device.cuh"
+#include "policy_loss/cuda/kernels.h"
 
 namespace logitless::pl {
 namespace {
@@ -75,9 +75,7 @@ __global__ void __launch_bounds__(kResidentMaxThreads, 2)
     copy_whole_chunks(ChunkSpan<T>(slice_src(row), len), stage_ptr(static_cast<int>(k % S)),
                       &bars[static_cast<int>(k % S)]);
   };
-  auto token_of = [&](int64_t k) {
-    return row_of(k) < p.n_rows ? load_token(p, p.first_token + row_of(k)) : Token{};
-  };
+  auto token_of = [&](int64_t k) { return row_of(k) < p.n_rows ? load_token(p, p.first_token + row_of(k)) : Token{}; };
   if (tid == 0)
     for (int k = 0; k < S; ++k) issue(k, token_of(k));
 
@@ -137,8 +135,7 @@ __global__ void __launch_bounds__(kResidentMaxThreads, 2)
                                    : Vec<T>::load1(src + t_local * kEs);
       }
       block_online_scaled<kEntropy>(acc.m, acc.s, acc.u, xt, p.scale_l2, red);
-      if (csize > 1)
-        cluster_merge<kEntropy>(xchg, xcur, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
+      if (csize > 1) cluster_merge<kEntropy>(xchg, xcur, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
       const float lse = acc.m == -INFINITY ? NAN : fmaf(acc.m, p.inv_temp, logf(acc.s));
       const float logp = fmaf(xt, p.inv_temp, -lse);
       const float entropy = kEntropy ? online_entropy(acc.s, acc.u) : 0.f;
@@ -190,10 +187,14 @@ KernelFn resident_fn(bool entropy) {
 
 KernelFn resident_fn(DType dtype, bool entropy) {
   switch (dtype) {
-    case DType::kFloat32: return resident_fn<float>(entropy);
-    case DType::kFloat16: return resident_fn<__half>(entropy);
-    case DType::kBFloat16: return resident_fn<__nv_bfloat16>(entropy);
-    default: throw_invalid("logits: unsupported dtype");
+    case DType::kFloat32:
+      return resident_fn<float>(entropy);
+    case DType::kFloat16:
+      return resident_fn<__half>(entropy);
+    case DType::kBFloat16:
+      return resident_fn<__nv_bfloat16>(entropy);
+    default:
+      throw_invalid("logits: unsupported dtype");
   }
 }
 
@@ -230,9 +231,11 @@ bool launch_rows_resident(DType dtype, RowsVariant v, const KernelParams& p, con
                           " threads, got ", plan.threads));
   if (plan.stages < 1 || plan.stages > kResidentMaxStages || plan.cluster < 1 || plan.cluster > kMaxCluster ||
       plan.stage_bytes <= 0 || plan.stage_bytes % 16 != 0 || plan.smem_bytes < plan.stage_bytes * plan.stages)
-    throw_invalid(str_cat("policy_loss: row-resident plan needs 1..", kResidentMaxStages, " stages of whole 16-byte "
-                          "chunks and 1..", kMaxCluster, " CTAs per cluster, got ", plan.stages, " stages of ",
-                          plan.stage_bytes, " bytes and ", plan.cluster, " CTAs"));
+    throw_invalid(str_cat("policy_loss: row-resident plan needs 1..", kResidentMaxStages,
+                          " stages of whole 16-byte "
+                          "chunks and 1..",
+                          kMaxCluster, " CTAs per cluster, got ", plan.stages, " stages of ", plan.stage_bytes,
+                          " bytes and ", plan.cluster, " CTAs"));
   const int64_t es = static_cast<int64_t>(dtype_size(dtype));
   if (p.slice != plan.slice || plan.slice * es + 16 > plan.stage_bytes || plan.slice * plan.cluster < p.vocab)
     throw_invalid(str_cat("policy_loss: row-resident slices of ", plan.slice, " elements x ", plan.cluster,

@@ -22,7 +22,8 @@
 //     CTAs x B / C) stay within an L2 budget (plan.h), so the second read comes from L2: B read + B written from
 //     HBM, as the row-resident cross-entropy kernel achieves with shared memory. (The cross-entropy kernel with two
 //     reads through L2 stayed well below its row-resident version; bench/RESULTS.md.)
-//   * row-resident (Hopper, kernels_row_resident.cu): the slices sit in shared memory instead of L2; the plan picks it for
+//   * row-resident (Hopper, kernels_row_resident.cu): the slices sit in shared memory instead of L2; the plan picks it
+//   for
 //     the fused pass wherever the row fits a cluster's shared memory, and this kernel serves everything else.
 // A masked row costs only its gradient write (B bytes, 0 when no gradient is asked for); the forward without a
 // gradient and the backward from a saved lse read each row once.
@@ -31,8 +32,8 @@
 #include <tuple>
 
 #include "common/cuda/check.cuh"
-#include "policy_loss/cuda/kernels.h"
 #include "policy_loss/cuda/device.cuh"
+#include "policy_loss/cuda/kernels.h"
 
 namespace logitless::pl {
 namespace {
@@ -116,8 +117,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_const
       if (tid == 0 && owns_t) xt = Vec<T>::load1(src + t_local * kEs);
       block_online_scaled<kEntropy>(acc.m, acc.s, acc.u, xt, p.scale_l2, red);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (csize > 1)
-        cluster_merge<kEntropy>(xchg, xcur, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
+      if (csize > 1) cluster_merge<kEntropy>(xchg, xcur, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
 #endif
       lse = acc.m == -INFINITY ? NAN : fmaf(acc.m, p.inv_temp, logf(acc.s));
       const float logp = fmaf(xt, p.inv_temp, -lse);
@@ -180,10 +180,14 @@ KernelFn rows_fn(RowsVariant v) {
 
 KernelFn rows_fn(DType dtype, RowsVariant v) {
   switch (dtype) {
-    case DType::kFloat32: return rows_fn<float>(v);
-    case DType::kFloat16: return rows_fn<__half>(v);
-    case DType::kBFloat16: return rows_fn<__nv_bfloat16>(v);
-    default: throw_invalid("logits: unsupported dtype");
+    case DType::kFloat32:
+      return rows_fn<float>(v);
+    case DType::kFloat16:
+      return rows_fn<__half>(v);
+    case DType::kBFloat16:
+      return rows_fn<__nv_bfloat16>(v);
+    default:
+      throw_invalid("logits: unsupported dtype");
   }
 }
 
@@ -240,12 +244,11 @@ int rows_ctas_per_sm(DType dtype, RowsVariant v, int threads) {
 // Clusters of `cfg`'s size that fit the device at once (0: none, or the size is not supported here).
 static int max_active_clusters(DType dtype, RowsVariant v, KernelFn kernel, cudaLaunchConfig_t cfg, int cluster) {
   std::lock_guard<std::mutex> lock(g_cache_mu);
-  const auto key = std::make_tuple(current_device(), kernel_code(dtype, v), static_cast<int>(cfg.blockDim.x),
-                                   cluster, 1);
+  const auto key =
+      std::make_tuple(current_device(), kernel_code(dtype, v), static_cast<int>(cfg.blockDim.x), cluster, 1);
   auto it = g_occupancy.find(key);
   if (it == g_occupancy.end()) {
-    if (cluster > 8 &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    if (cluster > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
       cudaGetLastError();
     }
     int n = 0;
@@ -296,10 +299,17 @@ void launch_zero_rows(DType dtype, char* base, int64_t stride, int64_t n, int64_
   if (n <= 0 || vocab <= 0) return;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n, 1024));
   switch (dtype) {
-    case DType::kFloat32: zero_rows_kernel<float><<<grid, 256, 0, stream>>>(base, stride, n, vocab); break;
-    case DType::kFloat16: zero_rows_kernel<__half><<<grid, 256, 0, stream>>>(base, stride, n, vocab); break;
-    case DType::kBFloat16: zero_rows_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(base, stride, n, vocab); break;
-    default: throw_invalid("grad_logits: unsupported dtype");
+    case DType::kFloat32:
+      zero_rows_kernel<float><<<grid, 256, 0, stream>>>(base, stride, n, vocab);
+      break;
+    case DType::kFloat16:
+      zero_rows_kernel<__half><<<grid, 256, 0, stream>>>(base, stride, n, vocab);
+      break;
+    case DType::kBFloat16:
+      zero_rows_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(base, stride, n, vocab);
+      break;
+    default:
+      throw_invalid("grad_logits: unsupported dtype");
   }
   LOGITLESS_CUDA_CHECK_LAUNCH("zero rows");
 }

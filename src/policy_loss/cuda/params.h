@@ -16,11 +16,11 @@ struct Scalars {
 inline constexpr size_t kScalarsBytes = 256;
 
 struct SeqStats {
-  float weight;       // W_b: the sequence's sum of token weights
-  float factor;       // what each token's w * per_token_loss is multiplied by in the loss (math.h seq_factor)
-  float ratio;        // sequence level: R_b = exp(S_b)
-  float ratio_coeff;  // sequence level: the ratio term's share of d(loss)/d(logp) per unit of token weight
-  double loss;        // sequence level: the sequence's share of the loss
+  float weight;         // W_b: the sequence's sum of token weights
+  float factor;         // what each token's w * per_token_loss is multiplied by in the loss (math.h seq_factor)
+  float ratio;          // sequence level: R_b = exp(S_b)
+  float ratio_coeff;    // sequence level: the ratio term's share of d(loss)/d(logp) per unit of token weight
+  double loss;          // sequence level: the sequence's share of the loss
   long long first_bad;  // prepass: the sequence's first bad token (n_rows if none)
 };
 
@@ -59,9 +59,9 @@ struct KernelParams {
   uint8_t* out_clipped = nullptr;
   float* row_loss = nullptr;  // token level: each token's share of the loss (workspace), for a fixed-order sum
 
-  const float* lse_in = nullptr;     // backward from saved statistics: lse per token
-  const float* logp_in = nullptr;    // ... and logp per token (sequence level)
-  const float* grad_logp = nullptr;  // selective backward: the incoming gradient of logp
+  const float* lse_in = nullptr;      // backward from saved statistics: lse per token
+  const float* logp_in = nullptr;     // ... and logp per token (sequence level)
+  const float* grad_logp = nullptr;   // selective backward: the incoming gradient of logp
   const float* grad_scale = nullptr;  // [] optional upstream factor of the loss's gradient
   SeqStats* seq = nullptr;
   Scalars* scalars = nullptr;
@@ -72,8 +72,8 @@ struct KernelParams {
   int64_t vocab = 0;
   int64_t seq_len = 1;  // tokens per sequence (row r belongs to sequence r / seq_len)
   int64_t n_seqs = 0;
-  int64_t slice = 0;    // elements of a row each CTA of a cluster owns (vocab without a cluster)
-  int32_t op = 0;       // RowOp
+  int64_t slice = 0;  // elements of a row each CTA of a cluster owns (vocab without a cluster)
+  int32_t op = 0;     // RowOp
   int32_t has_old = 0, has_ref = 0;
   float inv_temp = 1.f;  // 1 / temperature
   float scale_l2 = 0.f;  // log2(e) / temperature

@@ -57,9 +57,9 @@ RowsPlan plan_resident(const RowsPlanInputs& in) {
   p.threads = in.threads > 0 ? std::min(in.threads, kResidentMaxThreads) : kResidentMaxThreads;
   // As many stages as two CTAs per SM leave room for (one for the long rows the auto plan serves; short rows,
   // asked for explicitly, keep several rows in flight per CTA).
-  const int64_t per_cta = in.smem_per_sm > 0 ? std::min<int64_t>(in.smem_per_sm / 2 - kResidentReserve,
-                                                                  in.smem_per_block)
-                                             : in.smem_per_block;
+  const int64_t per_cta = in.smem_per_sm > 0
+                              ? std::min<int64_t>(in.smem_per_sm / 2 - kResidentReserve, in.smem_per_block)
+                              : in.smem_per_block;
   p.stages = static_cast<int>(std::clamp<int64_t>(per_cta / stage, 1, kResidentMaxStages));
   p.stage_bytes = stage;
   p.smem_bytes = stage * p.stages;
@@ -88,8 +88,8 @@ RowsPlan plan_rows(const RowsPlanInputs& in) {
   int c = in.cluster_size;
   if (c <= 0) {
     // The smallest cluster whose slices in flight fit the L2 budget: larger clusters only add barrier latency.
-    c = static_cast<int>(std::clamp<int64_t>(ceil_div(row_bytes * std::max(in.ctas_per_sm, 1), kSliceBudgetPerSm),
-                                             2, 8));
+    c = static_cast<int>(
+        std::clamp<int64_t>(ceil_div(row_bytes * std::max(in.ctas_per_sm, 1), kSliceBudgetPerSm), 2, 8));
   }
   p.algo = PolicyLossAlgo::kCluster;
   p.cluster = std::clamp(c, 1, kMaxCluster);

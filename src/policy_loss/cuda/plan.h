@@ -32,9 +32,9 @@ inline constexpr int64_t kResidentReserve = 4096;
 
 struct RowsPlan {
   PolicyLossAlgo algo = PolicyLossAlgo::kStreaming;  // kAuto: the request cannot run here (the caller raises)
-  int cluster = 1;    // CTAs sharing a row
-  int threads = 256;  // per CTA
-  int64_t slice = 0;  // elements of a row per CTA (the vocabulary without a cluster)
+  int cluster = 1;                                   // CTAs sharing a row
+  int threads = 256;                                 // per CTA
+  int64_t slice = 0;                                 // elements of a row per CTA (the vocabulary without a cluster)
   // Row-resident only: shared-memory stages per CTA (one row slice each), bytes per stage and in all.
   int stages = 0;
   int64_t stage_bytes = 0;
@@ -44,9 +44,9 @@ struct RowsPlan {
 struct RowsPlanInputs {
   int64_t vocab = 0;
   int elem_bytes = 2;
-  bool fused = false;            // statistics and gradient in one pass over each row (the only case a cluster helps)
-  bool cluster_capable = false;  // the device and this build can launch thread-block clusters (sm_90+)
-  int ctas_per_sm = 2;           // resident CTAs per SM at `threads` (the occupancy calculator's answer)
+  bool fused = false;             // statistics and gradient in one pass over each row (the only case a cluster helps)
+  bool cluster_capable = false;   // the device and this build can launch thread-block clusters (sm_90+)
+  int ctas_per_sm = 2;            // resident CTAs per SM at `threads` (the occupancy calculator's answer)
   bool resident_capable = false;  // the device and this build can run the row-resident kernel (sm_90+)
   int smem_per_block = 0;         // dynamic shared memory a CTA may opt into (bytes)
   int smem_per_sm = 0;            // shared memory of one SM (bytes; 0: unknown)

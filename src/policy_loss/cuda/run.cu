@@ -3,7 +3,8 @@
 //      first unmasked bad id; then one CTA folds those into the batch's total, the first bad token overall and
 //      each sequence's reduction factor;
 //   2. in eager mode, read back the first bad token and throw before anything is written;
-//   3. the row kernel (kernels_streaming.cu): token level, the outputs and (fused) the gradient in one pass; sequence level,
+//   3. the row kernel (kernels_streaming.cu): token level, the outputs and (fused) the gradient in one pass; sequence
+//   level,
 //      statistics only, then the sequence kernel (the shared ratio, the per-token terms, the sequence's loss),
 //      then the row kernel again from the saved lse for the gradient;
 //   4. a deterministic one-CTA sum of the loss, and zeros for the unused last position's gradient.
@@ -60,10 +61,14 @@ __device__ __forceinline__ float token_weight(const KernelParams& p, int64_t r) 
   const int64_t off = p.mask_rows.offset(r);
   switch (static_cast<DType>(p.mask_dtype)) {
     case DType::kBool:
-    case DType::kUInt8: return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
-    case DType::kInt32: return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
-    case DType::kInt64: return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
-    default: return static_cast<const float*>(p.mask)[off];
+    case DType::kUInt8:
+      return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
+    case DType::kInt32:
+      return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
+    case DType::kInt64:
+      return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
+    default:
+      return static_cast<const float*>(p.mask)[off];
   }
 }
 
@@ -101,9 +106,8 @@ __global__ void __launch_bounds__(kSeqThreads) prepass_kernel(const KernelParams
 }
 
 // One CTA: the batch's total weight, the first bad token, and every sequence's reduction factor.
-__global__ void __launch_bounds__(kReduceThreads) totals_kernel(const KernelParams p, int64_t n_segs,
-                                                                PolicyLossType type, int64_t max_len,
-                                                                double num_items) {
+__global__ void __launch_bounds__(kReduceThreads)
+    totals_kernel(const KernelParams p, int64_t n_segs, PolicyLossType type, int64_t max_len, double num_items) {
   __shared__ double sh_d[kReduceThreads / 32];
   __shared__ long long sh_b[kReduceThreads / 32];
   double w = 0;
@@ -120,8 +124,8 @@ __global__ void __launch_bounds__(kReduceThreads) totals_kernel(const KernelPara
   }
   if (p.op == static_cast<int>(RowOp::kSelective)) return;
   for (int64_t s = threadIdx.x; s < n_segs; s += blockDim.x)
-    p.seq[s].factor = static_cast<float>(
-        seq_factor<double>(type, p.seq[s].weight, total, p.n_seqs, max_len, num_items));
+    p.seq[s].factor =
+        static_cast<float>(seq_factor<double>(type, p.seq[s].weight, total, p.n_seqs, max_len, num_items));
 }
 
 // Sequence level, one CTA per sequence, after the statistics pass wrote logp: the shared ratio R = exp(S), its
@@ -206,8 +210,8 @@ __global__ void coefficients_kernel(const KernelParams p, int64_t first, int64_t
 }
 
 // The loss: the tokens' shares (token level) or the sequences' (sequence level), summed in a fixed order.
-__global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const KernelParams p, int sequence_level,
-                                                                  float* loss) {
+__global__ void __launch_bounds__(kReduceThreads)
+    finalize_kernel(const KernelParams p, int sequence_level, float* loss) {
   __shared__ double sh[kReduceThreads / 32];
   double s = 0;
   if (sequence_level) {
@@ -229,8 +233,8 @@ WorkspaceLayout layout_of(Op op, int64_t n_seqs, int64_t n_rows, ImportanceSampl
   WorkspaceLayout w;
   const size_t n = static_cast<size_t>(std::max<int64_t>(n_rows, 0));
   w.seq = kScalarsBytes;
-  w.row_loss = w.seq + align256(static_cast<size_t>(std::max<int64_t>(segments(op, n_seqs, n_rows), 0)) *
-                                sizeof(SeqStats));
+  w.row_loss =
+      w.seq + align256(static_cast<size_t>(std::max<int64_t>(segments(op, n_seqs, n_rows), 0)) * sizeof(SeqStats));
   w.logp = w.row_loss + (op == Op::kPolicy ? align256(n * sizeof(float)) : 0);
   const bool seq = op == Op::kPolicy && level == ImportanceSamplingLevel::kSequence;
   // Sequence level: the statistics pass keeps logp and lse for the sequence kernel and the gradient pass.
@@ -272,9 +276,9 @@ KernelParams make_params(const Problem& pr, char* ws, const WorkspaceLayout& wl)
   k.seq_len = std::max<int64_t>(pr.seq_len, 1);
   k.n_seqs = pr.n_seqs;
   k.slice = pr.vocab;
-  k.op = static_cast<int32_t>(pr.op == Op::kSelective       ? RowOp::kSelective
-                              : pr.sequence_level()          ? RowOp::kPolicySequence
-                                                             : RowOp::kPolicyToken);
+  k.op = static_cast<int32_t>(pr.op == Op::kSelective ? RowOp::kSelective
+                              : pr.sequence_level()   ? RowOp::kPolicySequence
+                                                      : RowOp::kPolicyToken);
   k.has_old = pr.old_logp != nullptr;
   k.has_ref = pr.ref_logp != nullptr;
   k.inv_temp = static_cast<float>(1.0 / pr.temperature);
@@ -288,8 +292,8 @@ KernelParams make_params(const Problem& pr, char* ws, const WorkspaceLayout& wl)
 // Reads the first bad token back and throws; called only when it is safe to synchronize.
 void throw_if_bad_id(const Problem& pr, const Scalars* scalars, cudaStream_t stream) {
   long long first_bad = 0;
-  LOGITLESS_CUDA_CHECK(cudaMemcpyAsync(&first_bad, &scalars->first_bad, sizeof(first_bad), cudaMemcpyDeviceToHost,
-                                       stream));
+  LOGITLESS_CUDA_CHECK(
+      cudaMemcpyAsync(&first_bad, &scalars->first_bad, sizeof(first_bad), cudaMemcpyDeviceToHost, stream));
   LOGITLESS_CUDA_CHECK(cudaStreamSynchronize(stream));
   if (first_bad >= pr.n_rows) return;
   const int64_t es = dtype_size(pr.ids_dtype);
@@ -323,10 +327,11 @@ void run_rows(const Problem& pr, const KernelParams& base, RowsVariant v, bool f
   in.smem_per_sm = info.max_smem_per_sm;
   RowsPlan plan = plan_rows(in);
   if (plan.algo == PolicyLossAlgo::kAuto)
-    throw_invalid(str_cat("algo: expected an algorithm this GPU can run; cluster and row_resident need thread-block "
-                          "clusters (sm_90 and a build for it), row_resident also rows that fit 16 CTAs' shared "
-                          "memory, got V=",
-                          pr.vocab, " on sm_", info.sm_major, info.sm_minor));
+    throw_invalid(
+        str_cat("algo: expected an algorithm this GPU can run; cluster and row_resident need thread-block "
+                "clusters (sm_90 and a build for it), row_resident also rows that fit 16 CTAs' shared "
+                "memory, got V=",
+                pr.vocab, " on sm_", info.sm_major, info.sm_minor));
   KernelParams p = base;
   p.slice = plan.slice;
   if (plan.algo == PolicyLossAlgo::kRowResident) {
@@ -395,7 +400,7 @@ void PolicySteps::begin() {
   prepass_kernel<<<grid, kSeqThreads, 0, stream_>>>(base_, seg_len, n_segs);
   LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss prepass");
   totals_kernel<<<1, kReduceThreads, 0, stream_>>>(base_, n_segs, pr_.loss_type, pr_.max_completion_length,
-                                                    pr_.num_items_in_batch);
+                                                   pr_.num_items_in_batch);
   LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss totals");
   if (pr_.check_ids && !stream_is_capturing(stream_)) throw_if_bad_id(pr_, base_.scalars, stream_);
 }
@@ -433,8 +438,7 @@ void PolicySteps::coefficients(int64_t first_token, int64_t n_tokens, float* coe
   if (pr_.op != Op::kPolicy || n_tokens <= 0) return;
   if (!base_.out_logp) throw_invalid("policy-loss coefficients: the problem needs a logp output to read them from");
   const int64_t blocks = std::min<int64_t>((n_tokens + kSeqThreads - 1) / kSeqThreads, 4096);
-  coefficients_kernel<<<static_cast<unsigned>(blocks), kSeqThreads, 0, stream_>>>(base_, first_token, n_tokens,
-                                                                                  coeff);
+  coefficients_kernel<<<static_cast<unsigned>(blocks), kSeqThreads, 0, stream_>>>(base_, first_token, n_tokens, coeff);
   LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss coefficients");
 }
 

@@ -20,14 +20,11 @@ namespace logitless::rms {
 // which is also why these are coherent loads, not the read-only path the weight takes.
 __device__ __forceinline__ uint4 load16(const void* p) {
   uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 __device__ __forceinline__ void store16(void* p, const uint4& v) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
 // A read-only (non-coherent path) 16-byte load the compiler keeps where it is written: as an intrinsic, the
@@ -35,9 +32,7 @@ __device__ __forceinline__ void store16(void* p, const uint4& v) {
 // vector) spilled.
 __device__ __forceinline__ uint4 load16_nc(const void* p) {
   uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 
@@ -134,8 +129,8 @@ struct RowWeight {
 template <typename T>
 __device__ __forceinline__ float load_weight1(const void* weight, bool weight_f32, int64_t j, float offset,
                                               RMSNormCasting casting) {
-  float g = weight_f32 ? __ldg(static_cast<const float*>(weight) + j)
-                       : Vec<T>::load1(static_cast<const T*>(weight) + j);
+  float g =
+      weight_f32 ? __ldg(static_cast<const float*>(weight) + j) : Vec<T>::load1(static_cast<const T*>(weight) + j);
   g += offset;
   return casting == RMSNormCasting::kNone ? Vec<T>::round(g) : g;
 }

@@ -16,8 +16,8 @@
 
 #include "common/cuda/check.cuh"
 #include "rms_norm/cuda/device.cuh"
-#include "rms_norm/cuda/run.h"
 #include "rms_norm/cuda/plan.h"
+#include "rms_norm/cuda/run.h"
 #include "rms_norm/problem.h"
 
 namespace logitless::rms {
@@ -106,7 +106,8 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual, kSmemD
 #pragma unroll
   for (int k = 0; k < VPT; ++k) next_x[k] = next_dy[k] = next_dr[k] = make_uint4(0, 0, 0, 0);
   int64_t row = static_cast<int64_t>(blockIdx.x) * slots + slot;
-  if (kPrefetch && row < p.n_rows) load_grad_row<T, VPT, kResidual>(p, row, t, tpr, nvec, next_x, next_dy, next_dr, next_r);
+  if (kPrefetch && row < p.n_rows)
+    load_grad_row<T, VPT, kResidual>(p, row, t, tpr, nvec, next_x, next_dy, next_dr, next_r);
 
   int parity = 0;
 #pragma unroll 1
@@ -198,8 +199,8 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual, kSmemD
             const float4 o = reinterpret_cast<const float4*>(dw_row + static_cast<int64_t>(z) * H)[q * nvec + v];
             u.x += o.x, u.y += o.y, u.z += o.z, u.w += o.w;
           }
-          store16(out + v * kN + 4 * q, make_uint4(__float_as_uint(u.x), __float_as_uint(u.y), __float_as_uint(u.z),
-                                                   __float_as_uint(u.w)));
+          store16(out + v * kN + 4 * q,
+                  make_uint4(__float_as_uint(u.x), __float_as_uint(u.y), __float_as_uint(u.z), __float_as_uint(u.w)));
         }
     }
     return;
@@ -211,8 +212,9 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual, kSmemD
       if (v < nvec)
 #pragma unroll
         for (int q = 0; q < kN / 4; ++q)
-          store16(out + v * kN + 4 * q, make_uint4(__float_as_uint(dw[k][4 * q]), __float_as_uint(dw[k][4 * q + 1]),
-                                                   __float_as_uint(dw[k][4 * q + 2]), __float_as_uint(dw[k][4 * q + 3])));
+          store16(out + v * kN + 4 * q,
+                  make_uint4(__float_as_uint(dw[k][4 * q]), __float_as_uint(dw[k][4 * q + 1]),
+                             __float_as_uint(dw[k][4 * q + 2]), __float_as_uint(dw[k][4 * q + 3])));
     }
     return;
   }
@@ -230,8 +232,7 @@ __global__ void __maxnreg__(register_cap(true, VPT, kPrefetch, kResidual, kSmemD
     __syncthreads();
   }
   const int tid = slot * tpr + t, nthreads = slots * tpr;
-  for (int64_t i = tid; i < H / 4; i += nthreads)
-    store16(out + 4 * i, reinterpret_cast<const uint4*>(dw_row)[i]);
+  for (int64_t i = tid; i < H / 4; i += nthreads) store16(out + 4 * i, reinterpret_cast<const uint4*>(dw_row)[i]);
 }
 
 template <typename T>
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(kGenericCtaThreads) backward_generic(const Bac
 constexpr int kReduceCols = 32, kReduceGroups = 32;
 
 template <typename W>
-__global__ void __launch_bounds__(kReduceCols * kReduceGroups)
+__global__ void __launch_bounds__(kReduceCols* kReduceGroups)
     reduce_dw(const float* partials, int64_t rows, int64_t stride, int64_t H, W* dw) {
   __shared__ float sums[kReduceGroups][kReduceCols + 1];
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kReduceCols + threadIdx.x;
@@ -353,13 +354,17 @@ BackwardKernel pick_registers(const Plan& plan) {
     if (!plan.prefetch && plan.vpt == 8) return backward_registers<T, 8, false, kResidual, true>;
   } else if (!plan.prefetch) {
     switch (plan.vpt) {
-      case 4: return backward_registers<T, 4, false, kResidual, false>;
-      case 8: return backward_registers<T, 8, false, kResidual, false>;
+      case 4:
+        return backward_registers<T, 4, false, kResidual, false>;
+      case 8:
+        return backward_registers<T, 8, false, kResidual, false>;
     }
   } else {
     switch (plan.vpt) {
-      case 2: return backward_registers<T, 2, true, kResidual, false>;
-      case 4: return backward_registers<T, 4, true, kResidual, false>;
+      case 2:
+        return backward_registers<T, 2, true, kResidual, false>;
+      case 4:
+        return backward_registers<T, 4, true, kResidual, false>;
     }
   }
   throw_runtime(str_cat("rms_norm backward: no register kernel for ", plan.vpt, " vectors per thread, prefetch ",
@@ -374,10 +379,14 @@ BackwardKernel pick(const Plan& plan, bool residual) {
 
 BackwardKernel pick(DType dtype, const Plan& plan, bool residual) {
   switch (dtype) {
-    case DType::kFloat32: return pick<float>(plan, residual);
-    case DType::kFloat16: return pick<__half>(plan, residual);
-    case DType::kBFloat16: return pick<__nv_bfloat16>(plan, residual);
-    default: throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
+    case DType::kFloat32:
+      return pick<float>(plan, residual);
+    case DType::kFloat16:
+      return pick<__half>(plan, residual);
+    case DType::kBFloat16:
+      return pick<__nv_bfloat16>(plan, residual);
+    default:
+      throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
   }
 }
 
@@ -389,8 +398,8 @@ struct Launch {
 
 // The plan, its kernel and the persistent grid for these arguments (occupancy is the device's answer for
 // this kernel, so the workspace size and the launch agree).
-Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, int vpt, bool vector_ok,
-               bool residual, int device) {
+Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, int vpt, bool vector_ok, bool residual,
+               int device) {
   const DeviceInfo& info = device_info(device);
   PlanInputs in;
   in.hidden = hidden;
@@ -404,8 +413,8 @@ Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, in
   Launch l;
   l.plan = plan_rms_norm(in);
   if (l.plan.algo == RMSNormAlgo::kAuto)
-    throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ",
-                          l.plan.why_not));
+    throw_invalid(
+        str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ", l.plan.why_not));
   if (const debug::PlanHook hook = debug::plan_hook()) {
     hook(l.plan, in);
     l.plan.smem_bytes = plan_smem_bytes(l.plan, in);
@@ -424,8 +433,8 @@ Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, in
 template <typename W>
 void launch_reduce(const float* partials, int64_t rows, int64_t stride, int64_t H, void* dw, cudaStream_t stream) {
   const int64_t grid = (H + kReduceCols - 1) / kReduceCols;
-  reduce_dw<W><<<static_cast<unsigned>(grid), dim3(kReduceCols, kReduceGroups), 0, stream>>>(
-      partials, rows, stride, H, static_cast<W*>(dw));
+  reduce_dw<W><<<static_cast<unsigned>(grid), dim3(kReduceCols, kReduceGroups), 0, stream>>>(partials, rows, stride, H,
+                                                                                             static_cast<W*>(dw));
   LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm dW reduction");
 }
 
@@ -450,8 +459,7 @@ int max_ctas_per_sm(const void* kernel, int threads, size_t smem, int device) {
   return n;
 }
 
-size_t backward_workspace_bytes_cuda(int64_t n_rows, int64_t hidden, DType dtype, const RMSNormOptions& o,
-                                     int device) {
+size_t backward_workspace_bytes_cuda(int64_t n_rows, int64_t hidden, DType dtype, const RMSNormOptions& o, int device) {
   if (n_rows == 0) return 0;
   DeviceGuard guard(device);
   // Alignment is a property of the tensors the backward will get, unknown here, and so is whether a
@@ -522,21 +530,26 @@ void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream) 
       kp.partial_stride = stride;
     }
     debug::record_launch(true, l.plan, grid.ctas);
-    l.kernel<<<static_cast<unsigned>(grid.ctas), dim3(l.plan.threads_per_row, l.plan.rows_per_cta),
-               l.plan.smem_bytes, s>>>(kp);
+    l.kernel<<<static_cast<unsigned>(grid.ctas), dim3(l.plan.threads_per_row, l.plan.rows_per_cta), l.plan.smem_bytes,
+               s>>>(kp);
     LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm backward");
   }
   if (!p.grad_weight) return;
   // With no rows the reduction adds nothing and writes zeros.
   const float* partials = static_cast<const float*>(ws.data);
   switch (p.grad_weight_dtype) {
-    case DType::kFloat32: launch_reduce<float>(partials, grid.partial_rows, stride, p.hidden, p.grad_weight, s); break;
-    case DType::kFloat16: launch_reduce<__half>(partials, grid.partial_rows, stride, p.hidden, p.grad_weight, s); break;
+    case DType::kFloat32:
+      launch_reduce<float>(partials, grid.partial_rows, stride, p.hidden, p.grad_weight, s);
+      break;
+    case DType::kFloat16:
+      launch_reduce<__half>(partials, grid.partial_rows, stride, p.hidden, p.grad_weight, s);
+      break;
     case DType::kBFloat16:
       launch_reduce<__nv_bfloat16>(partials, grid.partial_rows, stride, p.hidden, p.grad_weight, s);
       break;
-    default: throw_invalid(str_cat("grad_weight: expected dtype float32, float16 or bfloat16, got ",
-                                   dtype_name(p.grad_weight_dtype)));
+    default:
+      throw_invalid(
+          str_cat("grad_weight: expected dtype float32, float16 or bfloat16, got ", dtype_name(p.grad_weight_dtype)));
   }
 }
 

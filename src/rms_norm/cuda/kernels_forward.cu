@@ -11,8 +11,8 @@
 
 #include "common/cuda/check.cuh"
 #include "rms_norm/cuda/device.cuh"
-#include "rms_norm/cuda/run.h"
 #include "rms_norm/cuda/plan.h"
+#include "rms_norm/cuda/run.h"
 #include "rms_norm/problem.h"
 
 namespace logitless::rms {
@@ -20,8 +20,8 @@ namespace {
 
 // Thread t's vectors of x (and the residual) in row `row`: vectors t, t + tpr, ... (VPT of them).
 template <typename T, int VPT, bool kResidual>
-__device__ __forceinline__ void load_row(const ForwardParams& p, int64_t row, int t, int tpr, int64_t nvec,
-                                         uint4* xs, uint4* rs) {
+__device__ __forceinline__ void load_row(const ForwardParams& p, int64_t row, int t, int tpr, int64_t nvec, uint4* xs,
+                                         uint4* rs) {
   constexpr int kN = Vec<T>::kN;
   const RowCoords rc = row_coords(p.x_rows, row);
   const T* x = static_cast<const T*>(p.x) + row_offset(p.x_rows, rc);
@@ -47,8 +47,7 @@ __device__ __forceinline__ void load_row(const ForwardParams& p, int64_t row, in
 // are in flight while it waits for the row's other warps and computes y. kResidual: p.residual is set (the
 // kernel without it holds half the data, so more of its CTAs fit on an SM).
 template <typename T, int VPT, bool kPrefetch, bool kResidual>
-__global__ void __maxnreg__(register_cap(false, VPT, kPrefetch, kResidual))
-    forward_registers(const ForwardParams p) {
+__global__ void __maxnreg__(register_cap(false, VPT, kPrefetch, kResidual)) forward_registers(const ForwardParams p) {
   using V = Vec<T>;
   constexpr int kN = V::kN;
   // Two scratch buffers, alternating by iteration: a row's next reduction may start while a slow warp of the
@@ -193,7 +192,9 @@ __global__ void __launch_bounds__(kGenericCtaThreads) forward_generic(const Forw
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t j = j0 + static_cast<int64_t>(u) * tpr;
-      if (j < H) V::store1(y + j, output<T>(a[u], r, load_weight1<T>(p.weight, p.weight_f32, j, p.offset, p.casting), p.casting));
+      if (j < H)
+        V::store1(y + j,
+                  output<T>(a[u], r, load_weight1<T>(p.weight, p.weight_f32, j, p.offset, p.casting), p.casting));
     }
   }
 }
@@ -205,14 +206,19 @@ ForwardKernel pick_registers(const Plan& plan) {
   // kForwardVariants
   if (!plan.prefetch) {
     switch (plan.vpt) {
-      case 4: return forward_registers<T, 4, false, kResidual>;
-      case 8: return forward_registers<T, 8, false, kResidual>;
-      case 16: return forward_registers<T, 16, false, kResidual>;
+      case 4:
+        return forward_registers<T, 4, false, kResidual>;
+      case 8:
+        return forward_registers<T, 8, false, kResidual>;
+      case 16:
+        return forward_registers<T, 16, false, kResidual>;
     }
   } else {
     switch (plan.vpt) {
-      case 4: return forward_registers<T, 4, true, kResidual>;
-      case 8: return forward_registers<T, 8, true, kResidual>;
+      case 4:
+        return forward_registers<T, 4, true, kResidual>;
+      case 8:
+        return forward_registers<T, 8, true, kResidual>;
     }
   }
   throw_runtime(str_cat("rms_norm forward: no register kernel for ", plan.vpt, " vectors per thread, prefetch ",
@@ -227,10 +233,14 @@ ForwardKernel pick(const Plan& plan, bool residual) {
 
 ForwardKernel pick(DType dtype, const Plan& plan, bool residual) {
   switch (dtype) {
-    case DType::kFloat32: return pick<float>(plan, residual);
-    case DType::kFloat16: return pick<__half>(plan, residual);
-    case DType::kBFloat16: return pick<__nv_bfloat16>(plan, residual);
-    default: throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
+    case DType::kFloat32:
+      return pick<float>(plan, residual);
+    case DType::kFloat16:
+      return pick<__half>(plan, residual);
+    case DType::kBFloat16:
+      return pick<__nv_bfloat16>(plan, residual);
+    default:
+      throw_invalid(str_cat("x: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
   }
 }
 
@@ -255,18 +265,19 @@ void forward_cuda(const ForwardProblem& p, StreamHandle stream) {
   in.smem_per_block = info.max_smem_per_block_optin;
   Plan plan = plan_rms_norm(in);
   if (plan.algo == RMSNormAlgo::kAuto)
-    throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ",
-                          plan.why_not));
+    throw_invalid(
+        str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ", plan.why_not));
   if (const debug::PlanHook hook = debug::plan_hook()) {
     hook(plan, in);
-    if (const char* why = plan_error(plan, in)) throw_invalid(str_cat("rms_norm forward: a debug plan hook made an unusable plan: ", why));
+    if (const char* why = plan_error(plan, in))
+      throw_invalid(str_cat("rms_norm forward: a debug plan hook made an unusable plan: ", why));
   }
   const ForwardKernel kernel = pick(p.dtype, plan, in.residual);
   // One CTA per row group, or a persistent grid whose CTAs loop over the row groups.
   int64_t grid = (p.n_rows + plan.rows_per_cta - 1) / plan.rows_per_cta;
   if (plan.ctas_per_sm > 0) {
-    const int fit = max_ctas_per_sm(reinterpret_cast<const void*>(kernel), plan.threads(), plan.smem_bytes,
-                                    p.device.index);
+    const int fit =
+        max_ctas_per_sm(reinterpret_cast<const void*>(kernel), plan.threads(), plan.smem_bytes, p.device.index);
     grid = persistent_grid(plan, p.n_rows, info.sm_count, std::min(plan.ctas_per_sm, fit)).ctas;
   }
   if (grid > 0x7FFFFFFF)

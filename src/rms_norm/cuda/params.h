@@ -41,7 +41,7 @@ struct BackwardParams {
   RowLayout grad_x_rows;
   float* partials = nullptr;  // workspace: [partial rows, workspace_row_stride(H)]; nullptr: no dW wanted
   int64_t partial_stride = 0;
-  bool dw_in_smem = false;    // generic path: each row slot's dW sums in shared memory (else its workspace row)
+  bool dw_in_smem = false;  // generic path: each row slot's dW sums in shared memory (else its workspace row)
   int64_t n_rows = 0;
   int64_t hidden = 0;
   float offset = 0.f;

@@ -24,8 +24,7 @@ bool public_vpt(int vpt) {
 int row_threads(int64_t want) { return static_cast<int>(want <= 32 ? next_pow2(want) : round_up(want, 32)); }
 
 // The register plan for one kernel variant, or why it cannot run these rows.
-const char* register_plan(const PlanInputs& in, const KernelVariant& k, int cta_threads, bool persistent,
-                          Plan* out) {
+const char* register_plan(const PlanInputs& in, const KernelVariant& k, int cta_threads, bool persistent, Plan* out) {
   const int vpt = k.vpt;
   const int64_t per_vec = 16 / in.elem_bytes;
   if (!in.vector_ok || in.hidden % per_vec != 0)

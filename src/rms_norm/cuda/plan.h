@@ -26,8 +26,8 @@ struct KernelVariant {
   bool smem_dw = false;
 };
 inline constexpr KernelVariant kForwardVariants[] = {{4, false}, {8, false}, {16, false}, {4, true}, {8, true}};
-inline constexpr KernelVariant kBackwardVariants[] = {{4, false},      {8, false},      {2, true},
-                                                      {4, true},       {4, true, true}, {8, false, true}};
+inline constexpr KernelVariant kBackwardVariants[] = {{4, false}, {8, false},      {2, true},
+                                                      {4, true},  {4, true, true}, {8, false, true}};
 bool instantiated(bool backward, int vpt, bool prefetch, bool smem_dw = false);
 
 // Registers a thread of each register kernel may use (its __maxnreg__), and so its largest CTA. The data a
@@ -76,17 +76,16 @@ inline constexpr int kGenericElemsPerThread = 8;  // generic path: elements each
 // Rows of more than a warp synchronize on named barrier 1 + row (0 is __syncthreads; the hardware has 16).
 inline constexpr int kMaxNamedBarrierRows = 15;
 
-
 struct Plan {
   RMSNormAlgo algo = RMSNormAlgo::kGeneric;  // kAuto: the request cannot be met (see why_not)
-  int vpt = 0;              // registers: 16-byte vectors each thread holds per row
-  bool prefetch = false;    // registers: the next row's loads are issued before this row is reduced
-  int threads_per_row = 1;  // blockDim.x: a power of two up to 32, else a multiple of 32
-  int rows_per_cta = 1;     // blockDim.y
+  int vpt = 0;                               // registers: 16-byte vectors each thread holds per row
+  bool prefetch = false;                     // registers: the next row's loads are issued before this row is reduced
+  int threads_per_row = 1;                   // blockDim.x: a power of two up to 32, else a multiple of 32
+  int rows_per_cta = 1;                      // blockDim.y
   // CTAs per SM of a persistent grid (the CTAs loop over the rows): 0 = forward: no loop, one CTA per row
   // group; backward: as many as fit. Otherwise at most this many (and at most what fits).
   int ctas_per_sm = 0;
-  size_t smem_bytes = 0;    // dynamic shared memory per CTA
+  size_t smem_bytes = 0;  // dynamic shared memory per CTA
   // Backward: each row slot's dW sums in shared memory (generic: else in its workspace row; registers: the
   // smem_dw kernel, else the sums are in registers).
   bool dw_in_smem = false;
@@ -102,7 +101,7 @@ struct PlanInputs {
   bool vector_ok = false;  // every row of every tensor starts 16-byte aligned and H is a whole number of vectors
   bool residual = false;   // forward: a residual is added; backward: a residual-output gradient is added
   RMSNormAlgo requested = RMSNormAlgo::kAuto;
-  int vpt = 0;             // requested vectors per thread; 0 = auto
+  int vpt = 0;                     // requested vectors per thread; 0 = auto
   int smem_per_block = 48 * 1024;  // dynamic shared memory a CTA may opt into
 };
 

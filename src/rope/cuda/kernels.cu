@@ -20,7 +20,9 @@ namespace {
 
 // Element e of 16 bytes of packed T (e a compile-time constant once unrolled, so the word is a register), and two
 // floats packed into one 32-bit word of 16-bit T.
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 template <typename T>
 __device__ __forceinline__ float element(const uint4& v, int e) {
   if constexpr (std::is_same_v<T, float>) {
@@ -199,7 +201,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm) rope_vector(const 
     const TokenRows<C> tr = token_rows<C>(p, tok);
     const TokenBases<T> tb = token_bases<T>(p, tr.b, tr.t);
     for (int pu = threadIdx.x; pu < pair_units; pu += blockDim.x) {
-      const int hu = pu + pair_units;  // the unit at channel + Dr/2
+      const int hu = pu + pair_units;                                  // the unit at channel + Dr/2
       const int s1u = p.inverse ? hu : pu, s2u = p.inverse ? pu : hu;  // rotate_unit's s1 and s2
       // Two heads at a time, h and h + blockDim.y: their four loads and the pair's cos and sin before the stores.
       // The tables are read again for each two heads (from L1: the CTA's other head lanes read the same row) rather
@@ -272,11 +274,14 @@ Kernel pick(bool vector) {
 
 Kernel pick(DType dtype, bool cs_f32, bool vector) {
   switch (dtype) {
-    case DType::kFloat32: return pick<float, float>(vector);
-    case DType::kFloat16: return cs_f32 ? pick<__half, float>(vector) : pick<__half, __half>(vector);
+    case DType::kFloat32:
+      return pick<float, float>(vector);
+    case DType::kFloat16:
+      return cs_f32 ? pick<__half, float>(vector) : pick<__half, __half>(vector);
     case DType::kBFloat16:
       return cs_f32 ? pick<__nv_bfloat16, float>(vector) : pick<__nv_bfloat16, __nv_bfloat16>(vector);
-    default: throw_invalid(str_cat("q: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
+    default:
+      throw_invalid(str_cat("q: expected dtype float32, float16 or bfloat16, got ", dtype_name(dtype)));
   }
 }
 
@@ -311,8 +316,8 @@ void run_cuda(const Problem& p, StreamHandle stream) {
   in.requested = p.algo;
   const Plan plan = plan_rope(in);
   if (plan.why_not)
-    throw_invalid(str_cat("algo: expected a kernel that can run these arguments, got vector, which cannot: ",
-                          plan.why_not));
+    throw_invalid(
+        str_cat("algo: expected a kernel that can run these arguments, got vector, which cannot: ", plan.why_not));
 
   Params kp;
   for (const auto& [dst, src] : {std::pair<Operand*, const Heads*>{&kp.q, &p.q}, {&kp.k, &p.k}}) {
