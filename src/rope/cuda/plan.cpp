@@ -28,7 +28,7 @@ Plan plan_rope(const PlanInputs& in) {
   // cover the heads in that many steps.
   const int64_t steps = std::max(ceil_div(heads, max_lanes), std::min<int64_t>(heads, 2));
   p.y = static_cast<int>(ceil_div(heads, steps));
-  p.z = static_cast<int>(std::max<int64_t>(1, kTargetThreads / (int64_t{p.x} * p.y)));
+  p.z = static_cast<int>(std::clamp<int64_t>(kTargetThreads / (int64_t{p.x} * p.y), 1, kMaxBlockZ));
   p.z = static_cast<int>(std::min<int64_t>(p.z, std::max<int64_t>(in.tokens, 1)));
   p.grid = std::min(ceil_div(in.tokens, p.z), kMaxGrid);
   return p;

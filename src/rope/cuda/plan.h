@@ -19,6 +19,7 @@ namespace logitless::rope {
 inline constexpr int kMaxPairLanes = 64;  // blockDim.x; longer heads loop over their pairs
 inline constexpr int kTargetThreads = 256;
 inline constexpr int kMaxThreads = 256;  // the kernel's launch bound
+inline constexpr int kMaxBlockZ = 64;    // the hardware's limit on blockDim.z
 // The vector kernel's launch bound asks for two such CTAs an SM, a cap of 128 registers a thread: it needs about 100
 // (two heads' units, four table units and their 64-bit addresses), and at a cap of 80 it spilled.
 inline constexpr int kMinCtasPerSm = 2;
