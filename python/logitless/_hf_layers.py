@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .glu import glu
+from .mlp import gated_mlp
 from .rope import rope as _rope
 
 ROPE_NAME = "apply_rotary_pos_emb"
@@ -63,14 +64,28 @@ class MLPSwap:
     concatenated: bool
 
 
+def _bare(*children: torch.nn.Module) -> bool:
+    """Whether the projections are plain nn.Linear modules that nothing hooks (no adapter, quantized layer or sharding
+    hook), so that `gated_mlp` may read their weights instead of calling them: it then keeps gate and up for the
+    backward but not the gated unit's output."""
+    return all(type(c) is torch.nn.Linear and not (c._forward_hooks or c._forward_pre_hooks) for c in children) \
+        and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+
+
 def _glu_forward(activation: str, concatenated: bool):
     # One function per form, bound to each module with MethodType: copy.deepcopy(model) binds the copy's forward to
     # the copy, and the module holds no attribute of the patch besides its forward.
     if concatenated:
         def forward(self, x):
+            if _bare(self.gate_up_proj, self.down_proj):
+                return gated_mlp(x, self.gate_up_proj.weight, None, self.down_proj.weight, self.gate_up_proj.bias,
+                                 None, self.down_proj.bias, activation=activation)
             return self.down_proj(glu(self.gate_up_proj(x), None, activation=activation))
     else:
         def forward(self, x):
+            if _bare(self.gate_proj, self.up_proj, self.down_proj):
+                return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                                 self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias, activation=activation)
             return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), activation=activation))
     forward.__doc__ = f"down_proj(logitless.glu({'gate_up_proj(x)' if concatenated else 'gate_proj(x), up_proj(x)'}, " \
                       f"activation={activation!r})): the module's computation, fused (logitless.patch)"

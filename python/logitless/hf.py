@@ -34,8 +34,9 @@ model computes, checked before anything is changed:
   when the original forward calls it.
 
 * ``swiglu=True``: every gated MLP (children ``gate_proj``, ``up_proj``, ``down_proj``, or ``gate_up_proj`` and
-  ``down_proj``) whose probe shows ``down(act(gate(x)) * up(x))`` with SiLU or GELU runs its own projections around
-  ``logitless.glu``. ``rope="auto"``: each attention's ``apply_rotary_pos_emb`` is ``logitless.rope`` while that
+  ``down_proj``) whose probe shows ``down(act(gate(x)) * up(x))`` with SiLU or GELU runs as ``logitless.gated_mlp``
+  over its projections' weights where they are plain, unhooked ``nn.Linear`` modules (the gated unit's output is then
+  recomputed in the backward, not saved), else its own projections around ``logitless.glu``. ``rope="auto"``: each attention's ``apply_rotary_pos_emb`` is ``logitless.rope`` while that
   attention runs, where a probe shows the two compute the same; the module-level function is never changed for
   good. Both are in python/logitless/_hf_layers.py, which says how they are recognized.
 

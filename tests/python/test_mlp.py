@@ -1,0 +1,151 @@
+"""logitless.gated_mlp: the gated MLP that saves x, gate and up only, against the composition of torch's ops."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import logitless
+from _helpers import needs_cuda
+from logitless.glu import glu
+
+ACTS = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "gelu": F.gelu}
+
+
+def _operands(n=6, h=8, inter=12, concat=False, bias=False, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * 0.5).to(device, dtype).requires_grad_()
+
+    w_gate = r(2 * inter if concat else inter, h)
+    w_up = None if concat else r(inter, h)
+    biases = (r(w_gate.shape[0]), None if concat else r(inter), r(h)) if bias else (None, None, None)
+    return r(3, n, h), w_gate, w_up, r(h, inter), *biases
+
+
+def _reference(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation="silu"):
+    z = F.linear(x, w_gate, b_gate)
+    gate, up = (z.chunk(2, dim=-1) if w_up is None else (z, F.linear(x, w_up, b_up)))
+    return F.linear(ACTS[activation](gate) * up, w_down, b_down)
+
+
+def _grads(fn, operands, dy):
+    for t in operands:
+        if t is not None:
+            t.grad = None
+    y = fn(*operands)
+    y.backward(dy)
+    return y.detach(), [None if t is None else t.grad.clone() for t in operands]
+
+
+@pytest.mark.parametrize("activation", list(ACTS))
+@pytest.mark.parametrize("concat", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_torch_in_float64(activation, concat, bias):
+    ops = _operands(concat=concat, bias=bias)
+    dy = torch.randn(3, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want, want_g = _grads(lambda *t: _reference(*t, activation=activation), ops, dy)
+    got, got_g = _grads(lambda *t: logitless.gated_mlp(*t, activation=activation), ops, dy)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_g, want_g):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_saves_x_gate_and_up_only():
+    """What the backward keeps beyond the parameters: x, gate and up; the composition keeps h on top."""
+    ops = _operands(n=32, h=8, inter=64)
+    params = {id(t) for t in ops[1:] if t is not None}
+
+    def saved_elements(fn):
+        seen = {}
+
+        def pack(t):
+            if id(t) not in params and t.data_ptr() not in seen:
+                seen[t.data_ptr()] = t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(*ops)
+        return sum(seen.values())
+
+    x_gate_up = 3 * 32 * 8 + 2 * 3 * 32 * 64
+    assert saved_elements(logitless.gated_mlp) == x_gate_up
+    assert saved_elements(lambda *t: F.linear(glu(F.linear(t[0], t[1]), F.linear(t[0], t[2])), t[3])) > x_gate_up
+
+
+def test_only_the_needed_gradients():
+    x, w_gate, w_up, w_down, *_ = _operands()
+    w_gate.requires_grad_(False)
+    x.requires_grad_(False)
+    logitless.gated_mlp(x, w_gate, w_up, w_down).sum().backward()
+    assert x.grad is None and w_gate.grad is None and w_up.grad is not None and w_down.grad is not None
+    with torch.no_grad():
+        assert logitless.gated_mlp(x, w_gate, w_up, w_down).grad_fn is None
+
+
+def test_second_backward_raises_instead_of_reading_gradients():
+    ops = _operands()
+    y = logitless.gated_mlp(*ops).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        y.backward()
+
+
+def test_autocast_casts_like_linear_and_returns_gradients_in_the_leaves_dtype():
+    ops = _operands(dtype=torch.float32)
+    dy = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_g = _grads(_reference, ops, dy.bfloat16())
+        got, got_g = _grads(logitless.gated_mlp, ops, dy.bfloat16())
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for a, b, t in zip(got_g, want_g, ops):
+        if t is not None:
+            assert a.dtype == t.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+
+
+def test_bad_arguments_name_them():
+    x, w_gate, w_up, w_down, *_ = _operands()
+    with pytest.raises(ValueError, match="activation"):
+        logitless.gated_mlp(x, w_gate, w_up, w_down, activation="relu")
+    with pytest.raises(ValueError, match="down_weight"):
+        logitless.gated_mlp(x, w_gate, w_up, w_down.t())
+    with pytest.raises(ValueError, match="up_weight"):
+        logitless.gated_mlp(x, w_gate, w_up[:-1], w_down)
+    with pytest.raises(ValueError, match="x, gate_weight"):
+        logitless.gated_mlp(x[..., :-1], w_gate, w_up, w_down)
+
+
+@pytest.mark.parametrize("concat", [False, True])
+def test_compile_fullgraph_matches_eager(concat):
+    ops = _operands(concat=concat, dtype=torch.float32)
+    dy = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(3))
+    want, want_g = _grads(logitless.gated_mlp, ops, dy)
+    torch._dynamo.reset()
+    got, got_g = _grads(torch.compile(logitless.gated_mlp, fullgraph=True), ops, dy)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_g, want_g):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("concat", [False, True])
+def test_cuda_bf16_matches_torch_and_saves_less(concat):
+    ops = _operands(n=512, h=256, inter=1024, concat=concat, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(3, 512, 256, device="cuda", dtype=torch.bfloat16)
+    ref64 = [None if t is None else t.detach().double().requires_grad_() for t in ops]
+    want, want_g = _grads(_reference, ref64, dy.double())
+    bf_ref, bf_g = _grads(_reference, ops, dy)
+    got, got_g = _grads(logitless.gated_mlp, ops, dy)
+
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    assert err(got, want) <= 1.5 * err(bf_ref, want) + 1e-3
+    for a, b, c in zip(got_g, want_g, bf_g):
+        if a is not None:
+            assert err(a, b) <= 1.5 * err(c, b) + 1e-3
+
