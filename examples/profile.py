@@ -44,7 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--config", choices=tuple(finetune.CONFIGS), default=None)
     p.add_argument("--batch", type=int, default=None, help="default as finetune.py: 8 on cuda, 4 on cpu")
     p.add_argument("--seq", type=int, default=None, help="default 2048 on cuda, 128 on cpu")
-    p.add_argument("--modes", default="baseline,logitless", help="comma-separated: baseline, logitless, liger")
+    p.add_argument("--modes", default="baseline,logitless",
+                   help="comma-separated: baseline, logitless, liger, liger-full")
     p.add_argument("--warmup", type=int, default=2, dest="warmup_steps",
                    help="unprofiled steps before the profiled one, per mode")
     p.add_argument("--row-limit", type=int, default=20, help="rows of each ops table")
@@ -73,6 +74,32 @@ def timed_steps(model, opt, sched, ids, n, device):
     return 1e3 * (time.perf_counter() - t0) / n
 
 
+# Where a step's device time goes, by kernel name (first match wins): the GEMMs a step cannot avoid, attention,
+# the optimizer, logitless's and Liger's (Triton) kernels, and what is left (torch's elementwise and reduction
+# kernels, copies, casts).
+CATEGORIES = (
+    ("GEMM", ("gemm", "xmma", "nvjet", "cutlass", "wgmma", "sm90_", "sm80_", "ampere_", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("logitless", ("logitless",)),
+    ("Liger / Triton", ("liger", "triton", "_kernel_")),
+    ("copies and casts", ("copy", "memcpy", "memset", "cast", "fill")),
+)
+
+
+def by_category(events):
+    """{category: device ms} over the kernels (events without CPU self time but with device self time)."""
+    totals = {}
+    for e in events:
+        us = getattr(e, "self_device_time_total", 0)
+        if us <= 0 or getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.key.lower()
+        cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other (elementwise, reductions)")
+        totals[cat] = totals.get(cat, 0.0) + us / 1e3
+    return totals
+
+
 def profile_mode(mode, model, opt, sched, ids, args, out):
     device = args.device
     gpu = device == "cuda"
@@ -95,7 +122,7 @@ def profile_mode(mode, model, opt, sched, ids, args, out):
     total_us = sum(getattr(e, sort_by) for e in events)
     peak = torch.cuda.max_memory_allocated() if gpu else None
     return dict(mode=mode, step_ms=step_ms, profiled_us=total_us, peak=peak, table=table, trace=trace.name,
-                ops=len(events))
+                ops=len(events), categories=by_category(events) if gpu else {})
 
 
 def main(argv=None):
@@ -114,7 +141,7 @@ def main(argv=None):
 
     results = []
     for mode in args.mode_list:
-        if mode == "liger":
+        if mode in finetune.LIGER_MODES:
             why = finetune.liger_unavailable(device)
             if why:
                 print(f"liger: skipped: {why}", file=sys.stderr)
@@ -145,6 +172,15 @@ def main(argv=None):
     for r in results:
         lines.append(f"| {r['mode']} | {r['step_ms']:.1f} | {r['profiled_us'] / 1e3:.1f} | "
                      + (f"{r['peak'] / GIB:.2f} | " if gpu else "") + f"{r['ops']} | {r['trace']} |")
+    cats = sorted({c for r in results for c in r["categories"]},
+                  key=lambda c: -max(r["categories"].get(c, 0.0) for r in results))
+    if cats:
+        lines += ["", "## Device time by kind of kernel (ms in the profiled step)", "",
+                  "| kernels | " + " | ".join(r["mode"] for r in results) + " |",
+                  "|---|" + "---:|" * len(results)]
+        for c in cats:
+            lines.append(f"| {c} | " + " | ".join(f"{r['categories'].get(c, 0.0):.1f}" for r in results) + " |")
+        lines.append("| total | " + " | ".join(f"{sum(r['categories'].values()):.1f}" for r in results) + " |")
     for r in results:
         lines += ["", f"## {r['mode']}: top {args.row_limit} by self {what} time", "", "```", r["table"].rstrip(),
                   "```"]
