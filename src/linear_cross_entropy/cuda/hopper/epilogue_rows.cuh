@@ -77,10 +77,11 @@ __device__ __forceinline__ RowTargets load_row_targets(const LogitRows& p, const
 template <class Acc, class Crd>
 __device__ __forceinline__ void add_bias(const LogitRows& p, Acc& acc, const Crd& crd, int64_t n0, int64_t cols_left) {
   if (!p.bias) return;
+  const int64_t col = p.col0 + n0;  // of the tile's column 0
   CUTE_UNROLL
   for (int e = 0; e < size(acc); ++e) {
     const int c = get<1>(crd(e));
-    if (c < cols_left) acc(e) += load_as_float(p.bias, p.bias_dtype, (p.col0 + n0 + c) * p.bias_stride);
+    if (c < cols_left) acc(e) += load_as_float(p.bias, p.bias_dtype, (col + c) * p.bias_stride);
   }
 }
 
