@@ -88,7 +88,9 @@ struct Mainloop {
   }
 
   // Every thread of the CTA builds the pipeline (warp 0 initializes its barriers); the caller synchronizes the
-  // cluster before any barrier is used.
+  // cluster before any barrier is used. For a 2 x 1 cluster PipelineTmaAsync counts (2 + 1 - 1) x 2 arrivals on an
+  // empty barrier, one per consumer warpgroup of either CTA (each sends one to both CTAs): what the multicast of B
+  // needs, since the peer writes into this CTA's stage too.
   __device__ __forceinline__ static Pipeline make_pipeline(typename Pipeline::SharedStorage& storage, bool producer) {
     typename Pipeline::Params pp;
     pp.transaction_bytes = kStageBytes;
