@@ -8,7 +8,8 @@
 //               grad_weight GEMMs read.
 //   * exp:      the statistics, and E = exp(Z - shift) per element in bfloat16 for the gradient in forward
 //               (params.h, ExpGradParams; plain options only).
-// Host interface only (no CUTLASS types): the kernels live in kernels_hopper.cu.
+// Host interface only (no CUTLASS types): the kernel is FusedGemm<Mainloop, Epilogue, Scheduler> (hopper/kernel.cuh),
+// one epilogue per mode above (hopper/epilogue_*.cuh), instantiated and launched in kernels_hopper.cu.
 #pragma once
 
 #include <cuda_runtime.h>
