@@ -560,7 +560,7 @@ class ResidualSwap:
     module: torch.nn.Module
     path: str
     norms: Tuple[str, ...]        # the children whose input sum is fused, in the forward's order
-    forward: Callable             # the rewritten forward, decorated as the original
+    forward: Callable             # the instance forward: the rewritten one, wrapped as the class's
 
 
 def _pure(node: ast.AST) -> bool:
@@ -826,7 +826,7 @@ def plan_residuals(model: torch.nn.Module, norms: Dict[Tuple[int, str], Tuple[to
             if probed[id(replacement)] is not None:
                 reasons.append(f"{path}.{attr}: the residual add fused into it: {probed[id(replacement)]}; pass "
                                f"fused_residual=False to leave the adds as they are")
-        swaps.append(ResidualSwap(module, path, fused, forward))
+        swaps.append(ResidualSwap(module, path, fused, _layer_forward(decorated, forward, fused)))
     return swaps
 
 
@@ -836,6 +836,24 @@ def _class_forward(cls) -> Optional[Callable]:
             fn = klass.__dict__["forward"]
             return fn if isinstance(fn, types.FunctionType) else None
     return None
+
+
+def _layer_forward(decorated: Callable, rewritten: Callable, fused: Tuple[str, ...]) -> Callable:
+    """The patched layer's forward: the rewrite of its class's forward. A class that changed since (FSDP2's
+    fully_shard swaps in a subclass, which transformers wraps again for checkpointing) gets the rewrite of its own
+    forward, so that its wrappers run as its own would; where that rewrite fuses other norms or none, its forward as
+    it is."""
+    def forward(self, *args, **kwargs):
+        current = type(self).forward
+        if current is decorated:
+            return rewritten(self, *args, **kwargs)
+        again, fused_again, _ = _rewritten(current, frozenset(fused))
+        if again is None or set(fused_again) != set(fused):
+            return current(self, *args, **kwargs)
+        return again(self, *args, **kwargs)
+
+    forward._logitless_fused_residual = fused
+    return forward
 
 
 def apply_residuals(swaps: List[ResidualSwap]) -> None:
