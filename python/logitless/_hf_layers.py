@@ -648,11 +648,18 @@ def _compile_in_place(function, fdef: ast.FunctionDef) -> Callable:
 
 
 def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
-    return (a.co_code == b.co_code and a.co_names == b.co_names and a.co_varnames == b.co_varnames
-            and a.co_freevars == b.co_freevars and a.co_argcount == b.co_argcount
-            and a.co_kwonlyargcount == b.co_kwonlyargcount
-            and [c for c in a.co_consts if not isinstance(c, types.CodeType)] ==
-            [c for c in b.co_consts if not isinstance(c, types.CodeType)])
+    """The same bytecode, names and constants, nested code (comprehensions, lambdas) included; line numbers aside."""
+    if not (a.co_code == b.co_code and a.co_names == b.co_names and a.co_varnames == b.co_varnames
+            and a.co_freevars == b.co_freevars and a.co_cellvars == b.co_cellvars and a.co_argcount == b.co_argcount
+            and a.co_kwonlyargcount == b.co_kwonlyargcount and len(a.co_consts) == len(b.co_consts)):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):
+        if isinstance(x, types.CodeType) or isinstance(y, types.CodeType):
+            if not (isinstance(x, types.CodeType) and isinstance(y, types.CodeType) and _same_code(x, y)):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
 
 
 def _cell_contents(cell) -> Any:
@@ -718,7 +725,7 @@ def _rewritten(decorated: Callable, norms: frozenset):
         try:
             _REWRITES[key] = _rewrite(decorated, norms)
         except Exception as e:  # no source, or source that does not compile back to what runs
-            _REWRITES[key] = (None, (), f"its forward's source cannot be rewritten ({type(e).__name__}: {e})")
+            _REWRITES[key] = (None, (), f"its forward's source cannot be read or recompiled ({type(e).__name__}: {e})")
     return _REWRITES[key]
 
 
