@@ -54,6 +54,7 @@ norm): the two sit in different modules' forwards, and the layer's output, a sum
 checkpointing, per-layer sharding wrappers (FSDP2, ZeRO-3), hooks and ``output_hidden_states`` see between them.
 """
 from __future__ import annotations
+import __future__
 
 import ast
 import copy
@@ -621,9 +622,9 @@ def _rewrite_blocks(node: ast.AST, self_name: str, norms: set, found: List[str])
             i += 1
 
 
-_FUTURE_FLAGS = 0
-for _feature in ("annotations", "generator_stop", "barry_as_FLUFL"):
-    _FUTURE_FLAGS |= getattr(__import__("__future__"), _feature).compiler_flag
+# The __future__ features a code object's flags carry, to compile the rewrite under the same ones.
+_FUTURE_FLAGS = __future__.annotations.compiler_flag | __future__.generator_stop.compiler_flag | \
+    __future__.barry_as_FLUFL.compiler_flag
 
 
 def _compile_in_place(function, fdef: ast.FunctionDef) -> Callable:
