@@ -59,7 +59,6 @@ import __future__
 import ast
 import copy
 import inspect
-import textwrap
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -709,10 +708,13 @@ _REWRITES: Dict[Tuple[Any, frozenset], Tuple[Optional[Callable], Tuple[str, ...]
 
 
 def _source_tree(function) -> ast.FunctionDef:
-    source = textwrap.dedent(inspect.getsource(function))
-    tree = ast.parse(source)
-    ast.increment_lineno(tree, function.__code__.co_firstlineno - 1)
-    fdef = tree.body[0]
+    source = inspect.getsource(function)
+    # A method's source is indented: parsed inside an `if` block rather than dedented, which would change the
+    # contents of its multi-line strings (the docstring is a constant of the code compared with the running one).
+    indented = source[:1] in (" ", "\t")
+    tree = ast.parse("if 1:\n" + source if indented else source)
+    fdef = tree.body[0].body[0] if indented else tree.body[0]
+    ast.increment_lineno(fdef, function.__code__.co_firstlineno - (2 if indented else 1))
     if not isinstance(fdef, ast.FunctionDef) or fdef.name != function.__name__:
         raise ValueError("its source is not a def of that function")
     return fdef
