@@ -1,21 +1,32 @@
 #!/usr/bin/env python3
-"""End-to-end training of a Hugging Face Llama model with and without logitless, same seed, same data.
+"""End-to-end training of a Hugging Face causal LM with and without logitless, same seed, same data.
 
-The model has Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads, 8 key/value heads, intermediate 8192,
-vocabulary 128256, tied embeddings, llama3 RoPE with theta 500000), built from its config with random
-weights: nothing is downloaded. It trains with AdamW on real token data and reports, per mode, tokens/s,
-peak memory, the loss curve and (--find-max-batch) the largest batch that fits.
+The model (--config) has the shape of Llama-3.2-1B (the default: hidden 2048, 16 layers, 32 heads, 8 key/value
+heads, intermediate 8192, vocabulary 128256, tied embeddings, llama3 RoPE with theta 500000), of Qwen3-1.7B
+(``qwen3``: hidden 2048, 28 layers, 16 heads of 128, 8 key/value heads, intermediate 6144, vocabulary 151936, tied
+embeddings, q/k norms, RoPE theta 1e6) or of Gemma-2-2B (``gemma2``: hidden 2304, 26 layers, 8 heads of 256, 4
+key/value heads, intermediate 9216 GeGLU, vocabulary 256000, tied embeddings, sandwich norms, attention softcap 50,
+final logit softcap 30, query_pre_attn_scalar 256, a 4096-token sliding window every other layer, RoPE theta 10000;
+eager attention, as transformers runs Gemma 2 with its softcap), built from its config with random weights:
+nothing is downloaded. It trains with AdamW on real token data and reports, per mode, tokens/s, peak memory, the
+loss curve and (--find-max-batch) the largest batch that fits.
+
+Precision (--master): ``bf16`` (the default on a GPU) trains bfloat16 weights directly; ``fp32`` keeps float32
+master weights (and gradients and optimizer state) and runs forward and loss under
+``torch.autocast(dtype=torch.bfloat16)``, as transformers' Trainer does with bf16=True. Every mode runs under the
+same regime.
 
 Modes, each in its own process (a clean CUDA context and peak-memory counter, and no monkey patch leaking
 from one mode into the next):
 
 * ``baseline``: the model as transformers ships it (eager RMSNorm, logits, float32 upcast, torch's CE).
-* ``logitless``: ``logitless.patch(model)`` with its defaults: fused RMSNorm, SwiGLU MLPs, RoPE and linear
-  cross-entropy (no logits).
-* ``liger``: Liger's RMSNorm and fused linear cross-entropy only (its RoPE and SwiGLU kernels off): what the
-  head and the norms alone are worth, when liger_kernel is importable and on a GPU.
-* ``liger-full``: Liger's default ``apply_liger_kernel_to_llama`` (RoPE, SwiGLU, RMSNorm and fused linear
-  cross-entropy): the like-for-like peer of ``logitless``, under the same conditions as ``liger``.
+* ``logitless``: ``logitless.patch(model)`` with its defaults: fused RMSNorm, SwiGLU / GeGLU MLPs, RoPE, the
+  residual adds fused into the norms after them, and linear cross-entropy (no logits).
+* ``liger``: Liger's RMSNorm and fused linear cross-entropy only (its RoPE and SwiGLU / GeGLU kernels off): what
+  the head and the norms alone are worth, when liger_kernel is importable and on a GPU.
+* ``liger-full``: Liger's default ``apply_liger_kernel_to_llama`` / ``_qwen3`` / ``_gemma2`` (RoPE, SwiGLU or
+  GeGLU, RMSNorm and fused linear cross-entropy): the like-for-like peer of ``logitless``, under the same
+  conditions as ``liger``.
 
 The data: real text tokenized with a real BPE, nothing downloaded. The corpus is the Python standard
 library's source files (``*.py`` under ``sysconfig.get_paths()["stdlib"]``, site-packages excluded, sorted
@@ -24,18 +35,20 @@ byte-level BPE tokenizer (the ``tokenizers`` package that transformers depends o
 with --tokenizer-vocab entries (default 32000), the files are encoded and joined with an end-of-text token,
 and training windows of --seq tokens are drawn at random offsets from one seeded generator, so that every
 mode sees the same batches. "Real" here means natural token statistics (Zipf-like frequencies, repeated
-structure a model can learn, so the loss falls) rather than uniformly random ids; the model keeps Llama's
-128256-entry vocabulary so that the head costs what it costs in Llama-3.2-1B, and the ids come from the
-first --tokenizer-vocab entries. The tokenizer and the token ids are cached (--cache).
+structure a model can learn, so the loss falls) rather than uniformly random ids; the model keeps its own
+vocabulary (128256 entries for Llama) so that the head costs what it costs in the real model, and the ids come
+from the first --tokenizer-vocab entries. The tokenizer and the token ids are cached (--cache).
 
 Output (--out DIR): report.md (the table and the targets), report.png (throughput, memory, largest batch and
 loss curves; needs matplotlib, else the report says so) and results.json (every number, per mode).
 
-Without a GPU it runs a tiny Llama config on the CPU (logitless's CPU backend) with a short sequence.
+Without a GPU it runs a tiny Llama config on the CPU (logitless's CPU backend) with a short sequence
+(``tiny-qwen3`` and ``tiny-gemma2`` are the other two architectures at that size).
 
     PYTHONPATH=build/<dir>/python python examples/finetune.py                       # whatever device there is
     PYTHONPATH=build/<dir>/python python examples/finetune.py --steps 50 --seq 2048 --batch 8 \\
         --modes baseline,logitless,liger,liger-full --find-max-batch --out finetune-out
+    PYTHONPATH=build/<dir>/python python examples/finetune.py --config qwen3 --master fp32 --out qwen3-fp32
 """
 from __future__ import annotations
 
@@ -50,6 +63,7 @@ if sys.path and os.path.abspath(sys.path[0] or os.getcwd()) == _HERE:
     sys.path.append(sys.path.pop(0))
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -73,7 +87,32 @@ LLAMA_3_2_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=
 TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             intermediate_size=384, vocab_size=2048, tie_word_embeddings=True, max_position_embeddings=4096,
             rms_norm_eps=1e-5, hidden_act="silu", rope_parameters=dict(rope_type="default", rope_theta=500000.0))
-CONFIGS = {"llama-3.2-1b": LLAMA_3_2_1B, "tiny": TINY}
+# Qwen3-1.7B's and Gemma-2-2B's published configurations (the sizes and the options that change what is computed).
+QWEN3_1_7B = dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+                  rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
+                  rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
+GEMMA2_2B = dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                 intermediate_size=9216, vocab_size=256000, tie_word_embeddings=True, max_position_embeddings=8192,
+                 rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+                 sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+TINY_QWEN3 = dict(TINY, rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
+TINY_GEMMA2 = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   intermediate_size=384, vocab_size=2048, tie_word_embeddings=True, max_position_embeddings=4096,
+                   rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=32,
+                   sliding_window=32, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                   rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+CONFIGS = {"llama-3.2-1b": LLAMA_3_2_1B, "tiny": TINY, "qwen3": QWEN3_1_7B, "tiny-qwen3": TINY_QWEN3,
+           "gemma2": GEMMA2_2B, "tiny-gemma2": TINY_GEMMA2}
+# The architecture each config builds: (name in the report, transformers config and model classes, Liger's function).
+ARCH_OF = {"llama-3.2-1b": "llama", "tiny": "llama", "qwen3": "qwen3", "tiny-qwen3": "qwen3", "gemma2": "gemma2",
+           "tiny-gemma2": "gemma2"}
+ARCHS = {
+    "llama": ("Llama", "LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama"),
+    "qwen3": ("Qwen3", "Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3"),
+    "gemma2": ("Gemma 2", "Gemma2Config", "Gemma2ForCausalLM", "apply_liger_kernel_to_gemma2"),
+}
 
 GIB = 1 << 30
 EOT = "<|endoftext|>"
@@ -89,11 +128,13 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda when there is a GPU (and logitless was built with CUDA), else cpu")
     p.add_argument("--config", choices=tuple(CONFIGS), default=None,
-                   help="model shape; default llama-3.2-1b on cuda, tiny on cpu")
+                   help="model shape: llama-3.2-1b, qwen3 (Qwen3-1.7B), gemma2 (Gemma-2-2B), or tiny, tiny-qwen3, "
+                   "tiny-gemma2 for the CPU; default llama-3.2-1b on cuda, tiny on cpu")
     p.add_argument("--steps", type=int, default=None, help="training steps per mode (default 50 on cuda, 12 on cpu)")
     p.add_argument("--batch", type=int, default=None,
-                   help="sequences per step (default 8 on cuda, an estimated 55 GB peak for the baseline at 2048 "
-                        "tokens: a batch that fills the GPU as a real run would; 4 on cpu)")
+                   help="sequences per step (default on cuda 8, or 4 with --master fp32: an estimated 55 GB peak for "
+                        "the Llama baseline at 2048 tokens, a batch that fills the GPU as a real run would; a quarter "
+                        "of that for gemma2, whose eager attention and 256000-entry logits cost more; 4 on cpu)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048 on cuda, 128 on cpu)")
     p.add_argument("--modes", default="baseline,logitless,liger,liger-full",
                    help="comma-separated, from " + ", ".join(MODES) + " (the liger modes are skipped when it is not "
@@ -104,7 +145,13 @@ def parse_args(argv=None):
     p.add_argument("--search-seconds", type=float, default=180.0,
                    help="time budget of the search per mode; past it the best batch found so far is reported")
     p.add_argument("--out", default="finetune-out", help="report directory")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default bf16 on cuda, fp32 on cpu")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="the weights' dtype (default bf16 on cuda, fp32 on cpu); with --master fp32, the autocast "
+                        "dtype (bf16 only)")
+    p.add_argument("--master", choices=("bf16", "fp32"), default=None,
+                   help="fp32: float32 master weights, forward and loss under bfloat16 autocast (transformers' "
+                        "Trainer with bf16=True); bf16: bfloat16 weights, no autocast (the default on cuda; without "
+                        "--master the weights are in --dtype)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=5, help="steps of linear learning-rate warm-up")
     p.add_argument("--timing-skip", type=int, default=3,
@@ -112,7 +159,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing of the decoder layers")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (every mode)")
-    p.add_argument("--attn", default="sdpa", help="transformers attention implementation (default sdpa)")
+    p.add_argument("--attn", default=None,
+                   help="transformers attention implementation (default sdpa; eager for gemma2, whose attention "
+                        "softcap sdpa does not apply)")
     p.add_argument("--tokenizer-vocab", type=int, default=32000,
                    help="BPE vocabulary trained on the corpus (capped at the model's vocabulary)")
     p.add_argument("--corpus-mb", type=float, default=None, help="MB of standard-library text (default 16; 2 on cpu)")
@@ -140,10 +189,17 @@ def resolve_defaults(args, parser):
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     gpu = args.device == "cuda"
-    defaults = dict(config="llama-3.2-1b" if gpu else "tiny", steps=50 if gpu else 12, batch=8 if gpu else 4,
-                    seq=2048 if gpu else 128, dtype="bf16" if gpu else "fp32", corpus_mb=16.0 if gpu else 2.0)
+    master = getattr(args, "master", None)  # examples/profile.py shares these defaults and has no --master
+    if master is not None and args.dtype == "fp32":
+        parser.error(f"--master {master}: bfloat16 weights, or float32 ones under bfloat16 autocast; --dtype fp32 "
+                     f"contradicts it")
+    config = args.config or ("llama-3.2-1b" if gpu else "tiny")
+    batch = (4 if master == "fp32" else 8) // (4 if config == "gemma2" else 1) if gpu else 4
+    defaults = dict(config=config, steps=50 if gpu else 12, batch=max(batch, 1), seq=2048 if gpu else 128,
+                    dtype="bf16" if gpu or master is not None else "fp32", corpus_mb=16.0 if gpu else 2.0,
+                    attn="eager" if ARCH_OF[config] == "gemma2" else "sdpa")
     for name, value in defaults.items():
-        if getattr(args, name) is None:
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.mode_list if m not in MODES]
@@ -156,7 +212,23 @@ def resolve_defaults(args, parser):
 
 
 def torch_dtype(args):
+    """The weights' dtype."""
+    if getattr(args, "master", None) == "fp32":
+        return torch.float32
     return torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+
+def autocast(args):
+    """What forward and loss run under: bfloat16 autocast with float32 master weights, else nothing."""
+    if getattr(args, "master", None) == "fp32":
+        return torch.autocast(args.device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def regime(args) -> str:
+    if getattr(args, "master", None) == "fp32":
+        return "fp32 master weights, forward and loss under bf16 autocast (Trainer's bf16=True)"
+    return f"{args.dtype} weights, no autocast"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -275,12 +347,14 @@ class Batches:
 
 
 def build_model(args, device):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(**CONFIGS[args.config], attn_implementation=args.attn, use_cache=False)
+    _, config_class, model_class, _ = ARCHS[ARCH_OF[args.config]]
+    config = getattr(transformers, config_class)(**CONFIGS[args.config], attn_implementation=args.attn,
+                                                 use_cache=False)
     torch.manual_seed(args.seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, model_class)(config)
     return model.to(torch_dtype(args)).train()
 
 
@@ -294,23 +368,42 @@ def liger_unavailable(device: str):
     return None
 
 
+def liger_call(arch: str, mode: str):
+    """(Liger's function for the architecture, its keyword arguments in this mode)."""
+    function = ARCHS[arch][3]
+    if mode == "liger-full":
+        return function, {}  # Liger's own defaults: rope, swiglu / geglu, rms_norm, fused_linear_cross_entropy
+    mlp = "geglu" if arch == "gemma2" else "swiglu"
+    return function, dict(rope=False, **{mlp: False}, rms_norm=True, cross_entropy=False,
+                          fused_linear_cross_entropy=True)
+
+
 def apply_mode(model, mode):
     if mode == "logitless":
         import logitless
 
-        # The defaults: RMSNorm, gated MLP, RoPE (what verifies on this model) and the fused loss.
+        # The defaults: RMSNorm, gated MLP, RoPE (what verifies on this model), the residual adds fused into the
+        # norms and the fused loss.
         logitless.patch(model)
-    elif mode == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    elif mode in LIGER_MODES:
+        import liger_kernel.transformers
 
-        apply_liger_kernel_to_llama(model=model, rope=False, swiglu=False, rms_norm=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
-    elif mode == "liger-full":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        # Liger's own defaults for Llama: rope, swiglu, rms_norm and fused_linear_cross_entropy all on.
-        apply_liger_kernel_to_llama(model=model)
+        function, kwargs = liger_call(model.config.model_type, mode)
+        getattr(liger_kernel.transformers, function)(model=model, **kwargs)
     return model
+
+
+def patched_summary(model) -> str:
+    """What logitless.patch changed, counted from describe()."""
+    import logitless
+
+    lines = logitless.hf.describe(model).splitlines()
+    counts = [(sum(" -> RMSNorm(" in line for line in lines), "RMSNorms"),
+              (sum("-> down_proj(glu(" in line for line in lines), "gated MLPs"),
+              (sum("-> residual add fused" in line for line in lines), "layers with the residual add fused"),
+              (sum(line.startswith("rope: ") for line in lines), "rope sites"),
+              (sum(line.startswith("loss: ") for line in lines), "fused loss")]
+    return ", ".join(f"{n} {what}" for n, what in counts)
 
 
 def enable_checkpointing(model):
@@ -329,8 +422,10 @@ def make_optimizer(model, args, device):
     return opt, sched
 
 
-def train_step(model, opt, sched, ids):
-    loss = model(input_ids=ids, labels=ids).loss
+def train_step(model, opt, sched, ids, precision=None):
+    """One step; `precision` (a context manager, e.g. autocast(args)) around forward and loss."""
+    with precision or contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -388,8 +483,14 @@ def worker(args):
         enable_checkpointing(model)
     step_model = torch.compile(model) if args.compile else model
     opt, sched = make_optimizer(model, args, device)
-    result = dict(mode=mode, batch=args.batch, seq=args.seq, steps=args.steps,
+    result = dict(mode=mode, batch=args.batch, seq=args.seq, steps=args.steps, config=args.config,
+                  arch=ARCHS[ARCH_OF[args.config]][0], regime=regime(args),
                   parameters=sum(p.numel() for p in model.parameters()))
+    if mode == "logitless":
+        result["patched"] = patched_summary(model)
+    elif mode in LIGER_MODES:
+        function, kwargs = liger_call(ARCH_OF[args.config], mode)
+        result["patched"] = f"{function}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
 
     if device == "cuda":
         free_cuda()
@@ -404,7 +505,7 @@ def worker(args):
                     torch.cuda.synchronize()
                 t0, timed = time.perf_counter(), args.steps - step
             ids = batches.next(args.batch).to(device, non_blocking=True)
-            losses.append(train_step(step_model, opt, sched, ids))
+            losses.append(train_step(step_model, opt, sched, ids, autocast(args)))
             bar.update(1)
             if step % 10 == 9 or step == args.steps - 1:
                 bar.set_postfix(loss=f"{losses[-1].item():.3f}")
@@ -431,7 +532,7 @@ def worker(args):
         def fits(b):
             try:
                 for _ in range(2):  # the second step runs with the optimizer state in place
-                    train_step(step_model, opt, sched, batches.next(b).to(device))
+                    train_step(step_model, opt, sched, batches.next(b).to(device), autocast(args))
                 torch.cuda.synchronize()
                 ok = True
             except Exception as e:
@@ -574,12 +675,21 @@ def target_lines(rows, args):
     return lines
 
 
+def _softcaps(cfg) -> str:
+    parts = [f"{what} {cfg[key]:g}" for key, what in (("attn_logit_softcapping", "attention softcap"),
+                                                      ("final_logit_softcapping", "final logit softcap"),
+                                                      ("sliding_window", "sliding window"))
+             if cfg.get(key) is not None]
+    return "".join(", " + p for p in parts)
+
+
 def write_report(args, out, results, corpus, chart_note):
     rows = summarize(results)
     v = versions()
     gpu = args.device == "cuda"
     device = torch.cuda.get_device_name(0) if gpu else f"CPU ({platform.processor() or platform.machine()})"
     cfg = CONFIGS[args.config]
+    arch = ARCHS[ARCH_OF[args.config]][0]
     mem_name = "peak memory (GiB, allocated)" if gpu else "peak RSS (GiB)"
     lines = [
         "# End-to-end training: baseline vs logitless"
@@ -587,11 +697,14 @@ def write_report(args, out, results, corpus, chart_note):
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; device: {device}",
         "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
-        f"- model: {args.config} Llama shape (hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
-        f"{cfg['num_attention_heads']} heads, {cfg['num_key_value_heads']} kv heads, intermediate "
-        f"{cfg['intermediate_size']}, vocab {cfg['vocab_size']}, tied embeddings), random init (seed {args.seed}), "
-        f"{args.dtype}, attention {args.attn}" + (", activation checkpointing" if args.grad_ckpt else "") +
+        f"- model: {args.config}, {arch} architecture (hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} "
+        f"layers, {cfg['num_attention_heads']} heads of {cfg['head_dim']}, {cfg['num_key_value_heads']} kv heads, "
+        f"intermediate {cfg['intermediate_size']}, vocab {cfg['vocab_size']}"
+        f"{', tied embeddings' if cfg.get('tie_word_embeddings') else ''}{_softcaps(cfg)}), random init "
+        f"(seed {args.seed}), attention {args.attn}" + (", activation checkpointing" if args.grad_ckpt else "") +
         (", torch.compile" if args.compile else ""),
+        f"- precision: {regime(args)}; every mode runs under it",
+        "- patches: " + "; ".join(f"{m}: {r['patched']}" for m, r in results.items() if r.get("patched")),
         f"- training: AdamW (lr {args.lr}, betas 0.9/0.95, weight decay 0.1, {args.warmup}-step warm-up, "
         f"clip 1.0), batch {args.batch} x {args.seq} tokens, {args.steps} steps; tokens/s over steps "
         f"{min(args.timing_skip, args.steps - 1) + 1}..{args.steps}",
@@ -624,7 +737,7 @@ def write_report(args, out, results, corpus, chart_note):
               if args.find_max_batch and gpu else not_searched,
               "", "## Targets (logitless vs baseline, same batch)", ""]
     lines += target_lines(rows, args) if gpu else [
-        "The targets are set for the GPU run (bf16, Llama-3.2-1B shape, sequence 2048); on the CPU this run checks "
+        "The targets are set for the GPU run (sequence 2048 at the real model's shape); on the CPU this run checks "
         "that every mode trains and that the loss curves agree."] + [
         line for line in target_lines(rows, args) if line.startswith("- loss")]
     curves = {m: r["losses"] for m, r in results.items() if r.get("losses")}
@@ -688,7 +801,7 @@ def write_chart(out, results, args):
     ax.set_title("training loss")
     ax.set_xlabel("step")
     ax.legend()
-    fig.suptitle(f"{args.config} Llama shape, {args.dtype}, batch {args.batch} x {args.seq}"
+    fig.suptitle(f"{args.config} ({ARCHS[ARCH_OF[args.config]][0]}), {regime(args)}, batch {args.batch} x {args.seq}"
                  + (f", {torch.cuda.get_device_name(0)}" if gpu else ", CPU"))
     fig.tight_layout()
     fig.savefig(out / "report.png", dpi=110)

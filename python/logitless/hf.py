@@ -38,7 +38,10 @@ model computes, checked before anything is changed:
   over its projections' weights where they are plain, unhooked ``nn.Linear`` modules (the gated unit's output is then
   recomputed in the backward, not saved), else its own projections around ``logitless.glu``. ``rope="auto"``: each attention's ``apply_rotary_pos_emb`` is ``logitless.rope`` while that
   attention runs, where a probe shows the two compute the same; the module-level function is never changed for
-  good. Both are in python/logitless/_hf_layers.py, which says how they are recognized.
+  good. ``fused_residual=True``: in each decoder layer whose forward adds a block's output to the residual stream
+  and then normalizes the sum with one of the replaced RMSNorms (pre-norm layers: Llama, Mistral, Qwen, Phi-3, ...;
+  Gemma 2 and 3 between attention and MLP), the add and the norm run as one ``rms_norm(..., residual=)``. All three
+  are in python/logitless/_hf_layers.py, which says how they are recognized.
 
 Patching is all or nothing: every check runs before the first change, and a refusal (`PatchRefused`, a
 ValueError, listing every reason and what to pass instead) leaves the model as it was. `unpatch` restores it
@@ -615,9 +618,10 @@ class _PatchState:
     loss_options: Dict[str, Any]
     swaps: List[_Swap] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
-    # Gated MLPs and the rotary function's sites (python/logitless/_hf_layers.py).
+    # Gated MLPs, the rotary function's sites and the fused residual adds (python/logitless/_hf_layers.py).
     mlps: List[Any] = field(default_factory=list)
     ropes: List[Any] = field(default_factory=list)
+    residuals: List[Any] = field(default_factory=list)
     loss: Optional[_LossPlan] = None
     # The instance attributes patch() set, as they were: (had one, its value).
     forward_before: Tuple[bool, Any] = (False, None)
@@ -632,7 +636,7 @@ class _PatchState:
 
 
 def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = True, *, swiglu: bool = True,
-          rope: Any = "auto", **loss_options) -> torch.nn.Module:
+          rope: Any = "auto", fused_residual: bool = True, **loss_options) -> torch.nn.Module:
     """Patch a transformers causal LM in place (see the module docstring) and return `model`.
 
     Args:
@@ -648,6 +652,10 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
             that the two compute the same (Hugging Face's rotate_half form, partial rotary included; interleaved
             pairs are not). "auto" (default): swap what verifies and note in `describe` what does not; True: refuse
             the patch if any does not; False: leave them all.
+        fused_residual: in the decoder layers, fuse each residual add into the RMSNorm that normalizes the sum next
+            (``h = residual + attn_out; residual = h; h = post_attention_layernorm(h)`` as one
+            ``rms_norm(..., residual=)``, forward and backward). Needs rms_norm=True (only replaced norms are
+            fused); layers of another form are left as they are and noted in `describe`.
         **loss_options: passed on to ``linear_cross_entropy``: z_loss, schedule, chunk_tokens, chunk_vocab,
             memory_budget, check_targets, vocab_parallel (z_loss adds a term the original loss does not have;
             vocab_parallel=True for an lm_head whose weight is a tensor-parallel DTensor sharded along the
@@ -671,7 +679,8 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
     if earlier is not None:
         _revert(model, earlier)
     try:
-        state = _plan(model, bool(rms_norm), bool(cross_entropy), dict(loss_options), bool(swiglu), rope)
+        state = _plan(model, bool(rms_norm), bool(cross_entropy), dict(loss_options), bool(swiglu), rope,
+                      bool(fused_residual))
     except BaseException:
         if earlier is not None:  # the earlier patch stays
             _apply(model, earlier)
@@ -708,7 +717,7 @@ def describe(model: torch.nn.Module) -> str:
     for swap in state.swaps:
         lines.append(f"{swap.path}: {type(swap.original).__name__} -> {type(swap.replacement).__name__}"
                      f"({swap.replacement.extra_repr()})")
-    lines += _hf_layers.describe_lines(state.mlps, state.ropes)
+    lines += _hf_layers.describe_lines(state.mlps, state.ropes, state.residuals)
     if state.loss is not None:
         fold = [] if state.loss.scale == 1.0 else [f"hidden scaled by {state.loss.scale:g}"]
         fold += [] if state.loss.softcap is None else [f"softcap {state.loss.softcap:g}"]
@@ -734,7 +743,7 @@ def _original_forward_function(model):
 
 
 def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, Any], swiglu: bool = False,
-          rope: Any = False) -> _PatchState:
+          rope: Any = False, fused_residual: bool = False) -> _PatchState:
     """Every check; returns what to change, or raises PatchRefused. Changes nothing."""
     state = _PatchState(rms_norm=rms_norm, cross_entropy=cross_entropy, loss_options=loss_options)
     reasons: List[str] = []
@@ -745,6 +754,10 @@ def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, An
         state.mlps = _hf_layers.plan_mlps(model, reasons, state.notes)
     if rope is not False:
         state.ropes = _hf_layers.plan_rope(model, rope, reasons, state.notes)
+    if fused_residual:
+        norms = {(id(s.parent), s.attr): (s.original, s.replacement) for s in state.swaps}
+        taken = {id(s.module) for s in state.mlps} | {id(m) for site in state.ropes for m, _ in site.modules}
+        state.residuals = _hf_layers.plan_residuals(model, norms, taken, reasons, state.notes)
     if cross_entropy:
         had_forward = "forward" in model.__dict__
         state.forward_before = (had_forward, model.__dict__.get("forward"))
@@ -776,6 +789,7 @@ def _apply(model, state: _PatchState) -> None:
         setattr(swap.parent, swap.attr, swap.replacement)
     _hf_layers.apply_mlps(state.mlps)
     _hf_layers.apply_rope(state.ropes)
+    _hf_layers.apply_residuals(state.residuals)
     if state.loss is not None:
         head = state.loss.head
         object.__setattr__(head, _STATE, state)
@@ -799,6 +813,7 @@ def _restore(obj, name: str, before: Tuple[bool, Any]) -> None:
 def _revert(model, state: _PatchState) -> None:
     for swap in reversed(state.swaps):
         setattr(swap.parent, swap.attr, swap.original)
+    _hf_layers.revert_residuals(state.residuals)
     _hf_layers.revert_rope(state.ropes)
     _hf_layers.revert_mlps(state.mlps)
     if state.loss is not None:

@@ -1,5 +1,5 @@
-"""logitless.patch's gated-MLP (swiglu=) and rotary (rope=) kinds on every causal LM of the installed transformers,
-and each of the four kinds turned off alone.
+"""logitless.patch's gated-MLP (swiglu=), rotary (rope=) and fused residual (fused_residual=) kinds on every causal LM
+of the installed transformers, and each of the five kinds turned off alone.
 
 For every entry of tests/python/_hf_zoo.py that patches: the loss and every parameter's gradient equal the
 unpatched model's with all kinds on and with each kind off alone; describe() says what was swapped where, and
@@ -7,7 +7,7 @@ nothing of a kind turned off; unpatch restores the model (modules, instance attr
 modules' apply_rotary_pos_emb globals exactly. Refusals of the whole patch are test_hf_patch.py's.
 
 Skips when transformers is not importable. `python tests/python/test_hf_layers.py` prints which architectures got
-their MLPs and rotary embeddings swapped.
+their MLPs and rotary embeddings swapped and their residual adds fused.
 Run: PYTHONPATH=build/<dir>/python python -m pytest tests/python/test_hf_layers.py -q
 """
 import copy
@@ -23,7 +23,7 @@ import logitless  # noqa: E402
 from logitless import _hf_layers  # noqa: E402
 from logitless.hf import PatchRefused  # noqa: E402
 
-KINDS = ("rope", "swiglu", "rms_norm", "cross_entropy")
+KINDS = ("rope", "swiglu", "fused_residual", "rms_norm", "cross_entropy")
 ENTRIES = zoo.entries()
 
 
@@ -77,6 +77,7 @@ def _assert_same(got, want):
 
 
 _OUTCOMES = {}
+FUSED = "-> residual add fused into "
 
 
 def _summary(described):
@@ -84,9 +85,11 @@ def _summary(described):
     acts = sorted({line.split("activation=")[1].rstrip(")'").strip("'") for line in mlps})
     ropes = [line for line in described if line.startswith("rope: ")]
     not_ropes = [line.split("rope not swapped: ", 1)[1] for line in described if "rope not swapped: " in line]
+    fused = [line.split(FUSED, 1)[1].split(" (", 1)[0] for line in described if FUSED in line]
     return dict(mlps=len(mlps), activations=acts, concatenated=any("gate_up_proj" in line for line in mlps),
                 rope=len(ropes), rope_not=not_ropes,
-                fused_experts=any("fused parameter tensors" in line for line in described))
+                fused_experts=any("fused parameter tensors" in line for line in described),
+                residual_layers=len(fused), residual=sorted(set(", ".join(fused).split(", ")) - {""}))
 
 
 def _outcome(model_type, class_name):
@@ -125,6 +128,7 @@ def _outcome(model_type, class_name):
         summary = _summary(described)
         # A kind that swapped nothing in this model patches it as all kinds on did: that run stands for it.
         swapped = dict(rope=summary["rope"] or summary["rope_not"], swiglu=summary["mlps"],
+                       fused_residual=summary["residual_layers"],
                        rms_norm=any("RMSNorm(" in line for line in described), cross_entropy=True)
         for kind in (k for k in KINDS if swapped[k]):
             logitless.patch(model, **{kind: False})
@@ -137,7 +141,9 @@ def _outcome(model_type, class_name):
             elif kind == "cross_entropy":
                 assert "\nloss: " not in "\n" + text
             elif kind == "rms_norm":
-                assert "-> RMSNorm(" not in text
+                assert "-> RMSNorm(" not in text and FUSED not in text  # only replaced norms are fused
+            elif kind == "fused_residual":
+                assert FUSED not in text
             logitless.unpatch(model)
             _assert_same(_snapshot(model), before)
     except Exception as e:
@@ -169,17 +175,25 @@ def table() -> str:
         rope = "rope swapped" if detail["rope"] else (
             "rope left: " + "; ".join(r.split(": ", 1)[1][:70] for r in detail["rope_not"]) if detail["rope_not"]
             else "no apply_rotary_pos_emb")
-        lines.append(f"{model_type:28s} {mlp:40s} {rope}")
+        residual = f"residual fused into {', '.join(detail['residual'])}" if detail["residual"] else \
+            "no residual add fused"
+        lines.append(f"{model_type:28s} {mlp:40s} {residual:50s} {rope}")
     return "\n".join(lines)
 
 
 # Architectures whose form the sweep must find (what each stands for): silu, tanh GELU, the concatenated
 # projection, the one-tensor rotary function, a shared expert beside fused experts; rope kept for GLM's
-# interleaved pairs and GPT-J's signature.
+# interleaved pairs and GPT-J's signature; the residual add fused into the pre-norm layer's second norm (Phi-3's
+# through its dropout), into Gemma 2's pre-feedforward norm (sandwich norms), and nowhere in OLMo-2's post-norm
+# layers.
 EXPECTED = {
-    "llama": dict(activations=["silu"], rope=1),
+    "llama": dict(activations=["silu"], rope=1, residual=["post_attention_layernorm"]),
     "gemma": dict(activations=["gelu_tanh"], rope=1),
-    "phi3": dict(concatenated=True, rope=1),
+    "phi3": dict(concatenated=True, rope=1, residual=["post_attention_layernorm"]),
+    "qwen3": dict(residual=["post_attention_layernorm"], residual_layers=2),
+    "gemma2": dict(residual=["pre_feedforward_layernorm"]),
+    "gemma3_text": dict(residual=["pre_feedforward_layernorm"]),
+    "olmo2": dict(residual=[]),
     "gemma4_text": dict(activations=["gelu_tanh"], rope=1),  # the one-tensor apply_rotary_pos_emb(x, cos, sin)
     "qwen2_moe": dict(fused_experts=True, rope=1),
     "glm": dict(rope=0),
@@ -288,6 +302,183 @@ def test_mlp_of_another_computation_is_left_alone():
 
     swap, refusal, note = _hf_layers.probe_gated_mlp(Reordered(), "mlp")
     assert swap is None and refusal is None and "not down(act(gate(x)) * up(x))" in note
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fused residual adds
+
+
+def _fused_calls(monkeypatch):
+    """The dtypes of every fused add-norm call (an RMSNorm called with a residual) from now on."""
+    calls = []
+    forward = logitless.nn.RMSNorm.forward
+
+    def counting(self, x, residual=None):
+        if residual is not None:
+            calls.append(x.dtype)
+        return forward(self, x, residual)
+
+    monkeypatch.setattr(logitless.nn.RMSNorm, "forward", counting)
+    return calls
+
+
+def _llama_run(model, **extra):
+    ids, _, labels = zoo.batch()
+    return _loss_and_grads(model, input_ids=ids, labels=labels, **extra)
+
+
+def test_fused_residual_runs_fused_and_only_when_on(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    calls = _fused_calls(monkeypatch)
+    model = _llama()
+    want = _llama_run(copy.deepcopy(model))
+    logitless.patch(model)
+    layers = model.config.num_hidden_layers
+    calls.clear()
+    _close(_llama_run(model), want)
+    assert calls == [torch.float32] * layers
+    text = logitless.hf.describe(model)
+    assert text.count("LlamaDecoderLayer forward -> residual add fused into post_attention_layernorm") == layers
+    # The rewritten forward lives in closures: nothing was added to the modeling module.
+    assert not [name for name in vars(modeling_llama) if "logitless" in name]
+    copied = copy.deepcopy(model)  # the copy's layers run their own forward
+    assert copied.model.layers[0].forward.__self__ is copied.model.layers[0]
+    logitless.patch(model, fused_residual=False)
+    calls.clear()
+    _close(_llama_run(model), want)
+    assert calls == [] and "residual add fused" not in logitless.hf.describe(model)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+
+
+def test_fused_residual_under_autocast_with_float32_weights(monkeypatch):
+    """float32 master weights under bfloat16 autocast: a float32 residual plus a bfloat16 attention output, summed in
+    float32 as torch sums them; the same bits as the unfused patch."""
+    calls = _fused_calls(monkeypatch)
+    model = _llama()
+    unfused = logitless.patch(copy.deepcopy(model), fused_residual=False)
+    logitless.patch(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _llama_run(unfused)
+        calls.clear()
+        got = _llama_run(model)
+    assert calls == [torch.float32] * model.config.num_hidden_layers
+    assert torch.equal(got[0], want[0])
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g, rtol=1e-5, atol=1e-7)
+
+
+def _checkpointing(model):
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # the later 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def test_fused_residual_with_activation_checkpointing(monkeypatch):
+    """The layers' checkpointing wrapper still applies (transformers wraps the class's forward, whose wrappers the
+    patched forward reuses): every layer runs twice, and the gradients are the unpatched model's."""
+    calls = _fused_calls(monkeypatch)
+    model = _llama()
+    want = _llama_run(copy.deepcopy(model))
+    logitless.patch(model)
+    _checkpointing(model)
+    calls.clear()
+    _close(_llama_run(model), want)
+    assert len(calls) == 2 * model.config.num_hidden_layers
+
+
+def test_fused_residual_after_the_layer_class_changed(monkeypatch):
+    """FSDP2's fully_shard swaps a layer's class for a subclass of it (which transformers wraps again for
+    checkpointing): the patched forward follows the new class's wrappers, checkpointing included."""
+    calls = _fused_calls(monkeypatch)
+    model = _llama()
+    want = _llama_run(copy.deepcopy(model))
+    logitless.patch(model)
+    for layer in model.model.layers:
+        layer.__class__ = type(f"Sharded{type(layer).__name__}", (type(layer),), {})
+    calls.clear()
+    _close(_llama_run(model), want)
+    assert len(calls) == model.config.num_hidden_layers
+    _checkpointing(model)
+    calls.clear()
+    _close(_llama_run(model), want)
+    assert len(calls) == 2 * model.config.num_hidden_layers
+
+
+def test_fused_residual_runs_unfused_where_the_norm_has_a_hook(monkeypatch):
+    calls = _fused_calls(monkeypatch)
+    model = _llama()
+    want = _llama_run(copy.deepcopy(model))
+    logitless.patch(model)
+    seen = []
+    model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda m, a, out: seen.append(type(out)))
+    calls.clear()
+    _close(_llama_run(model), want)
+    assert seen == [torch.Tensor] and len(calls) == model.config.num_hidden_layers - 1
+
+
+def test_fused_residual_probe_failure_refuses_and_leaves_the_model(monkeypatch):
+    model = _llama()
+    before = _snapshot(model)
+    monkeypatch.setattr(_hf_layers, "_probe_add_norm", lambda original, replacement: "a test's reason")
+    with pytest.raises(PatchRefused, match="a test's reason; pass fused_residual=False"):
+        logitless.patch(model)
+    _assert_same(_snapshot(model), before)
+    logitless.patch(model, fused_residual=False)
+    assert "residual add fused" not in logitless.hf.describe(model)
+
+
+class _Toy(torch.nn.Module):
+    """A pre-norm block written otherwise than transformers writes it: other names, the add inside a branch."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.norm_a, self.norm_b = logitless.nn.RMSNorm(width), logitless.nn.RMSNorm(width)
+        with torch.no_grad():
+            self.norm_b.weight.normal_(1.0, 0.2)
+
+    def forward(self, x, twice: bool = True):
+        skip = x
+        y = self.first(self.norm_a(x))
+        if twice:
+            y = self.second(y) + skip
+            skip = y
+            y = self.norm_b(y)
+        return skip + y
+
+
+class _Private(_Toy):
+    def forward(self, x):
+        skip = x
+        y = self.__scaled(x)
+        y = skip + y
+        skip = y
+        y = self.norm_b(y)
+        return y
+
+    def __scaled(self, x):
+        return x * 2
+
+
+def test_fused_residual_rewrite_by_structure():
+    toy = _Toy()
+    forward, fused, why = _hf_layers._rewritten(_Toy.forward, frozenset({"norm_a", "norm_b"}))
+    assert fused == ("norm_b",) and why is None
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    for twice in (True, False):
+        want = toy(x, twice)
+        got = forward(toy, x, twice=twice)
+        assert torch.equal(got, want)
+        (gx,) = torch.autograd.grad(got.sum(), x)
+        (wx,) = torch.autograd.grad(want.sum(), x)
+        torch.testing.assert_close(gx, wx)
+    # Only the norms the patch replaced are fused; a layer that uses name-mangled names is left alone.
+    assert _hf_layers._rewritten(_Toy.forward, frozenset({"norm_a"}))[:2] == (None, ())
+    forward, fused, why = _hf_layers._rewritten(_Private.forward, frozenset({"norm_b"}))
+    assert forward is None and "private" in why
 
 
 if __name__ == "__main__":

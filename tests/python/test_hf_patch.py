@@ -146,6 +146,27 @@ def test_every_rms_norm_is_replaced_with_the_right_variant(arch):
         assert isinstance(model.model.layers[0].self_attn.k_norm, RMSNorm)
 
 
+# The norm each architecture's layers fuse their residual add into: the second of a pre-norm layer, Gemma 2 and 3's
+# pre-feedforward norm (their attention output is normalized before the add, the sum only before the MLP).
+FUSED_INTO = dict(llama="post_attention_layernorm", mistral="post_attention_layernorm",
+                  qwen2="post_attention_layernorm", qwen3="post_attention_layernorm",
+                  gemma2="pre_feedforward_layernorm", gemma3="pre_feedforward_layernorm")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_residual_sites(arch):
+    model = logitless.patch(_model(arch))
+    lines = [line for line in logitless.hf.describe(model).splitlines() if "residual add fused" in line]
+    assert lines == [f"model.layers.{i}: {type(model.model.layers[i]).__name__} forward -> residual add fused into "
+                     f"{FUSED_INTO[arch]} (rms_norm with residual=)" for i in range(len(model.model.layers))]
+    assert all("forward" in layer.__dict__ for layer in model.model.layers)
+    logitless.unpatch(model)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    # Without the norms replaced there is nothing to fuse into.
+    logitless.patch(model, rms_norm=False)
+    assert "residual add fused" not in logitless.hf.describe(model)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_rms_norm_only_and_cross_entropy_only(arch):
     ids, mask, labels = _batch()
@@ -650,8 +671,9 @@ _OUTCOMES = {}
 
 
 def _outcome(model_type, class_name):
-    """("patched", RMSNorm sites replaced, the loss as describe() puts it), ("refused", reasons) or ("skipped",
-    reason), each patched model checked against the unpatched one on the way. Cached: the coverage test reuses them."""
+    """("patched", RMSNorm sites replaced, the loss as describe() puts it, layers with a fused residual add),
+    ("refused", reasons) or ("skipped", reason), each patched model checked against the unpatched one on the way.
+    Cached: the coverage test reuses them."""
     if model_type not in _OUTCOMES:
         try:
             model = zoo.build(model_type, class_name)
@@ -723,6 +745,7 @@ def _check_entry(model):
     _assert_as_accurate(ref, inputs, got, got_grads, want, want_grads)
     described = logitless.hf.describe(model).splitlines()
     norms = sum(" -> " in line and "RMSNorm(" in line for line in described)  # not the MLP and rope lines
+    fused = sum("-> residual add fused into" in line for line in described)
     loss = next(line for line in described if line.startswith("loss: ")).split("input", 1)[1].strip(" ()")
     swaps = model.__dict__["_logitless_patch"].swaps
     logitless.unpatch(model)
@@ -739,7 +762,7 @@ def _check_entry(model):
         again = model(**inputs).loss
         torch.manual_seed(2)
         assert torch.equal(again, ref(**inputs).loss)
-    return ("patched", norms, loss)
+    return ("patched", norms, loss, fused)
 
 
 @pytest.mark.parametrize("model_type,class_name", ENTRIES, ids=[e[0] for e in ENTRIES])
@@ -760,8 +783,9 @@ def coverage_table() -> str:
     for model_type, class_name in ENTRIES:
         kind, *detail = _outcome(model_type, class_name)
         if kind == "patched":
-            norms, loss = detail
-            what = f"{norms} RMSNorm site{'s' * (norms != 1)}" + (f"; {loss}" if loss else "")
+            norms, loss, fused = detail
+            what = f"{norms} RMSNorm site{'s' * (norms != 1)}" + (f"; {fused} residual adds fused" if fused else "") \
+                + (f"; {loss}" if loss else "")
         else:
             what = " | ".join(detail[0]) if kind == "refused" else detail[0]
         lines.append(f"{model_type:28s} {class_name:44s} {kind:8s} {what}")
