@@ -8,6 +8,7 @@
 # parameters and plan.h/plan.cpp the tile choices a CPU test can check. glu, rope and rms_norm define their CUDA
 # entry points in their kernel files, next to the kernels they launch (rms_norm's shared host helpers: run.h).
 set(LOGITLESS_CXX_SOURCES
+  src/common/debug_hooks.cpp
   src/common/error.cpp
   src/common/layout.cpp
   src/common/tensor.cpp
@@ -37,6 +38,7 @@ set(LOGITLESS_CXX_SOURCES
 set(LOGITLESS_CUDA_SOURCES
   src/common/cuda/cublas.cpp
   src/common/cuda/device_info.cu
+  src/common/cuda/index_readback.cpp
   src/cross_entropy/cuda/kernels_row_resident.cu
   src/cross_entropy/cuda/kernels_streaming.cu
   src/cross_entropy/cuda/run.cu
