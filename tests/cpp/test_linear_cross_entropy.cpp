@@ -11,8 +11,8 @@
 #include <sstream>
 #include <tuple>
 
-#include "linear_cross_entropy/cuda/grad_columns.h"
 #include "linear_cross_entropy/cuda/plan.h"
+#include "linear_head/cuda/grad_columns.h"
 #if defined(LOGITLESS_WITH_CUDA)
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
 #endif
@@ -837,7 +837,7 @@ TEST(LinearCrossEntropyReference, GradientsMatchFiniteDifferences) {
 // touched: not the logits' padding, not the class weights of classes at V and beyond (the out-of-bounds read
 // of label smoothing with class weights at V = 32003), not the next slice's classes.
 TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
-  constexpr int K = lce::kGradCols;
+  constexpr int K = head::kGradCols;
   for (int64_t V : {1, 2, 3, 4, 5, 7, 8, 9, 37, 1001, 32003}) {
     // Chunk widths: whole rows, the tests' small vocabulary chunks (V / 3 + 1), and narrow ones.
     for (int64_t C : {V, V / 3 + 1, int64_t{1}, int64_t{5}, int64_t{8}, int64_t{13}}) {
@@ -859,7 +859,7 @@ TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
         for (int r = 0; r < 2; ++r)
           for (int64_t col = 0; col < width; ++col) logits[r * ld + col] = static_cast<float>(r + 1) + 0.001f * col;
         for (int64_t c = 0; c < width; c += K) {
-          const uint32_t mask = lce::grad_slot_mask(c, width);
+          const uint32_t mask = head::grad_slot_mask(c, width);
           EXPECT_EQ(__builtin_popcount(mask), std::min<int64_t>(K, width - c)) << "group at " << c;
           float colsum[K] = {0.f, 0.f, 0.f, 0.f};
           for (int r = 0; r < 2; ++r) {
@@ -892,7 +892,7 @@ TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
               return x * weight[j];
             };
             float v[K];
-            lce::grad_group_values(mask, load_full, load_one, elem, v);
+            head::grad_group_values(mask, load_full, load_one, elem, v);
             for (int k = 0; k < K; ++k)
               if (!((mask >> k) & 1u)) EXPECT_EQ(v[k], 0.f) << "slot " << k << " of the group at " << c;
             const auto store_full = [&](const float* w) {
@@ -911,9 +911,9 @@ TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
                 ++stored[v0 + c + k];
               dst[k] = w;
             };
-            lce::grad_group_store(mask, v, store_full, store_one, colsum);
+            head::grad_group_store(mask, v, store_full, store_one, colsum);
           }
-          lce::grad_group_store_sums(mask, colsum, sums.data() + c);
+          head::grad_group_store_sums(mask, colsum, sums.data() + c);
         }
         // Values: x * w in the chunk, the poison left in the padding.
         for (int64_t col = 0; col < ld; ++col) {
@@ -955,7 +955,6 @@ lce::PlanInputs llama_inputs(lce::Pass pass, int64_t n, int64_t h, int64_t v) {
   in.v = v;
   in.elem_bytes = 2;
   in.need_dx = in.need_dw = true;
-  in.ce_workspace_bytes = [](int64_t rows) { return static_cast<size_t>(256 + 4 * rows); };
   return in;
 }
 
@@ -965,7 +964,6 @@ void expect_layout_sound(const lce::Plan& p) {
   auto add = [&](size_t off, size_t bytes) {
     if (off != lce::Plan::kNone && bytes) regions.push_back({off, off + bytes});
   };
-  add(p.off_ce, p.ce_bytes);
   add(p.off_cublas, p.cublas_bytes);
   std::sort(regions.begin(), regions.end());
   for (size_t i = 0; i < regions.size(); ++i) {
@@ -1088,7 +1086,6 @@ TEST(LinearCrossEntropyPlan, ForwardAndBackward) {
   lce::Plan f = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForward, 8192, 4096, 128256));
   EXPECT_EQ(f.chunk_rows, 1024);
   EXPECT_EQ(f.off_dlogits, lce::Plan::kNone);
-  EXPECT_EQ(f.ce_bytes, size_t{256 + 4 * 1024});
   expect_layout_sound(f);
   // Backward: vocabulary chunks of 512 MiB / (6 bytes x 8192 tokens) = 10922 -> 10880 columns; grad_hidden
   // sums over 12 chunks in float32.
@@ -1113,7 +1110,6 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   lce::Plan f = lce::plan_linear_cross_entropy(in);
   EXPECT_EQ(f.kernel, lce::Kernel::kHopperFused);
   EXPECT_EQ(f.off_logits, lce::Plan::kNone);
-  EXPECT_EQ(f.ce_bytes, 0u);
   EXPECT_EQ(f.chunk_rows, 8192);
   EXPECT_NE(f.off_partials, lce::Plan::kNone);
   EXPECT_GE(f.bytes - f.off_partials, size_t{8192} * 501 * 16);
@@ -1139,7 +1135,6 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   EXPECT_EQ(g.group_rows, 8192);
   EXPECT_FALSE(g.dw_accumulator);
   EXPECT_EQ(g.off_logits, lce::Plan::kNone);
-  EXPECT_EQ(g.ce_bytes, 0u);
   for (size_t off :
        {g.off_partials, g.off_dlogits, g.off_shift, g.off_row_scale, g.off_fixups, g.off_scaled_hidden, g.off_dx_rows})
     EXPECT_NE(off, lce::Plan::kNone);

@@ -996,7 +996,6 @@ lce::PlanInputs step_inputs(int64_t n, int64_t h, int64_t v, int64_t chunk) {
   in.elem_bytes = 2;
   in.need_dx = in.need_dw = true;
   in.chunk_tokens = chunk;
-  in.ce_workspace_bytes = [](int64_t rows) { return static_cast<size_t>(256 + 4 * rows); };
   return in;
 }
 

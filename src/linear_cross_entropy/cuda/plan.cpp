@@ -25,19 +25,6 @@ int64_t fit_chunk(size_t bytes, int64_t per_item) {
   return n >= 64 ? n / 64 * 64 : std::max<int64_t>(n, 1);
 }
 
-class Layout {
- public:
-  size_t add(size_t bytes) {
-    const size_t at = end_;
-    end_ += (bytes + 255) / 256 * 256;
-    return at;
-  }
-  size_t end() const { return end_; }
-
- private:
-  size_t end_ = 0;
-};
-
 }  // namespace
 
 int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens, size_t memory_budget) {
@@ -175,7 +162,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (in.need_db) p.db_partial_rows = ceil_div(tokens, kGradRowsPerBlock);
   }
 
-  Layout L;
+  head::WorkspaceLayout L;
   p.off_scalars = L.add(256);
   p.off_targets = L.add(static_cast<size_t>(N) * 8);
   if (in.pass != Pass::kBackward && !in.reduction_none) {
@@ -183,10 +170,6 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (in.z_rows) p.off_row_z = L.add(static_cast<size_t>(N) * 4);
   }
   if (in.pass == Pass::kForwardBackward) p.off_lse = L.add(static_cast<size_t>(N) * 4);
-  if (in.pass != Pass::kBackward && !fused) {  // the fused path's row kernel needs no scratch
-    p.ce_bytes = in.ce_workspace_bytes ? in.ce_workspace_bytes(p.chunk_rows) : 0;
-    if (p.ce_bytes) p.off_ce = L.add(p.ce_bytes);
-  }
   if (N > 0) {
     p.cublas_bytes = in.cublas_workspace_bytes;
     if (p.cublas_bytes) p.off_cublas = L.add(p.cublas_bytes);
@@ -224,7 +207,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       }
     }
   }
-  p.bytes = L.end();
+  p.bytes = L.bytes();
   return p;
 }
 

@@ -4,7 +4,8 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
+
+#include "linear_head/cuda/plan.h"
 
 namespace logitless::lce {
 
@@ -22,10 +23,8 @@ enum class Kernel : int32_t { kCublasChunked = 0, kHopperFused = 1 };
 
 enum class Pass : int32_t { kForward = 0, kForwardBackward = 1, kBackward = 2 };
 
-// Rows per CTA of the gradient kernel (cuda/kernels.cu): its bias-gradient partial sums are one float32 row
-// of the chunk's width per 32 rows, small enough to keep (a 256-token chunk of V=128256: 4 MB) while a
-// 256-token chunk still gives 8 CTAs per 1024 columns, about 1000 CTAs at V=128256.
-inline constexpr int64_t kGradRowsPerBlock = 32;
+using head::cublas_workspace_for;
+using head::kGradRowsPerBlock;
 
 // Columns of one tile of the fused Hopper GEMM: its forward writes 4 floats of statistics per token and tile.
 inline constexpr int64_t kFusedTileCols = 256;
@@ -51,9 +50,6 @@ struct PlanInputs {
   int64_t chunk_vocab = 0;
   size_t memory_budget = size_t{512} << 20;
   size_t cublas_workspace_bytes = size_t{32} << 20;
-  // Scratch of one cross-entropy forward call over `rows` rows of float32 logits (the cross-entropy family's
-  // own workspace query; a function here so that this file needs no CUDA).
-  std::function<size_t(int64_t rows)> ce_workspace_bytes;
 };
 
 struct Plan {
@@ -74,15 +70,13 @@ struct Plan {
 
   // Workspace layout: byte offsets (256-aligned); kNone where a region is absent.
   static constexpr size_t kNone = ~size_t{0};
-  size_t off_scalars = kNone;   // Scalars (cuda/params.h)
+  size_t off_scalars = kNone;   // Scalars (cuda/params.h): the call's, and the chunks' row steps' behind them
   size_t off_targets = kNone;   // int64 [N]: the targets, contiguous
   size_t off_row_loss = kNone;  // float32 [N]: per-token losses before the reduction
   size_t off_row_z = kNone;     // float32 [N]: their z-loss terms (PlanInputs::z_rows)
   size_t off_lse = kNone;       // float32 [N]: the gradient pass's lse when the caller asks for none (always
                                 // reserved: the workspace queries do not see the lse argument)
-  size_t off_ce = kNone;        // the cross-entropy call's own workspace
-  size_t ce_bytes = 0;
-  size_t off_cublas = kNone;  // cuBLAS's workspace
+  size_t off_cublas = kNone;    // cuBLAS's workspace
   size_t cublas_bytes = 0;
   size_t off_hidden = kNone;  // [N, H] contiguous copy of hidden
   size_t off_logits = kNone;  // float32 logits chunk (steps: two slots, slot_bytes apart)
@@ -116,8 +110,5 @@ inline constexpr double kFlopsPerByte = 250.0;  // an H100's bf16 GEMM rate over
 // The token chunk of the vocabulary-parallel steps: `chunk_tokens` when > 0, else a quarter of the budget over a
 // float32 logits row of the widest shard (the two slots take half of it), in multiples of 128, at most n (>= 1).
 int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens, size_t memory_budget);
-
-// cuBLAS's recommended workspace: 32 MiB on Hopper and later, 4 MiB before.
-inline size_t cublas_workspace_for(int sm_major) { return sm_major >= 9 ? size_t{32} << 20 : size_t{4} << 20; }
 
 }  // namespace logitless::lce

@@ -5,23 +5,6 @@
 #include "linear_cross_entropy/cuda/plan.h"
 
 namespace logitless::lpl {
-namespace {
-
-class Layout {
- public:
-  size_t add(size_t bytes) {
-    const size_t at = end_;
-    end_ += (bytes + 255) / 256 * 256;
-    return at;
-  }
-  size_t end() const { return end_; }
-
- private:
-  size_t end_ = 0;
-};
-
-}  // namespace
-
 Plan plan_linear_policy_loss(const PlanInputs& in) {
   lce::PlanInputs q;
   q.pass = in.grads ? lce::Pass::kForwardBackward : lce::Pass::kForward;
@@ -52,9 +35,10 @@ Plan plan_linear_policy_loss(const PlanInputs& in) {
     p.group_rows = p.dlogits_in_place ? p.chunk_rows : std::max(p.group_rows / Lg * Lg, p.chunk_rows);
   }
   p.dw_accumulator = in.grads && in.need_dw && !in.grad_weight_f32 && p.group_rows < in.rows;
-  if (in.grads && in.need_db) p.db_partial_rows = (p.chunk_rows + lce::kGradRowsPerBlock - 1) / lce::kGradRowsPerBlock;
+  if (in.grads && in.need_db)
+    p.db_partial_rows = (p.chunk_rows + head::kGradRowsPerBlock - 1) / head::kGradRowsPerBlock;
 
-  Layout L;
+  head::WorkspaceLayout L;
   const size_t nt = static_cast<size_t>(std::max<int64_t>(in.tokens, 0));
   if (in.steps_bytes) {
     p.steps_bytes = in.steps_bytes;
@@ -77,7 +61,7 @@ Plan plan_linear_policy_loss(const PlanInputs& in) {
       }
     }
   }
-  p.bytes = L.end();
+  p.bytes = L.bytes();
   return p;
 }
 
