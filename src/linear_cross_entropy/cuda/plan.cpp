@@ -162,53 +162,56 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (in.need_db) p.db_partial_rows = ceil_div(tokens, kGradRowsPerBlock);
   }
 
+  p.stats_row = stats_row;
+  p.exp_shared_row = exp_shared_row;
+  if (in.steps && !fused) p.slot_bytes = round_up(static_cast<int64_t>(p.chunk_rows * p.ld_logits * 4), 256);
+  Buffers b;
   head::WorkspaceLayout L;
-  p.off_scalars = L.add(256);
-  p.off_targets = L.add(static_cast<size_t>(N) * 8);
-  if (in.pass != Pass::kBackward && !in.reduction_none) {
-    p.off_row_loss = L.add(static_cast<size_t>(N) * 4);
-    if (in.z_rows) p.off_row_z = L.add(static_cast<size_t>(N) * 4);
-  }
-  if (in.pass == Pass::kForwardBackward) p.off_lse = L.add(static_cast<size_t>(N) * 4);
-  if (N > 0) {
-    p.cublas_bytes = in.cublas_workspace_bytes;
-    if (p.cublas_bytes) p.off_cublas = L.add(p.cublas_bytes);
-    if (in.copy_hidden) p.off_hidden = L.add(static_cast<size_t>(N * H * es));
-    if (in.pass == Pass::kBackward) {
-      if (!fused) p.off_logits = L.add(static_cast<size_t>(N * p.ld_logits * 4));
-      if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(N * p.ld_dlogits * es));
-      if (p.dx_accumulator) p.off_dx = L.add(static_cast<size_t>(N * H * 4));
-      if (in.need_db) p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
-    } else {
-      if (fused && !exp_form) p.off_partials = L.add(static_cast<size_t>(p.chunk_rows * stats_row));
-      p.slot_bytes = static_cast<size_t>(p.chunk_rows * p.ld_logits * 4);
-      if (!fused) p.off_logits = L.add(p.slot_bytes);
-      if (in.steps) {
-        p.slot_bytes = (p.slot_bytes + 255) / 256 * 256;
-        L.add(p.slot_bytes);  // the second slot, right after the first
-      }
-      if (grads) {
-        if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(p.group_rows * p.ld_dlogits * es));
-        if (fused) {
-          const auto G = static_cast<size_t>(p.group_rows);
-          p.off_shift = L.add(G * 4);
-          p.off_row_scale = L.add(G * 4);
-          p.off_fixups = L.add((G + 1) * 4);
-          const size_t shared = L.add(G * static_cast<size_t>(exp_shared_row));
-          p.off_partials = shared;
-          if (in.need_dw) p.off_scaled_hidden = shared;
-          if (in.need_dx && !in.grad_hidden_f32) p.off_dx_rows = shared;
-        }
-        if (p.dw_accumulator) p.off_dw = L.add(static_cast<size_t>(V * H * 4));
-        if (in.need_db) {
-          p.off_db = L.add(static_cast<size_t>(V * 4));
-          p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
-        }
-      }
-    }
-  }
+  declare_workspace(in, p, L, &b);
   p.bytes = L.bytes();
   return p;
+}
+
+void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b) {
+  const auto N = static_cast<size_t>(std::max<int64_t>(in.n, 0)), H = static_cast<size_t>(in.h);
+  const auto V = static_cast<size_t>(in.v), es = static_cast<size_t>(in.elem_bytes);
+  const bool grads = in.pass != Pass::kForward, fused = p.kernel == Kernel::kHopperFused;
+  const bool backward = in.pass == Pass::kBackward, exp_form = fused && in.pass == Pass::kForwardBackward;
+  LossBuffers& l = b->loss;
+  L.add(&l.scalars, 256);
+  L.add(&l.targets, N * 8);
+  if (!backward && !in.reduction_none) {
+    L.add(&l.row_loss, N * 4);
+    if (in.z_rows) L.add(&l.row_z, N * 4);
+  }
+  if (in.pass == Pass::kForwardBackward) L.add(&l.lse, N * 4);
+  if (N == 0) return;
+
+  // The engine's stage: backward over vocabulary chunks of every token, otherwise token chunks and groups.
+  const auto ld = static_cast<size_t>(p.ld_logits), ldd = static_cast<size_t>(p.ld_dlogits);
+  const size_t rows = backward ? N : static_cast<size_t>(p.chunk_rows);
+  const size_t grad_rows = backward ? N : static_cast<size_t>(p.group_rows);
+  head::HeadBytes h;
+  h.cublas = in.cublas_workspace_bytes;
+  h.hidden = in.copy_hidden ? N * H * es : 0;
+  h.logits = fused ? 0 : in.steps ? 2 * p.slot_bytes : rows * ld * 4;
+  h.dlogits = grads && !p.dlogits_in_place ? grad_rows * ldd * es : 0;
+  h.dw_acc = p.dw_accumulator ? V * H * 4 : 0;
+  h.dx_acc = p.dx_accumulator ? N * H * 4 : 0;
+  h.db = grads && !backward && in.need_db ? V * 4 : 0;
+  h.db_partial = grads && in.need_db ? static_cast<size_t>(p.db_partial_rows) * ld * 4 : 0;
+  b->head.declare(L, h);
+
+  FusedBuffers& f = b->fused;
+  if (fused && !grads) L.add(&f.partials, rows * static_cast<size_t>(p.stats_row));
+  if (!exp_form) return;
+  const auto G = static_cast<size_t>(p.group_rows);
+  L.add(&f.shift, G * 4);
+  L.add(&f.row_scale, G * 4);
+  L.add(&f.fixups, (G + 1) * 4);
+  const size_t shared = L.add(&f.partials, G * static_cast<size_t>(p.exp_shared_row));
+  if (in.need_dw) L.alias(&f.scaled_hidden, shared);
+  if (in.need_dx && !in.grad_hidden_f32) L.alias(&f.dx_rows, shared);
 }
 
 // Both schedules do the same three GEMMs' work and differ in what they add to it (N·V logits, V·H weight):

@@ -41,10 +41,6 @@ namespace hooks = ::logitless::debug;  // the registry (common/debug_hooks.h), n
 using head::Engine;
 using hooks::Hook;
 
-// The per-row scalars of the chunks' cross-entropy steps (divisors 1: they reduce nothing) sit in the scalars'
-// region behind the call's own.
-constexpr size_t kRowScalarsAt = 128;
-
 thread_local Kernel t_last_kernel = Kernel::kCublasChunked;
 
 Pass pass_of(Mode m) {
@@ -133,15 +129,10 @@ struct Run {
   const Problem& p;
   const Plan& plan;
   const Engine& e;
-  char* ws;
+  const Buffers& b;
   ce::Scalars* scalars = nullptr;
   ce::Scalars* row_scalars = nullptr;
   int64_t* targets = nullptr;
-
-  template <typename T>
-  T* at(size_t off) const {
-    return off == Plan::kNone ? nullptr : reinterpret_cast<T*>(ws + off);
-  }
   int sm_count() const { return e.sm_count(); }
   cudaStream_t stream() const { return e.stream(); }
 
@@ -194,7 +185,7 @@ struct Run {
   }
 
   // The z-loss terms of tokens [r0, r0 + rows): a float32 view of the plan's region, or none.
-  float* z_rows(int64_t r0) const { return plan.off_row_z == Plan::kNone ? nullptr : at<float>(plan.off_row_z) + r0; }
+  float* z_rows(int64_t r0) const { return b.loss.row_z ? b.loss.row_z + r0 : nullptr; }
 
   bool fused() const { return plan.kernel == Kernel::kHopperFused; }
 
@@ -221,7 +212,7 @@ struct Run {
   // The fused forward of a token chunk: tile statistics in the GEMM's epilogue, then the rows' loss and lse.
   void fused_row_stats(int64_t r0, int64_t rows, float* loss_rows, float* lse_rows) const {
     FusedGemmParams f = fused_params(r0, rows, 0, p.vocab);
-    f.partials = at<float>(plan.off_partials);
+    f.partials = b.fused.partials;
     launch_fused_stats(f, sm_count(), stream());
     launch_finish_rows(f.partials, rows, (p.vocab + kFusedTileCols - 1) / kFusedTileCols, targets + r0, nullptr, f.ce,
                        scalars, loss_rows, lse_rows, z_rows(r0), sm_count(), stream());
@@ -245,12 +236,12 @@ struct Run {
     x.upstream = p.grad_scale && p.grad_scale_per_row ? p.grad_scale + g0 : p.grad_scale;
     x.upstream_per_row = p.grad_scale_per_row;
     x.lse = lse + g0;
-    x.shift = at<float>(plan.off_shift);
-    x.scale = at<float>(plan.off_row_scale);
-    x.e = at<void>(plan.off_dlogits);
+    x.shift = b.fused.shift;
+    x.scale = b.fused.row_scale;
+    x.e = b.head.dlogits;
     x.ld_e = plan.ld_dlogits;
-    x.xs = at<void>(plan.off_scaled_hidden);
-    x.fixups = at<int>(plan.off_fixups);
+    x.xs = b.fused.scaled_hidden;
+    x.fixups = b.fused.fixups;
     x.force_fixups = hooks::hook(Hook::kLceExpFixupAll) ? 1 : 0;
     return x;
   }
@@ -260,14 +251,14 @@ struct Run {
   void fused_forward_backward() const {
     const int64_t N = p.n_tokens, H = p.hidden, V = p.vocab, G = plan.group_rows;
     const int64_t tiles = (V + kFusedTileCols - 1) / kFusedTileCols;
-    float* lse = p.lse ? p.lse : at<float>(plan.off_lse);
-    float* dw_acc = at<float>(plan.off_dw);
+    float* lse = p.lse ? p.lse : b.loss.lse;
+    float* dw_acc = b.head.dw_acc;
     for (int64_t g0 = 0; g0 < N; g0 += G) {
       const int64_t rows = std::min(G, N - g0);
       const ExpGradParams x = exp_params(g0, rows, lse);
       launch_target_shift(x, sm_count(), stream());
       FusedGemmParams f = fused_params(g0, rows, 0, V);
-      f.partials = at<float>(plan.off_partials);
+      f.partials = b.fused.partials;
       f.shift = x.shift;
       f.dlogits = x.e;
       f.ld_dlogits = x.ld_e;
@@ -283,8 +274,7 @@ struct Run {
       }
       if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W): float32 rows, scaled on the way out (in place if float32)
         const head::Matrix dx = mat(p.grad_hidden).rows_from(g0);
-        const head::Matrix y =
-            dx.dtype == DType::kFloat32 ? dx : head::Matrix{at<float>(plan.off_dx_rows), DType::kFloat32, H};
+        const head::Matrix y = dx.dtype == DType::kFloat32 ? dx : head::Matrix{b.fused.dx_rows, DType::kFloat32, H};
         e.grad_hidden_gemm(x.e, x.ld_e, rows, 0, V, y, false);
         head::launch_cast(static_cast<const float*>(y.data), y.ld, rows, H, dx.data, dx.dtype, dx.ld, 1, sm_count(),
                           stream(), x.scale);
@@ -334,25 +324,25 @@ struct Run {
 
   void reduce_loss() const {
     if (p.options.reduction != Reduction::kNone)
-      head::launch_reduce_loss(at<float>(plan.off_row_loss), z_rows(0), p.n_tokens, scalars, p.loss, stream());
+      head::launch_reduce_loss(b.loss.row_loss, z_rows(0), p.n_tokens, scalars, p.loss, stream());
   }
 
   float* loss_rows(int64_t r0) const {
-    return p.options.reduction == Reduction::kNone ? p.loss + r0 : at<float>(plan.off_row_loss) + r0;
+    return p.options.reduction == Reduction::kNone ? p.loss + r0 : b.loss.row_loss + r0;
   }
 
   head::SweepBuffers sweep_buffers(float* logits) const {
-    head::SweepBuffers b;
-    b.chunk_rows = plan.chunk_rows;
-    b.group_rows = plan.group_rows;
-    b.logits = logits;
-    b.ld_logits = plan.ld_logits;
-    b.dlogits = plan.dlogits_in_place ? nullptr : at<void>(plan.off_dlogits);
-    b.ld_dlogits = plan.ld_dlogits;
-    b.dw_acc = at<float>(plan.off_dw);
-    b.db = at<float>(plan.off_db);
-    b.db_partial = at<float>(plan.off_db_partial);
-    return b;
+    head::SweepBuffers s;
+    s.chunk_rows = plan.chunk_rows;
+    s.group_rows = plan.group_rows;
+    s.logits = logits;
+    s.ld_logits = plan.ld_logits;
+    s.dlogits = b.head.dlogits;  // nullptr when in place
+    s.ld_dlogits = plan.ld_dlogits;
+    s.dw_acc = b.head.dw_acc;
+    s.db = b.head.db;
+    s.db_partial = b.head.db_partial;
+    return s;
   }
 
   void forward() const {
@@ -363,30 +353,32 @@ struct Run {
       }
     } else {
       CrossEntropyRows loss{{}, *this, p.lse};
-      head::sweep(e, sweep_buffers(at<float>(plan.off_logits)), loss, false);
+      head::sweep(e, sweep_buffers(b.head.logits), loss, false);
     }
     reduce_loss();
   }
 
   void forward_backward() const {
     if (fused()) return fused_forward_backward();
-    CrossEntropyRows loss{{}, *this, p.lse ? p.lse : at<float>(plan.off_lse)};
-    head::sweep(e, sweep_buffers(at<float>(plan.off_logits)), loss, true);
+    CrossEntropyRows loss{{}, *this, p.lse ? p.lse : b.loss.lse};
+    head::sweep(e, sweep_buffers(b.head.logits), loss, true);
     reduce_loss();
   }
 
   // A shard's partial statistics of every token (the recompute schedule's forward).
   void partials() const {
     ShardPartialRows loss{{}, *this, p.partials};
-    head::sweep(e, sweep_buffers(at<float>(plan.off_logits)), loss, false);
+    head::sweep(e, sweep_buffers(b.head.logits), loss, false);
   }
 
   // The steps' logits slot of chunk k.
-  float* slot(int64_t k) const { return reinterpret_cast<float*>(ws + plan.off_logits + (k % 2) * plan.slot_bytes); }
+  float* slot(int64_t k) const {
+    return reinterpret_cast<float*>(reinterpret_cast<char*>(b.head.logits) + (k % 2) * plan.slot_bytes);
+  }
 
   void step_logits() const {
     const int64_t k = p.step_chunk, S = plan.chunk_rows, r0 = k * S, rows = std::min(S, p.n_tokens - r0);
-    float* db = at<float>(plan.off_db);
+    float* db = b.head.db;
     if (k == 0 && db) e.clear(db, p.vocab);
     e.logits(slot(k), plan.ld_logits, r0, rows, 0, p.vocab);
     ce_rows(ce::Mode::kPartials, slot(k), plan.ld_logits, r0, rows, nullptr, nullptr, p.partials);
@@ -397,16 +389,16 @@ struct Run {
     const int64_t N = p.n_tokens, S = plan.chunk_rows, G = plan.group_rows;
     const int64_t k = p.step_chunk, r0 = k * S, rows = std::min(S, N - r0);
     const int64_t g0 = r0 / G * G, grows = std::min(G, N - g0);  // the group: whole chunks
-    const head::SweepBuffers b = sweep_buffers(slot(k));         // in place: G = S
-    float* lse = p.lse ? p.lse : at<float>(plan.off_lse);
+    const head::SweepBuffers s = sweep_buffers(slot(k));         // in place: G = S
+    float* lse = p.lse ? p.lse : b.loss.lse;
     shard_finalize(p.partials_in, r0, rows, loss_rows(r0), lse + r0);
-    void* dz = b.dlogits ? static_cast<char*>(b.dlogits) + (r0 - g0) * b.ld_dlogits * dtype_size(p.dtype)
-                         : static_cast<void*>(b.logits);
-    chunk_grad(b.logits, b.ld_logits, r0, rows, dz, b.ld_dlogits, b.db ? b.db_partial : nullptr, lse, false);
-    if (b.db) e.bias_sums(b.db_partial, rows, b.ld_logits, b.db);
-    if (r0 + rows == g0 + grows) e.group_gemms(b.dlogits ? b.dlogits : b.logits, b.ld_dlogits, g0, grows, b.dw_acc);
+    void* dz = s.dlogits ? static_cast<char*>(s.dlogits) + (r0 - g0) * s.ld_dlogits * dtype_size(p.dtype)
+                         : static_cast<void*>(s.logits);
+    chunk_grad(s.logits, s.ld_logits, r0, rows, dz, s.ld_dlogits, s.db ? s.db_partial : nullptr, lse, false);
+    if (s.db) e.bias_sums(s.db_partial, rows, s.ld_logits, s.db);
+    if (r0 + rows == g0 + grows) e.group_gemms(s.dlogits ? s.dlogits : s.logits, s.ld_dlogits, g0, grows, s.dw_acc);
     if (r0 + rows == N) {  // the last chunk: the gradients and the loss are complete
-      e.finish(b.dw_acc, b.db);
+      e.finish(s.dw_acc, s.db);
       reduce_loss();
     }
   }
@@ -414,9 +406,9 @@ struct Run {
   // Vocabulary chunks over every token: dZ_v, then dX (+)= dZ_v W_v and dW_v = dZ_vᵀ X.
   void backward() const {
     const int64_t N = p.n_tokens, H = p.hidden, V = p.vocab, C = plan.vocab_cols;
-    float* z = at<float>(plan.off_logits);
-    void* dz = plan.dlogits_in_place ? static_cast<void*>(z) : at<void>(plan.off_dlogits);
-    float* dx_acc = at<float>(plan.off_dx);
+    float* z = b.head.logits;
+    void* dz = b.head.dlogits ? b.head.dlogits : static_cast<void*>(z);
+    float* dx_acc = b.head.dx_acc;
     const head::Matrix dx = dx_acc ? head::Matrix{dx_acc, DType::kFloat32, H} : mat(p.grad_hidden);
     GradParams g = grad_params();
     g.upstream = p.grad_scale;
@@ -427,7 +419,7 @@ struct Run {
     g.ld_logits = plan.ld_logits;
     g.dlogits = dz;
     g.ld_dlogits = plan.ld_dlogits;
-    g.db_partial = p.grad_bias ? at<float>(plan.off_db_partial) : nullptr;
+    g.db_partial = p.grad_bias ? b.head.db_partial : nullptr;
     g.rows = N;
     const int64_t es_gb = dtype_size(p.grad_bias_dtype);
     for (int64_t v0 = 0; v0 < V; v0 += C) {
@@ -550,23 +542,23 @@ size_t cuda_workspace_bytes(const Problem& p) {
 void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device.index);
-  const Plan plan = plan_linear_cross_entropy(plan_inputs(p));
+  const PlanInputs in = plan_inputs(p);
+  const Plan plan = plan_linear_cross_entropy(in);
   t_last_kernel = plan.kernel;
-  char* base = static_cast<char*>(ws.data);
+  Buffers b;
+  head::WorkspaceLayout layout;
+  declare_workspace(in, plan, layout, &b);
+  layout.carve(ws.data);
   head::HeadIO io = head_io(p);
-  io.x = p.hidden_data;
-  io.ldx = p.hidden_ld;
-  if (!p.hidden_uniform && p.n_tokens > 0) {  // rows without one stride: the contiguous copy in the workspace
-    io.x = base + plan.off_hidden;
-    io.ldx = p.hidden;
-  }
+  io.x = b.head.hidden ? b.head.hidden : p.hidden_data;  // rows without one stride: their contiguous copy
+  io.ldx = b.head.hidden ? p.hidden : p.hidden_ld;
   const int sm_count = device_info(p.device.index).sm_count;
-  cublasHandle_t blas = p.n_tokens > 0 ? cublas_handle(stream, base + plan.off_cublas, plan.cublas_bytes) : nullptr;
+  cublasHandle_t blas = p.n_tokens > 0 ? cublas_handle(stream, b.head.cublas, in.cublas_workspace_bytes) : nullptr;
   const Engine engine(io, blas, sm_count, stream);
-  Run r{p, plan, engine, base};
-  r.scalars = r.at<ce::Scalars>(plan.off_scalars);
-  r.row_scalars = reinterpret_cast<ce::Scalars*>(base + plan.off_scalars + kRowScalarsAt);
-  r.targets = r.at<int64_t>(plan.off_targets);
+  Run r{p, plan, engine, b};
+  r.scalars = b.loss.scalars;
+  r.row_scalars = reinterpret_cast<ce::Scalars*>(reinterpret_cast<char*>(b.loss.scalars) + kRowScalarsAt);
+  r.targets = b.loss.targets;
 
   // The steps of one sequence share the first step's prepass (and its one check) through the workspace.
   const bool later_step = is_step(p.mode) && !(p.mode == Mode::kStepLogits && p.step_chunk == 0);
@@ -576,9 +568,9 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
     if (p.mode != Mode::kBackward && p.options.check_targets && !stream_is_capturing(stream))
       readback = &IndexReadback::start(p.device.index, &r.scalars->first_bad, stream);
   }
-  if (p.n_tokens > 0 && !p.hidden_uniform && !later_step)
+  if (b.head.hidden && !later_step)
     head::launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_tokens, p.hidden, static_cast<int>(dtype_size(p.dtype)),
-                           base + plan.off_hidden, sm_count, stream);
+                           b.head.hidden, sm_count, stream);
   // Nothing the caller sees is written before this: a bad target leaves every output untouched.
   if (readback) throw_if_bad_target(p, *readback, r.targets);
   if (p.n_tokens == 0) {

@@ -11,11 +11,13 @@
 //   WorkspaceLayout L;  stage_a.declare(L, ...); stage_b.declare(L, ...);   // L.bytes(): the workspace size
 //   L.carve(ws);                                                           // every declared pointer set
 //
-// so a stage's bytes and its pointers cannot disagree, and a loss adds its own stage without touching the others.
+// so a stage's bytes and its pointers cannot disagree (the workspace query and the run declare the same way), and
+// a loss adds its own stage without touching the others. HeadBuffers below is the engine's stage.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace logitless::head {
@@ -42,26 +44,61 @@ class WorkspaceLayout {
   size_t add(T** ptr, size_t bytes) {
     if (bytes == 0) return kNone;
     const size_t at = add(bytes);
-    slots_.push_back({reinterpret_cast<void**>(ptr), at});
+    slots_.push_back({reinterpret_cast<void**>(ptr), at, bytes});
     return at;
   }
   // A pointer to a region declared before (regions that take turns share one).
   template <typename T>
   void alias(T** ptr, size_t at) {
-    if (at != kNone) slots_.push_back({reinterpret_cast<void**>(ptr), at});
+    if (at != kNone) slots_.push_back({reinterpret_cast<void**>(ptr), at, 0});
   }
   size_t bytes() const { return end_; }
+  // Every declared pointer set to its region of `ws` (address arithmetic only: a test may carve a fake base).
   void carve(void* ws) const {
-    for (const Slot& s : slots_) *s.ptr = static_cast<char*>(ws) + s.at;
+    for (const Slot& s : slots_) *s.ptr = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(ws) + s.at);
+  }
+  // The regions (offset, bytes) in declaration order, aliases left out.
+  std::vector<std::pair<size_t, size_t>> regions() const {
+    std::vector<std::pair<size_t, size_t>> r;
+    for (const Slot& s : slots_)
+      if (s.bytes) r.push_back({s.at, s.bytes});
+    return r;
   }
 
  private:
   struct Slot {
     void** ptr;
-    size_t at;
+    size_t at, bytes;
   };
   size_t end_ = 0;
   std::vector<Slot> slots_;
+};
+
+// The engine's stage (engine.h): cuBLAS's workspace, hidden's contiguous copy, the float32 logits (a chunk, the
+// steps' two slots, or a backward's vocabulary chunk), the logits' gradient in the GEMMs' dtype, and the float32
+// sums. A loss's planner sizes each region (0: absent) and declares the stage among its own.
+struct HeadBytes {
+  size_t cublas = 0, hidden = 0, logits = 0, dlogits = 0, dw_acc = 0, dx_acc = 0, db = 0, db_partial = 0;
+};
+struct HeadBuffers {
+  void* cublas = nullptr;
+  void* hidden = nullptr;
+  float* logits = nullptr;
+  void* dlogits = nullptr;
+  float* dw_acc = nullptr;  // [v, h]
+  float* dx_acc = nullptr;  // [n, h]
+  float* db = nullptr;      // [v]
+  float* db_partial = nullptr;
+  void declare(WorkspaceLayout& L, const HeadBytes& n) {
+    L.add(&cublas, n.cublas);
+    L.add(&hidden, n.hidden);
+    L.add(&logits, n.logits);
+    L.add(&dlogits, n.dlogits);
+    L.add(&dw_acc, n.dw_acc);
+    L.add(&dx_acc, n.dx_acc);
+    L.add(&db, n.db);
+    L.add(&db_partial, n.db_partial);
+  }
 };
 
 }  // namespace logitless::head

@@ -38,31 +38,33 @@ Plan plan_linear_policy_loss(const PlanInputs& in) {
   if (in.grads && in.need_db)
     p.db_partial_rows = (p.chunk_rows + head::kGradRowsPerBlock - 1) / head::kGradRowsPerBlock;
 
+  Buffers b;
   head::WorkspaceLayout L;
-  const size_t nt = static_cast<size_t>(std::max<int64_t>(in.tokens, 0));
-  if (in.steps_bytes) {
-    p.steps_bytes = in.steps_bytes;
-    p.off_steps = L.add(in.steps_bytes);
-  }
-  if (in.token_logp) p.off_logp = L.add(nt * 4);
-  if (in.token_lse) p.off_lse = L.add(nt * 4);
-  if (in.token_coeff) p.off_coeff = L.add(nt * 4);
-  if (in.rows > 0) {
-    p.cublas_bytes = in.cublas_workspace_bytes;
-    if (p.cublas_bytes) p.off_cublas = L.add(p.cublas_bytes);
-    if (in.copy_hidden) p.off_hidden = L.add(static_cast<size_t>(in.rows * in.h * in.elem_bytes));
-    p.off_logits = L.add(static_cast<size_t>(p.chunk_rows * p.ld_logits * 4));
-    if (in.grads) {
-      if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(p.group_rows * p.ld_dlogits * in.elem_bytes));
-      if (p.dw_accumulator) p.off_dw = L.add(static_cast<size_t>(in.v * in.h * 4));
-      if (in.need_db) {
-        p.off_db = L.add(static_cast<size_t>(in.v * 4));
-        p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
-      }
-    }
-  }
+  declare_workspace(in, p, L, &b);
   p.bytes = L.bytes();
   return p;
+}
+
+void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b) {
+  const size_t nt = static_cast<size_t>(std::max<int64_t>(in.tokens, 0));
+  PolicyBuffers& s = b->policy;
+  L.add(&s.steps, in.steps_bytes);
+  if (in.token_logp) L.add(&s.logp, nt * 4);
+  if (in.token_lse) L.add(&s.lse, nt * 4);
+  if (in.token_coeff) L.add(&s.coeff, nt * 4);
+  if (in.rows <= 0) return;
+  const auto es = static_cast<size_t>(in.elem_bytes), ld = static_cast<size_t>(p.ld_logits);
+  head::HeadBytes h;
+  h.cublas = in.cublas_workspace_bytes;
+  h.hidden = in.copy_hidden ? static_cast<size_t>(in.rows * in.h) * es : 0;
+  h.logits = static_cast<size_t>(p.chunk_rows) * ld * 4;
+  if (in.grads) {
+    h.dlogits = p.dlogits_in_place ? 0 : static_cast<size_t>(p.group_rows * p.ld_dlogits) * es;
+    h.dw_acc = p.dw_accumulator ? static_cast<size_t>(in.v * in.h) * 4 : 0;
+    h.db = in.need_db ? static_cast<size_t>(in.v) * 4 : 0;
+    h.db_partial = in.need_db ? static_cast<size_t>(p.db_partial_rows) * ld * 4 : 0;
+  }
+  b->head.declare(L, h);
 }
 
 RowChunk chunk_at(int64_t row0, int64_t max_rows, int64_t limit, int64_t row_len, int64_t seq_len) {

@@ -140,18 +140,17 @@ struct PolicyRows {
   }
 };
 
-head::SweepBuffers sweep_buffers(const Plan& plan, char* ws) {
-  const auto at = [&](size_t off) { return off == Plan::kNone ? nullptr : ws + off; };
+head::SweepBuffers sweep_buffers(const Plan& plan, const head::HeadBuffers& h) {
   head::SweepBuffers b;
   b.chunk_rows = plan.chunk_rows;
   b.group_rows = plan.group_rows;
-  b.logits = reinterpret_cast<float*>(at(plan.off_logits));
+  b.logits = h.logits;
   b.ld_logits = plan.ld_logits;
-  b.dlogits = plan.dlogits_in_place ? nullptr : at(plan.off_dlogits);
+  b.dlogits = h.dlogits;  // nullptr when in place
   b.ld_dlogits = plan.ld_dlogits;
-  b.dw_acc = reinterpret_cast<float*>(at(plan.off_dw));
-  b.db = reinterpret_cast<float*>(at(plan.off_db));
-  b.db_partial = reinterpret_cast<float*>(at(plan.off_db_partial));
+  b.dw_acc = h.dw_acc;
+  b.db = h.db;
+  b.db_partial = h.db_partial;
   return b;
 }
 
@@ -165,9 +164,12 @@ size_t cuda_workspace_bytes(const Problem& p) {
 void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device.index);
-  const Plan plan = plan_linear_policy_loss(plan_inputs(p));
-  char* base = static_cast<char*>(ws.data);
-  const auto at = [&](size_t off) { return off == Plan::kNone ? nullptr : reinterpret_cast<float*>(base + off); };
+  const PlanInputs in = plan_inputs(p);
+  const Plan plan = plan_linear_policy_loss(in);
+  Buffers b;
+  head::WorkspaceLayout layout;
+  declare_workspace(in, plan, layout, &b);
+  layout.carve(ws.data);
   const int sm_count = device_info(p.device.index).sm_count;
   const bool policy = policy_op(p), grads = grads_pass(p);
   const bool seq = p.tokens.sequence_level();
@@ -182,55 +184,55 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
     t.logp = const_cast<float*>(p.logp_in);  // read by the sequence terms and the coefficients only
     loss.lse = p.lse_in;
   } else {
-    if (!t.logp) t.logp = at(plan.off_logp);
-    if (!t.lse) t.lse = at(plan.off_lse);
+    if (!t.logp) t.logp = b.policy.logp;
+    if (!t.lse) t.lse = b.policy.lse;
     loss.lse = t.lse;
   }
-  loss.coeff = policy ? at(plan.off_coeff) : const_cast<float*>(p.grad_logp);
+  loss.coeff = policy ? b.policy.coeff : const_cast<float*>(p.grad_logp);
 
   std::optional<pl::PolicySteps> steps;
   if (uses_steps(p)) {
-    steps.emplace(t, Workspace{base + plan.off_steps, plan.steps_bytes}, stream);
+    steps.emplace(t, Workspace{b.policy.steps, in.steps_bytes}, stream);
     steps->begin();  // weights, factors and (forward modes) the id check, before anything is written
   }
   const void* x = p.hidden_data;
   int64_t ldx = p.hidden_ld;
-  if (!p.hidden_uniform && t.n_rows > 0) {
-    x = base + plan.off_hidden;
+  if (b.head.hidden && t.n_rows > 0) {  // positions without one stride: their contiguous copy
+    x = b.head.hidden;
     ldx = p.hidden;
     head::launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_rows, p.hidden, static_cast<int>(dtype_size(p.dtype)),
-                           base + plan.off_hidden, sm_count, stream);
+                           b.head.hidden, sm_count, stream);
   }
-  cublasHandle_t blas = t.n_rows > 0 ? cublas_handle(stream, base + plan.off_cublas, plan.cublas_bytes) : nullptr;
+  cublasHandle_t blas = t.n_rows > 0 ? cublas_handle(stream, b.head.cublas, in.cublas_workspace_bytes) : nullptr;
   const head::Engine e(head_io(p, x, ldx), blas, sm_count, stream);
   if (t.n_rows == 0) {  // no tokens: every gradient is 0 (grad_hidden has a row per position, all unused when L = 0)
     if (grads) e.zero_grads(p.n_rows);
     if (steps && p.mode != Mode::kBackward) steps->finish();
     return;
   }
-  const head::SweepBuffers b = sweep_buffers(plan, base);
+  const head::SweepBuffers sb = sweep_buffers(plan, b.head);
   if (p.mode == Mode::kBackward) {
     if (!grads) return;  // no gradient asked for
     if (policy) {
       if (seq) steps->sequence();
       steps->coefficients(0, t.n_rows, loss.coeff);
     }
-    head::sweep(e, b, loss, true);
+    head::sweep(e, sb, loss, true);
     return;
   }
   loss.steps = steps ? &*steps : nullptr;
   if (!grads || !policy) {  // the forward (and its sequence terms)
-    head::sweep(e, b, loss, false);
+    head::sweep(e, sb, loss, false);
     steps->sequence();
   } else if (!seq) {  // token level: statistics, coefficients and gradient in one pass
     loss.chunk_coeffs = true;
-    head::sweep(e, b, loss, true);
+    head::sweep(e, sb, loss, true);
   } else {  // sequence level: statistics, the sequence terms and every coefficient, then the gradient pass
-    head::sweep(e, b, loss, false);
+    head::sweep(e, sb, loss, false);
     steps->sequence();
     steps->coefficients(0, t.n_rows, loss.coeff);
     loss.steps = nullptr;
-    head::sweep(e, b, loss, true);
+    head::sweep(e, sb, loss, true);
   }
   steps->finish();
 }
