@@ -39,6 +39,7 @@ set(LOGITLESS_CUDA_SOURCES
   src/common/cuda/cublas.cpp
   src/common/cuda/device_info.cu
   src/common/cuda/index_readback.cpp
+  src/common/cuda/launch_cache.cpp
   src/cross_entropy/cuda/kernels_row_resident.cu
   src/cross_entropy/cuda/kernels_streaming.cu
   src/cross_entropy/cuda/run.cu
