@@ -21,6 +21,7 @@ set(LOGITLESS_CXX_SOURCES
   src/linear_cross_entropy/api.cpp
   src/linear_cross_entropy/cpu.cpp
   src/linear_cross_entropy/cuda/plan.cpp
+  src/linear_head/cuda/plan.cpp
   src/linear_policy_loss/api.cpp
   src/linear_policy_loss/cpu.cpp
   src/linear_policy_loss/cuda/plan.cpp

@@ -8,22 +8,7 @@ namespace {
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// A chunk length from a byte count: whole multiples of 128 (a GEMM tile edge) once there is room for 128,
-// otherwise whatever fits, and at least 1 (a budget smaller than one row still makes progress).
-// Tokens of a float32 logits chunk when the gradient of every token is held (no grad_weight accumulator): the
-// logits GEMM of 1024 tokens does 1024 FLOP per byte of the weight it reads, past the H100's balance point.
-constexpr int64_t kGrownChunkRows = 1024;
-
-int64_t fit(size_t bytes, int64_t per_item) {
-  const int64_t n = static_cast<int64_t>(bytes / static_cast<size_t>(std::max<int64_t>(per_item, 1)));
-  return n >= 128 ? n / 128 * 128 : std::max<int64_t>(n, 1);
-}
-// The same in 64-token steps: the float32 chunk of a 16-bit gradient-in-forward plan, where 128-token steps
-// would give away up to a third of its share at V=256000.
-int64_t fit_chunk(size_t bytes, int64_t per_item) {
-  const int64_t n = static_cast<int64_t>(bytes / static_cast<size_t>(std::max<int64_t>(per_item, 1)));
-  return n >= 64 ? n / 64 * 64 : std::max<int64_t>(n, 1);
-}
+using head::fit_rows;
 
 }  // namespace
 
@@ -32,7 +17,7 @@ int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens
   if (chunk_tokens > 0) return std::min(chunk_tokens, max_rows);
   // 512 tokens at V_r = 64128 with 512 MiB: as many GEMM tiles per logits GEMM as one device's 256-token chunks
   // at V = 128256, and a chunk's exchange (2048 floats a rank) is hidden behind the next chunk's GEMM.
-  return std::min(fit(std::max<size_t>(memory_budget, 1) / 4, 4 * round_up(widest_shard, 8)), max_rows);
+  return std::min(fit_rows(std::max<size_t>(memory_budget, 1) / 4, 4 * round_up(widest_shard, 8)), max_rows);
 }
 
 Plan plan_linear_cross_entropy(const PlanInputs& in) {
@@ -76,7 +61,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     const size_t slots = static_cast<size_t>(2 * p.chunk_rows * logits_row);
     if (!p.dlogits_in_place) {
       const int64_t all = ceil_div(max_rows, p.chunk_rows) * p.chunk_rows;
-      const int64_t fitted = fit(budget > slots ? budget - slots : 0, grad_row) / p.chunk_rows * p.chunk_rows;
+      const int64_t fitted = fit_rows(budget > slots ? budget - slots : 0, grad_row) / p.chunk_rows * p.chunk_rows;
       p.group_rows = std::min(std::max(fitted, p.chunk_rows), all);
       const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
       if (p.group_rows < N && acc > 0 && slots + static_cast<size_t>(all * grad_row) <= budget + acc)
@@ -95,46 +80,22 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       // costs no more than the float32 grad_weight accumulator it saves (as below).
       const int64_t row = es * p.ld_logits + exp_row;
       const int64_t max_rows = std::max<int64_t>(N, 1);
-      p.group_rows = std::min(in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, row), max_rows);
+      p.group_rows = std::min(in.chunk_tokens > 0 ? in.chunk_tokens : fit_rows(budget, row), max_rows);
       const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
       if (in.chunk_tokens <= 0 && p.group_rows < N && acc > 0 && static_cast<size_t>(N * row) <= budget + acc)
         p.group_rows = N;
       p.chunk_rows = p.group_rows;
-    } else if (in.pass == Pass::kForward || p.dlogits_in_place) {
-      p.chunk_rows = in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, logits_row);
-      p.chunk_rows = std::min(p.chunk_rows, std::max<int64_t>(N, 1));
-      p.group_rows = p.chunk_rows;
     } else {
-      // 16-bit inputs: the GEMM writes float32 logits (the loss needs them exact) and the gradient kernel
-      // narrows them into a separate 16-bit buffer that the grad_hidden / grad_weight GEMMs read. Only the
-      // 16-bit gradient has to be held for a whole group. The split of the budget weighs two costs: each chunk's
-      // logits GEMM re-reads the weight (2 V H bytes a chunk), each group past the first reads and writes the
-      // float32 grad_weight accumulator (8 V H bytes a group). Their sum over the tokens is least with 1 / (1 +
-      // sqrt 2) of the budget for the float32 chunk; 2/5 of it, in 64-token steps (384-token chunks
-      // and 1280-token groups at V=128256 with 512 MiB, 192 and 640 at V=256000).
-      const int64_t grad_row = es * p.ld_logits;
-      const int64_t max_rows = std::max<int64_t>(N, 1);
-      const int64_t chunk_fit = fit_chunk(budget / 5 * 2, logits_row);
-      if (in.chunk_tokens > 0) {
-        p.group_rows = std::min(in.chunk_tokens, max_rows);
-        p.chunk_rows = std::min(p.group_rows, chunk_fit);
-      } else {
-        p.chunk_rows = std::min(chunk_fit, max_rows);
-        const size_t used = static_cast<size_t>(p.chunk_rows * logits_row);
-        p.group_rows = std::min(std::max(fit(budget > used ? budget - used : 0, grad_row), p.chunk_rows), max_rows);
-        // Several groups with a 16-bit grad_weight need a float32 accumulator of 4 V H bytes. When holding
-        // every token's gradient takes no more than the budget plus that accumulator, do that instead: one
-        // grad_weight GEMM over all tokens, no accumulation traffic, and no more memory.
-        const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
-        if (p.group_rows < N && acc > 0 &&
-            static_cast<size_t>(p.chunk_rows * logits_row + N * grad_row) <= budget + acc) {
-          p.group_rows = N;
-          // The float32 chunk may then grow into the rest of that allowance, up to kGrownChunkRows tokens: each
-          // chunk's logits GEMM re-reads the whole weight, which at 256 tokens is as much time as its math.
-          const size_t room = budget + acc - static_cast<size_t>(N * grad_row);
-          p.chunk_rows = std::min(max_rows, std::max(p.chunk_rows, std::min(kGrownChunkRows, fit(room, logits_row))));
-        }
-      }
+      head::ChunkInputs c;
+      c.n = N;
+      c.chunk_tokens = in.chunk_tokens;
+      c.memory_budget = budget;
+      // 16-bit inputs: the float32 logits are narrowed into a group buffer of the GEMMs' dtype.
+      c.group_row_bytes = grads && !p.dlogits_in_place ? es * p.ld_logits : 0;
+      c.dw_accumulator_bytes = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
+      const head::ChunkPlan cp = head::plan_token_chunks(c, logits_row);
+      p.chunk_rows = cp.chunk_rows;
+      p.group_rows = cp.group_rows;
     }
     p.ld_dlogits = p.ld_logits;  // in place (float32) or a 16-bit buffer of the same row length
     p.dw_accumulator = grads && in.need_dw && !in.grad_weight_f32 && p.group_rows < N;
@@ -148,7 +109,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (in.chunk_vocab > 0) {
       p.vocab_cols = std::min(in.chunk_vocab, V);
     } else {
-      p.vocab_cols = std::min(fit(budget, per_col), V);
+      p.vocab_cols = std::min(fit_rows(budget, per_col), V);
       // Whole 256-column tiles of the fused GEMM per chunk.
       if (fused && p.vocab_cols >= kFusedTileCols) p.vocab_cols = p.vocab_cols / kFusedTileCols * kFusedTileCols;
       const size_t acc = in.need_dx && !in.grad_hidden_f32 ? static_cast<size_t>(4 * N * H) : 0;

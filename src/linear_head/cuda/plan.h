@@ -30,6 +30,25 @@ inline constexpr int64_t kGradRowsPerBlock = 32;
 // cuBLAS's recommended workspace: 32 MiB on Hopper and later, 4 MiB before.
 inline size_t cublas_workspace_for(int sm_major) { return sm_major >= 9 ? size_t{32} << 20 : size_t{4} << 20; }
 
+// A chunk length from a byte count: whole multiples of 128 rows (a GEMM tile edge) once there is room for 128,
+// otherwise whatever fits, and at least 1 (a budget smaller than one row still makes progress).
+int64_t fit_rows(size_t bytes, int64_t per_item);
+
+// Token chunks of whole rows (a row's statistics need all of its V logits) and the groups of them whose gradient
+// is held for one grad_hidden / grad_weight GEMM pair.
+struct ChunkInputs {
+  int64_t n = 0;             // rows
+  int64_t chunk_tokens = 0;  // the caller's chunk (0: from the budget); with groups, the group's rows
+  size_t memory_budget = 0;
+  int64_t group_row_bytes = 0;      // a row of the group's gradient buffer; 0: none (forward, or in place)
+  size_t dw_accumulator_bytes = 0;  // the float32 grad_weight accumulator several groups would need (0: none)
+};
+struct ChunkPlan {
+  int64_t chunk_rows = 0, group_rows = 0;
+};
+// chunk_row_bytes: what a chunk holds per row (float32 logits, or a fused kernel's statistics).
+ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes);
+
 class WorkspaceLayout {
  public:
   static constexpr size_t kNone = ~size_t{0};

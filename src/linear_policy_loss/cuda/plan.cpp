@@ -2,32 +2,23 @@
 
 #include <algorithm>
 
-#include "linear_cross_entropy/cuda/plan.h"
+#include "linear_head/cuda/plan.h"
 
 namespace logitless::lpl {
 Plan plan_linear_policy_loss(const PlanInputs& in) {
-  lce::PlanInputs q;
-  q.pass = in.grads ? lce::Pass::kForwardBackward : lce::Pass::kForward;
-  q.n = in.rows;
-  q.h = in.h;
-  q.v = in.v;
-  q.elem_bytes = in.elem_bytes;
-  q.need_dx = in.need_dx;
-  q.need_dw = in.need_dw;
-  q.need_db = in.need_db;
-  q.grad_weight_f32 = in.grad_weight_f32;
-  q.reduction_none = true;  // no per-token losses of its own: the policy steps reduce
-  q.chunk_tokens = in.chunk_tokens;
-  q.memory_budget = in.memory_budget;
-  q.cublas_workspace_bytes = in.cublas_workspace_bytes;
-  const lce::Plan c = lce::plan_linear_cross_entropy(q);
-
   Plan p;
-  p.chunk_rows = std::max<int64_t>(c.chunk_rows, 1);
-  p.group_rows = std::max<int64_t>(c.group_rows, p.chunk_rows);
-  p.ld_logits = c.ld_logits;
-  p.ld_dlogits = c.ld_dlogits;
-  p.dlogits_in_place = c.dlogits_in_place;
+  p.ld_logits = (in.v + 7) / 8 * 8;  // 32-byte float32 rows; 16-byte rows of a 16-bit gradient alike
+  p.ld_dlogits = p.ld_logits;
+  p.dlogits_in_place = in.grads && in.elem_bytes == 4;
+  head::ChunkInputs c;  // the linear head's chunks, as the linear cross-entropy's generic path takes them
+  c.n = in.rows;
+  c.chunk_tokens = in.chunk_tokens;
+  c.memory_budget = in.memory_budget;
+  c.group_row_bytes = in.grads && !p.dlogits_in_place ? in.elem_bytes * p.ld_logits : 0;
+  c.dw_accumulator_bytes = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * in.v * in.h) : 0;
+  const head::ChunkPlan cp = head::plan_token_chunks(c, 4 * p.ld_logits);
+  p.chunk_rows = std::max<int64_t>(cp.chunk_rows, 1);
+  p.group_rows = std::max<int64_t>(cp.group_rows, p.chunk_rows);
   const int64_t Lg = std::max<int64_t>(in.row_len, 1);
   if (Lg != in.seq_len && p.chunk_rows >= Lg) {
     // Whole sequences per chunk and per group (positions of the unused last row sit between them).

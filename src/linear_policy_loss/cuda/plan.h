@@ -1,7 +1,7 @@
 // Chunking and workspace layout of the CUDA linear policy loss: pure host functions (no CUDA calls), so that a CPU
 // test can check every decision. The runner (cuda/run.cpp) only executes a Plan.
 //
-// Chunk sizes come from the linear cross-entropy's planner (linear_cross_entropy/cuda/plan.h: float32 logits of
+// Chunk sizes come from the linear head's planner (linear_head/cuda/plan.h, plan_token_chunks: float32 logits of
 // `chunk_rows` positions, the gradient of `group_rows` positions in the inputs' dtype for one dX / dW GEMM pair,
 // a float32 grad_weight accumulator only where several groups need one). This file adds what the policy loss
 // needs on top: chunks that map onto runs of tokens, and the per-token state.
