@@ -22,6 +22,7 @@ set(LOGITLESS_CXX_SOURCES
   src/linear_cross_entropy/cpu.cpp
   src/linear_cross_entropy/cuda/plan.cpp
   src/linear_head/cuda/plan.cpp
+  src/linear_head/checks.cpp
   src/linear_policy_loss/api.cpp
   src/linear_policy_loss/cpu.cpp
   src/linear_policy_loss/cuda/plan.cpp

@@ -96,20 +96,18 @@ PlanInputs plan_inputs(const Problem& p) {
   return in;
 }
 
-head::Matrix mat(const Matrix& m) { return head::Matrix{m.data, m.dtype, m.ld}; }
-
 head::HeadIO head_io(const Problem& p) {
   head::HeadIO io;
   io.dtype = p.dtype;
   io.n = p.n_tokens;
   io.h = p.hidden;
   io.v = p.vocab;
-  io.w = mat(p.weight);
+  io.w = p.weight;
   io.bias = p.bias;
   io.bias_dtype = p.bias_dtype;
   io.bias_stride = p.bias_stride;
-  io.grad_hidden = mat(p.grad_hidden);
-  io.grad_weight = mat(p.grad_weight);
+  io.grad_hidden = p.grad_hidden;
+  io.grad_weight = p.grad_weight;
   io.grad_bias = p.grad_bias;
   io.grad_bias_dtype = p.grad_bias_dtype;
   io.grad_bias_stride = p.grad_bias_stride;
@@ -269,11 +267,11 @@ struct Run {
       // grad_weight first: the scaled hidden rows it reads share their region with the float32 grad_hidden
       // rows (plan.cpp), which the grad_hidden GEMM then writes.
       if (p.grad_weight.data) {  // dW (+)= E_gᵀ (s ⊙ X_g)
-        const head::Matrix dw = dw_acc ? head::Matrix{dw_acc, DType::kFloat32, H} : mat(p.grad_weight);
+        const head::Matrix dw = dw_acc ? head::Matrix{dw_acc, DType::kFloat32, H} : p.grad_weight;
         e.grad_weight_gemm(x.e, x.ld_e, rows, V, x.xs, H, dw, /*accumulate=*/g0 > 0);
       }
       if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W): float32 rows, scaled on the way out (in place if float32)
-        const head::Matrix dx = mat(p.grad_hidden).rows_from(g0);
+        const head::Matrix dx = p.grad_hidden.rows_from(g0);
         const head::Matrix y = dx.dtype == DType::kFloat32 ? dx : head::Matrix{b.fused.dx_rows, DType::kFloat32, H};
         e.grad_hidden_gemm(x.e, x.ld_e, rows, 0, V, y, false);
         head::launch_cast(static_cast<const float*>(y.data), y.ld, rows, H, dx.data, dx.dtype, dx.ld, 1, sm_count(),
@@ -409,7 +407,7 @@ struct Run {
     float* z = b.head.logits;
     void* dz = b.head.dlogits ? b.head.dlogits : static_cast<void*>(z);
     float* dx_acc = b.head.dx_acc;
-    const head::Matrix dx = dx_acc ? head::Matrix{dx_acc, DType::kFloat32, H} : mat(p.grad_hidden);
+    const head::Matrix dx = dx_acc ? head::Matrix{dx_acc, DType::kFloat32, H} : p.grad_hidden;
     GradParams g = grad_params();
     g.upstream = p.grad_scale;
     g.upstream_per_row = p.grad_scale_per_row;
@@ -445,9 +443,9 @@ struct Run {
                                  p.grad_bias_stride, stream());
       if (p.grad_hidden.data) e.grad_hidden_gemm(dz, plan.ld_dlogits, N, v0, cols, dx, /*accumulate=*/v0 > 0);
       if (p.grad_weight.data)
-        e.grad_weight_gemm(dz, plan.ld_dlogits, N, cols, e.io().x, e.io().ldx, mat(p.grad_weight).rows_from(v0), false);
+        e.grad_weight_gemm(dz, plan.ld_dlogits, N, cols, e.io().x, e.io().ldx, p.grad_weight.rows_from(v0), false);
     }
-    const head::Matrix gx = mat(p.grad_hidden);
+    const head::Matrix& gx = p.grad_hidden;
     if (dx_acc) head::launch_cast(dx_acc, H, N, H, gx.data, gx.dtype, gx.ld, 1, sm_count(), stream());
     if (V == 0 && gx.data)  // an empty shard: no vocabulary chunk wrote grad_hidden
       head::launch_cast(nullptr, 0, N, H, gx.data, gx.dtype, gx.ld, 1, sm_count(), stream());

@@ -24,19 +24,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "linear_head/problem.h"
 #include "logitless/tensor.h"
 
 namespace logitless::head {
-
-// A 2-D operand with one row stride: element (i, j) at data[i * ld + j]. data nullptr: absent.
-struct Matrix {
-  void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  int64_t ld = 0;
-  Matrix rows_from(int64_t r0) const {
-    return Matrix{static_cast<char*>(data) + r0 * ld * static_cast<int64_t>(dtype_size(dtype)), dtype, ld};
-  }
-};
 
 // One call's operands and gradient outputs.
 struct HeadIO {

@@ -63,8 +63,6 @@ PlanInputs plan_inputs(const Problem& p) {
   return in;
 }
 
-head::Matrix mat(const lce::Matrix& m) { return head::Matrix{m.data, m.dtype, m.ld}; }
-
 head::HeadIO head_io(const Problem& p, const void* x, int64_t ldx) {
   head::HeadIO io;
   io.dtype = p.dtype;
@@ -73,12 +71,12 @@ head::HeadIO head_io(const Problem& p, const void* x, int64_t ldx) {
   io.v = p.vocab;
   io.x = x;
   io.ldx = ldx;
-  io.w = mat(p.weight);
+  io.w = p.weight;
   io.bias = p.bias;
   io.bias_dtype = p.bias_dtype;
   io.bias_stride = p.bias_stride;
-  io.grad_hidden = mat(p.grad_hidden);
-  io.grad_weight = mat(p.grad_weight);
+  io.grad_hidden = p.grad_hidden;
+  io.grad_weight = p.grad_weight;
   io.grad_bias = p.grad_bias;
   io.grad_bias_dtype = p.grad_bias_dtype;
   io.grad_bias_stride = p.grad_bias_stride;
