@@ -7,6 +7,8 @@
 # launchers to the runner, device.cuh holds the device-side pieces its kernel files share, params.h the kernel
 # parameters and plan.h/plan.cpp the tile choices a CPU test can check. glu, rope and rms_norm define their CUDA
 # entry points in their kernel files, next to the kernels they launch (rms_norm's shared host helpers: run.h).
+# linear_head/ is no op of its own but the engine under every loss computed from hidden states (cuda/engine.h): its
+# checks, chunk planning, workspace stages, GEMM sequence and shared kernels.
 set(LOGITLESS_CXX_SOURCES
   src/common/debug_hooks.cpp
   src/common/error.cpp
