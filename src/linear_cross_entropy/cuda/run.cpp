@@ -96,24 +96,6 @@ PlanInputs plan_inputs(const Problem& p) {
   return in;
 }
 
-head::HeadIO head_io(const Problem& p) {
-  head::HeadIO io;
-  io.dtype = p.dtype;
-  io.n = p.n_tokens;
-  io.h = p.hidden;
-  io.v = p.vocab;
-  io.w = p.weight;
-  io.bias = p.bias;
-  io.bias_dtype = p.bias_dtype;
-  io.bias_stride = p.bias_stride;
-  io.grad_hidden = p.grad_hidden;
-  io.grad_weight = p.grad_weight;
-  io.grad_bias = p.grad_bias;
-  io.grad_bias_dtype = p.grad_bias_dtype;
-  io.grad_bias_stride = p.grad_bias_stride;
-  return io;
-}
-
 // One strided dimension of `rows` rows, as the public API's layouts collapse it.
 RowLayout rows_layout(int64_t rows, int64_t stride) {
   RowLayout L;
@@ -547,9 +529,9 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   head::WorkspaceLayout layout;
   declare_workspace(in, plan, layout, &b);
   layout.carve(ws.data);
-  head::HeadIO io = head_io(p);
-  io.x = b.head.hidden ? b.head.hidden : p.hidden_data;  // rows without one stride: their contiguous copy
-  io.ldx = b.head.hidden ? p.hidden : p.hidden_ld;
+  // Rows without one stride are read from their contiguous copy.
+  const head::HeadIO io = b.head.hidden ? head::head_io(p, p.n_tokens, b.head.hidden, p.hidden)
+                                        : head::head_io(p, p.n_tokens, p.hidden_data, p.hidden_ld);
   const int sm_count = device_info(p.device.index).sm_count;
   cublasHandle_t blas = p.n_tokens > 0 ? cublas_handle(stream, b.head.cublas, in.cublas_workspace_bytes) : nullptr;
   const Engine engine(io, blas, sm_count, stream);

@@ -45,6 +45,29 @@ struct HeadIO {
   int64_t grad_bias_stride = 1;
 };
 
+// The HeadIO of a family's problem (fields named as the linear cross-entropy's and policy loss's problems name
+// them): n rows of hidden read at x (row stride ldx).
+template <typename Problem>
+HeadIO head_io(const Problem& p, int64_t n, const void* x, int64_t ldx) {
+  HeadIO io;
+  io.dtype = p.dtype;
+  io.n = n;
+  io.h = p.hidden;
+  io.v = p.vocab;
+  io.x = x;
+  io.ldx = ldx;
+  io.w = p.weight;
+  io.bias = p.bias;
+  io.bias_dtype = p.bias_dtype;
+  io.bias_stride = p.bias_stride;
+  io.grad_hidden = p.grad_hidden;
+  io.grad_weight = p.grad_weight;
+  io.grad_bias = p.grad_bias;
+  io.grad_bias_dtype = p.grad_bias_dtype;
+  io.grad_bias_stride = p.grad_bias_stride;
+  return io;
+}
+
 // The buffers of a sweep, as the loss's plan sized them.
 struct SweepBuffers {
   int64_t chunk_rows = 0, group_rows = 0;

@@ -63,26 +63,6 @@ PlanInputs plan_inputs(const Problem& p) {
   return in;
 }
 
-head::HeadIO head_io(const Problem& p, const void* x, int64_t ldx) {
-  head::HeadIO io;
-  io.dtype = p.dtype;
-  io.n = p.n_rows;
-  io.h = p.hidden;
-  io.v = p.vocab;
-  io.x = x;
-  io.ldx = ldx;
-  io.w = p.weight;
-  io.bias = p.bias;
-  io.bias_dtype = p.bias_dtype;
-  io.bias_stride = p.bias_stride;
-  io.grad_hidden = p.grad_hidden;
-  io.grad_weight = p.grad_weight;
-  io.grad_bias = p.grad_bias;
-  io.grad_bias_dtype = p.grad_bias_dtype;
-  io.grad_bias_stride = p.grad_bias_stride;
-  return io;
-}
-
 // The loss side of the engine's sweep (linear_head/cuda/engine.h): chunks cut at sequence ends, the policy steps'
 // statistics (with `steps`) and coefficients (token level, chunk by chunk), and this family's gradient kernel.
 struct PolicyRows {
@@ -202,7 +182,7 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
                            b.head.hidden, sm_count, stream);
   }
   cublasHandle_t blas = t.n_rows > 0 ? cublas_handle(stream, b.head.cublas, in.cublas_workspace_bytes) : nullptr;
-  const head::Engine e(head_io(p, x, ldx), blas, sm_count, stream);
+  const head::Engine e(head::head_io(p, p.n_rows, x, ldx), blas, sm_count, stream);
   if (t.n_rows == 0) {  // no tokens: every gradient is 0 (grad_hidden has a row per position, all unused when L = 0)
     if (grads) e.zero_grads(p.n_rows);
     if (steps && p.mode != Mode::kBackward) steps->finish();
