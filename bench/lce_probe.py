@@ -10,13 +10,15 @@ linear_cross_entropy(x, w, t).backward() (bf16, default options), their ratio, a
 inputs (dX and dW included). Medians of 7 rounds after one warm-up, each round timing the GEMMs and every
 schedule once in turn (so that all see the same clocks of a GPU under load). On an H100 the library's fused
 Hopper kernels run where they apply; LOGITLESS_LCE_KERNEL=generic in the environment measures the cuBLAS path
-instead, and LOGITLESS_LCE_EXP_FORM=1 the gradient in forward's exponential form (off by default).
+instead, and LOGITLESS_LCE_EXP_FORM=1 the gradient in forward's exponential form (off by default): this harness sets
+the library's debug hooks from them (src/common/debug_hooks.h), through the extension's _set_debug_hook.
 --kernels adds a profile of 3 more rounds (torch.profiler): per function, the host time of a call, the GPU's busy
 time and span, and its largest kernels.
 --inputs bench draws hidden ~ N(0, 1) and weight ~ N(0, 4 / H) as bench.py does (logits of standard deviation 2)
 instead of hidden × 0.5 and weight × 0.02 (about 0.6): an H100's GEMMs run several percent slower on the former.
 """
 import argparse
+import os
 
 import torch
 
@@ -90,6 +92,19 @@ def profile_rounds(names, fns, rounds=3):
             print(f"    {sum(us) / n / 1000:8.3f} ms  {len(us) / n:5.1f}x  {kname[:110]}")
 
 
+def set_hooks_from_environment():
+    """The library reads no environment: the switches this harness takes from it become the library's hooks."""
+    hooks = {"lce_fused_kernels": int(os.environ.get("LOGITLESS_LCE_KERNEL", "") != "generic"),
+             "lce_exp_form": int(os.environ.get("LOGITLESS_LCE_EXP_FORM", "") == "1")}
+    setter = getattr(logitless._C, "_set_debug_hook", None)
+    if setter is None:
+        if hooks != {"lce_fused_kernels": 1, "lce_exp_form": 0}:
+            raise SystemExit("this build's extension has no _set_debug_hook: LOGITLESS_LCE_* cannot take effect")
+        return
+    for name, value in hooks.items():
+        setter(name, value)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8192x4096x128256,4096x4096x128256", help="NxHxV, comma-separated")
@@ -101,6 +116,7 @@ def main():
     ap.add_argument("--kernels", action="store_true",
                     help="per-kernel GPU time of 3 more interleaved rounds, the GEMMs included (torch.profiler)")
     args = ap.parse_args()
+    set_hooks_from_environment()
     for shape in args.shapes.split(","):
         n, h, v = (int(s) for s in shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)

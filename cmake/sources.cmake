@@ -7,7 +7,10 @@
 # launchers to the runner, device.cuh holds the device-side pieces its kernel files share, params.h the kernel
 # parameters and plan.h/plan.cpp the tile choices a CPU test can check. glu, rope and rms_norm define their CUDA
 # entry points in their kernel files, next to the kernels they launch (rms_norm's shared host helpers: run.h).
+# linear_head/ is no op of its own but the engine under every loss computed from hidden states (cuda/engine.h): its
+# checks, chunk planning, workspace stages, GEMM sequence and shared kernels.
 set(LOGITLESS_CXX_SOURCES
+  src/common/debug_hooks.cpp
   src/common/error.cpp
   src/common/layout.cpp
   src/common/tensor.cpp
@@ -20,6 +23,8 @@ set(LOGITLESS_CXX_SOURCES
   src/linear_cross_entropy/api.cpp
   src/linear_cross_entropy/cpu.cpp
   src/linear_cross_entropy/cuda/plan.cpp
+  src/linear_head/cuda/plan.cpp
+  src/linear_head/checks.cpp
   src/linear_policy_loss/api.cpp
   src/linear_policy_loss/cpu.cpp
   src/linear_policy_loss/cuda/plan.cpp
@@ -37,6 +42,8 @@ set(LOGITLESS_CXX_SOURCES
 set(LOGITLESS_CUDA_SOURCES
   src/common/cuda/cublas.cpp
   src/common/cuda/device_info.cu
+  src/common/cuda/index_readback.cpp
+  src/common/cuda/launch_cache.cpp
   src/cross_entropy/cuda/kernels_row_resident.cu
   src/cross_entropy/cuda/kernels_streaming.cu
   src/cross_entropy/cuda/run.cu
@@ -45,6 +52,8 @@ set(LOGITLESS_CUDA_SOURCES
   src/linear_cross_entropy/cuda/kernels_exp_grad.cu
   src/linear_cross_entropy/cuda/kernels_hopper.cu
   src/linear_cross_entropy/cuda/run.cpp
+  src/linear_head/cuda/engine.cpp
+  src/linear_head/cuda/kernels.cu
   src/linear_policy_loss/cuda/kernels.cu
   src/linear_policy_loss/cuda/run.cpp
   src/policy_loss/cuda/kernels_row_resident.cu

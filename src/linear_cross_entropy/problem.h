@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/layout.h"
+#include "linear_head/problem.h"
 #include "logitless/linear_cross_entropy.h"
 
 namespace logitless::lce {
@@ -14,12 +15,7 @@ namespace logitless::lce {
 // partial statistics (the recompute schedule's forward), and the gradient-in-forward schedule's steps.
 enum class Mode { kForward, kForwardBackward, kBackward, kPartials, kStepLogits, kStepGradient };
 
-// A 2-D operand with one row stride (what a GEMM can take): element (i, j) at data[i * ld + j].
-struct Matrix {
-  void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  int64_t ld = 0;
-};
+using head::Matrix;
 
 struct Problem {
   Mode mode = Mode::kForward;
@@ -78,42 +74,5 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream);
 // p: kForwardBackward without gradient outputs; the flags say which ones (in the inputs' dtype) the call would have.
 bool cuda_recompute_is_faster(const Problem& p, bool need_dx, bool need_dw, bool need_db);
 #endif
-
-// hidden [*, H] and weight [V, H] checked (dtypes, devices, shapes, layouts; errors name the argument) and
-// described for the GEMMs: what every fused linear head (cross-entropy, policy loss) takes. V = 0 passes only
-// with `empty_vocab_ok` (a vocabulary shard without rows).
-struct HiddenWeight {
-  int64_t hidden = 0, vocab = 0;
-  DType dtype = DType::kFloat32;
-  Device device;
-  const void* hidden_data = nullptr;
-  RowLayout hidden_rows;
-  bool hidden_uniform = true;  // one row stride >= H (hidden_ld): a GEMM reads the rows in place
-  int64_t hidden_ld = 0;
-  Matrix weight;
-};
-HiddenWeight check_hidden_weight(const TensorView& hidden, const TensorView& weight, bool empty_vocab_ok);
-
-// A fused linear head's optional bias [V] (data nullptr: none), of the inputs' dtype or float32.
-struct BiasInput {
-  const void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  int64_t stride = 1;
-};
-BiasInput check_bias(const TensorView& bias, DType dtype, int64_t V, const Device& device);
-
-// The gradient outputs of a fused linear head (any may be absent: data nullptr), checked against the inputs
-// they belong to: grad_hidden shaped like hidden and grad_weight like weight (each of its input's dtype or
-// float32, with rows a GEMM can write in place), grad_bias [V] of bias's dtype or float32 (`bias` null: only
-// sizing a workspace, where any float dtype passes). H and V: the hidden size and the weight's rows.
-struct GradOutputs {
-  Matrix grad_hidden, grad_weight;
-  void* grad_bias = nullptr;
-  DType grad_bias_dtype = DType::kFloat32;
-  int64_t grad_bias_stride = 1;
-};
-GradOutputs check_grad_outputs(const TensorView& hidden, const TensorView& weight, const TensorView* bias, int64_t H,
-                               int64_t V, const Device& device, const TensorView& grad_hidden,
-                               const TensorView& grad_weight, const TensorView& grad_bias);
 
 }  // namespace logitless::lce

@@ -1,7 +1,6 @@
 // Linear policy losses and linear selective log-softmax: argument validation and dispatch. Every check happens
 // here, before any backend runs, so a bad call never touches memory.
 #include <cmath>
-#include <limits>
 #include <utility>
 
 #include "common/check.h"
@@ -19,15 +18,9 @@ void check_chunking(int64_t chunk_tokens, size_t memory_budget) {
   LOGITLESS_CHECK_ARG(memory_budget >= 1, "memory_budget", "at least 1 byte", memory_budget);
 }
 
-// cuBLAS takes 32-bit sizes and leading dimensions.
-void check_gemm_extent(int64_t value, const char* name, const char* what) {
-  LOGITLESS_CHECK_ARG(value <= std::numeric_limits<int32_t>::max(), name,
-                      str_cat(what, " below 2^31 (cuBLAS's 32-bit sizes)"), value);
-}
-
 // hidden [*, H] (`lead` leading dimensions) and weight [V, H]: dtypes, devices, layouts. Fills the GEMM side of p.
 void add_hidden_weight(Problem& p, const TensorView& hidden, const TensorView& weight) {
-  const lce::HiddenWeight hw = lce::check_hidden_weight(hidden, weight, /*empty_vocab_ok=*/false);
+  const head::HiddenWeight hw = head::check_hidden_weight(hidden, weight, /*empty_vocab_ok=*/false);
   p.hidden = hw.hidden;
   p.vocab = hw.vocab;
   p.dtype = hw.dtype;
@@ -40,7 +33,7 @@ void add_hidden_weight(Problem& p, const TensorView& hidden, const TensorView& w
 }
 
 void add_bias(Problem& p, const TensorView& bias) {
-  const lce::BiasInput b = lce::check_bias(bias, p.dtype, p.vocab, p.device);
+  const head::BiasInput b = head::check_bias(bias, p.dtype, p.vocab, p.device);
   p.bias = b.data;
   p.bias_dtype = b.dtype;
   p.bias_stride = b.stride;
@@ -48,17 +41,17 @@ void add_bias(Problem& p, const TensorView& bias) {
 
 void check_extents(const Problem& p) {
   if (p.device.type != DeviceType::kCUDA) return;
-  check_gemm_extent(p.n_rows, "hidden", "a number of positions");
-  check_gemm_extent(p.vocab, "weight", "a vocabulary size");
-  check_gemm_extent(p.hidden_ld, "hidden", "a row stride");
-  check_gemm_extent(p.weight.ld, "weight", "a row stride");
+  head::check_gemm_extent(p.n_rows, "hidden", "a number of positions");
+  head::check_gemm_extent(p.vocab, "weight", "a vocabulary size");
+  head::check_gemm_extent(p.hidden_ld, "hidden", "a row stride");
+  head::check_gemm_extent(p.weight.ld, "weight", "a row stride");
 }
 
 // The gradient outputs (any may be absent). `bias` is null when only sizing a workspace.
 void add_grads(Problem& p, const TensorView& hidden, const TensorView& weight, const TensorView* bias,
                const LinearPolicyLossGrads& g) {
-  const lce::GradOutputs o = lce::check_grad_outputs(hidden, weight, bias, p.hidden, p.vocab, p.device, g.grad_hidden,
-                                                     g.grad_weight, g.grad_bias);
+  const head::GradOutputs o = head::check_grad_outputs(hidden, weight, bias, p.hidden, p.vocab, p.device, g.grad_hidden,
+                                                       g.grad_weight, g.grad_bias);
   p.grad_hidden = o.grad_hidden;
   p.grad_weight = o.grad_weight;
   p.grad_bias = o.grad_bias;

@@ -286,7 +286,7 @@ void run_cpu(const Problem& p) {
   }
 
   if (p.grad_hidden.data) {
-    const lce::Matrix& g = p.grad_hidden;
+    const head::Matrix& g = p.grad_hidden;
     for (int64_t row = 0; row < p.n_rows; ++row)
       for (int64_t k = 0; k < H; ++k) store_float(g.data, g.dtype, row * g.ld + k, 0.f);
     for (int64_t r = 0; r < N; ++r) {

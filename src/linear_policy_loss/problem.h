@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "common/layout.h"
-#include "linear_cross_entropy/problem.h"
+#include "linear_head/problem.h"
 #include "logitless/linear_policy_loss.h"
 #include "policy_loss/problem.h"
 
@@ -39,7 +39,7 @@ struct Problem {
   RowLayout hidden_rows;
   bool hidden_uniform = true;
   int64_t hidden_ld = 0;
-  lce::Matrix weight;  // [V, H]
+  head::Matrix weight;  // [V, H]
   const void* bias = nullptr;
   DType bias_dtype = DType::kFloat32;
   int64_t bias_stride = 1;
@@ -49,8 +49,8 @@ struct Problem {
   pl::Problem tokens;
 
   // Gradient outputs (data nullptr: not wanted). grad_hidden has n_rows rows of one stride.
-  lce::Matrix grad_hidden;
-  lce::Matrix grad_weight;
+  head::Matrix grad_hidden;
+  head::Matrix grad_weight;
   void* grad_bias = nullptr;
   DType grad_bias_dtype = DType::kFloat32;
   int64_t grad_bias_stride = 1;

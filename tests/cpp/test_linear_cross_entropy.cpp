@@ -11,8 +11,9 @@
 #include <sstream>
 #include <tuple>
 
-#include "linear_cross_entropy/cuda/grad_columns.h"
 #include "linear_cross_entropy/cuda/plan.h"
+#include "linear_head/cuda/grad_columns.h"
+#include "linear_head/cuda/plan.h"
 #if defined(LOGITLESS_WITH_CUDA)
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
 #endif
@@ -837,7 +838,7 @@ TEST(LinearCrossEntropyReference, GradientsMatchFiniteDifferences) {
 // touched: not the logits' padding, not the class weights of classes at V and beyond (the out-of-bounds read
 // of label smoothing with class weights at V = 32003), not the next slice's classes.
 TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
-  constexpr int K = lce::kGradCols;
+  constexpr int K = head::kGradCols;
   for (int64_t V : {1, 2, 3, 4, 5, 7, 8, 9, 37, 1001, 32003}) {
     // Chunk widths: whole rows, the tests' small vocabulary chunks (V / 3 + 1), and narrow ones.
     for (int64_t C : {V, V / 3 + 1, int64_t{1}, int64_t{5}, int64_t{8}, int64_t{13}}) {
@@ -859,7 +860,7 @@ TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
         for (int r = 0; r < 2; ++r)
           for (int64_t col = 0; col < width; ++col) logits[r * ld + col] = static_cast<float>(r + 1) + 0.001f * col;
         for (int64_t c = 0; c < width; c += K) {
-          const uint32_t mask = lce::grad_slot_mask(c, width);
+          const uint32_t mask = head::grad_slot_mask(c, width);
           EXPECT_EQ(__builtin_popcount(mask), std::min<int64_t>(K, width - c)) << "group at " << c;
           float colsum[K] = {0.f, 0.f, 0.f, 0.f};
           for (int r = 0; r < 2; ++r) {
@@ -892,7 +893,7 @@ TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
               return x * weight[j];
             };
             float v[K];
-            lce::grad_group_values(mask, load_full, load_one, elem, v);
+            head::grad_group_values(mask, load_full, load_one, elem, v);
             for (int k = 0; k < K; ++k)
               if (!((mask >> k) & 1u)) EXPECT_EQ(v[k], 0.f) << "slot " << k << " of the group at " << c;
             const auto store_full = [&](const float* w) {
@@ -911,9 +912,9 @@ TEST(LinearCrossEntropyGradColumns, GroupsTouchOnlyTheirChunk) {
                 ++stored[v0 + c + k];
               dst[k] = w;
             };
-            lce::grad_group_store(mask, v, store_full, store_one, colsum);
+            head::grad_group_store(mask, v, store_full, store_one, colsum);
           }
-          lce::grad_group_store_sums(mask, colsum, sums.data() + c);
+          head::grad_group_store_sums(mask, colsum, sums.data() + c);
         }
         // Values: x * w in the chunk, the poison left in the padding.
         for (int64_t col = 0; col < ld; ++col) {
@@ -955,40 +956,67 @@ lce::PlanInputs llama_inputs(lce::Pass pass, int64_t n, int64_t h, int64_t v) {
   in.v = v;
   in.elem_bytes = 2;
   in.need_dx = in.need_dw = true;
-  in.ce_workspace_bytes = [](int64_t rows) { return static_cast<size_t>(256 + 4 * rows); };
   return in;
 }
 
-// Every region lies inside the total and no two overlap.
-void expect_layout_sound(const lce::Plan& p) {
+// A plan with its workspace carved at a fake base (addresses only, never dereferenced): every stage's pointers
+// become offsets, and the regions are listed.
+constexpr uintptr_t kFakeBase = uintptr_t{1} << 40;
+constexpr size_t kNone = ~size_t{0};
+size_t off(const void* ptr) { return ptr ? static_cast<size_t>(reinterpret_cast<uintptr_t>(ptr) - kFakeBase) : kNone; }
+struct Laid : lce::Plan {
+  lce::Buffers b;
   std::vector<std::pair<size_t, size_t>> regions;
-  auto add = [&](size_t off, size_t bytes) {
-    if (off != lce::Plan::kNone && bytes) regions.push_back({off, off + bytes});
-  };
-  add(p.off_ce, p.ce_bytes);
-  add(p.off_cublas, p.cublas_bytes);
+};
+Laid lay(const lce::PlanInputs& in) {
+  Laid l;
+  static_cast<lce::Plan&>(l) = lce::plan_linear_cross_entropy(in);
+  head::WorkspaceLayout L;
+  lce::declare_workspace(in, l, L, &l.b);
+  L.carve(reinterpret_cast<void*>(kFakeBase));
+  l.regions = L.regions();
+  EXPECT_EQ(L.bytes(), l.bytes);
+  return l;
+}
+
+// Every region is 256-aligned, lies inside the total, and no two overlap.
+void expect_layout_sound(const Laid& p) {
+  std::vector<std::pair<size_t, size_t>> regions = p.regions;
   std::sort(regions.begin(), regions.end());
   for (size_t i = 0; i < regions.size(); ++i) {
-    EXPECT_LE(regions[i].second, p.bytes);
     EXPECT_EQ(regions[i].first % 256, 0u);
-    if (i) EXPECT_LE(regions[i - 1].second, regions[i].first);
+    EXPECT_LE(regions[i].first + regions[i].second, p.bytes);
+    if (i) EXPECT_LE(regions[i - 1].first + regions[i - 1].second, regions[i].first);
   }
-  const size_t offs[] = {p.off_scalars,       p.off_targets,  p.off_row_loss, p.off_lse,       p.off_hidden,
-                         p.off_logits,        p.off_dlogits,  p.off_dw,       p.off_dx,        p.off_db,
-                         p.off_db_partial,    p.off_partials, p.off_shift,    p.off_row_scale, p.off_fixups,
-                         p.off_scaled_hidden, p.off_dx_rows};
-  for (size_t off : offs)
-    if (off != lce::Plan::kNone) {
-      EXPECT_EQ(off % 256, 0u);
-      EXPECT_LE(off, p.bytes);
-    }
+}
+
+TEST(LinearHeadWorkspace, StagesCarveWhatTheyDeclare) {
+  struct Stage {
+    float* a = nullptr;
+    int* b = nullptr;
+    void* none = nullptr;
+    char* shared = nullptr;
+  } s;
+  head::WorkspaceLayout L;
+  L.add(&s.a, 10);
+  const size_t at_b = L.add(&s.b, 300);
+  L.add(&s.none, 0);  // absent: no region, the pointer stays null
+  L.alias(&s.shared, at_b);
+  EXPECT_EQ(L.bytes(), 256u + 512u);
+  EXPECT_EQ(L.regions(), (std::vector<std::pair<size_t, size_t>>{{0, 10}, {256, 300}}));
+  alignas(256) static char ws[768];
+  L.carve(ws);
+  EXPECT_EQ(reinterpret_cast<char*>(s.a), ws);
+  EXPECT_EQ(reinterpret_cast<char*>(s.b), ws + 256);
+  EXPECT_EQ(s.shared, ws + 256);
+  EXPECT_EQ(s.none, nullptr);
 }
 
 TEST(LinearCrossEntropyPlan, GradientInForwardAtLlamaShapes) {
   // bf16, N=8192, H=4096, V=128256, 512 MiB: holding every token's bf16 gradient (2.1 GB) costs no more than
   // budget + the float32 grad_weight accumulator (2.1 GB) would, so one group and no accumulator; the float32
   // logits chunk then takes the rest of that allowance (512 MiB: 1046 rows, 1024 at most).
-  lce::Plan p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256));
+  Laid p = lay(llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256));
   EXPECT_EQ(p.chunk_rows, 1024);
   EXPECT_EQ(p.group_rows, 8192);
   EXPECT_FALSE(p.dw_accumulator);
@@ -999,16 +1027,16 @@ TEST(LinearCrossEntropyPlan, GradientInForwardAtLlamaShapes) {
   EXPECT_LE(p.bytes, size_t{2700} << 20);
   expect_layout_sound(p);
   // 4096 tokens: the same trade, a chunk of 1024 tokens.
-  p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 4096, 4096, 128256));
+  p = lay(llama_inputs(lce::Pass::kForwardBackward, 4096, 4096, 128256));
   EXPECT_EQ(p.group_rows, 4096);
   EXPECT_EQ(p.chunk_rows, 1024);
   // Few tokens: never more rows than there are.
-  p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 300, 4096, 128256));
+  p = lay(llama_inputs(lce::Pass::kForwardBackward, 300, 4096, 128256));
   EXPECT_LE(p.chunk_rows, 300);
   EXPECT_EQ(p.group_rows, 300);
   // Gemma-2-like: V=256000, H=2304: every token's gradient (4.2 GB) would exceed budget + accumulator (2.9 GB).
   // 2/5 of the budget for the float32 chunk in 64-token steps (204 MiB: 209 rows -> 192), the rest for the group.
-  p = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000));
+  p = lay(llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000));
   EXPECT_EQ(p.chunk_rows, 192);
   EXPECT_EQ(p.group_rows, 640);
   EXPECT_TRUE(p.dw_accumulator);
@@ -1017,15 +1045,15 @@ TEST(LinearCrossEntropyPlan, GradientInForwardAtLlamaShapes) {
   // A float32 grad_weight takes the sums itself: groups from the budget, no accumulator.
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
   in.grad_weight_f32 = true;
-  p = lce::plan_linear_cross_entropy(in);
+  p = lay(in);
   EXPECT_EQ(p.chunk_rows, 384);
   EXPECT_EQ(p.group_rows, 1280);
   EXPECT_FALSE(p.dw_accumulator);
-  EXPECT_EQ(p.off_dw, lce::Plan::kNone);
+  EXPECT_EQ(off(p.b.head.dw_acc), kNone);
   // A frozen weight (no grad_weight): no accumulator to trade against, groups from the budget.
   in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
   in.need_dw = false;
-  EXPECT_EQ(lce::plan_linear_cross_entropy(in).group_rows, 1280);
+  EXPECT_EQ(lay(in).group_rows, 1280);
 }
 
 // The schedule "auto" takes for bf16 (recompute_is_faster): the three shapes measured on H100 (bench/RESULTS.md), and
@@ -1076,31 +1104,30 @@ TEST(LinearCrossEntropyPlan, Float32InputsOverwriteTheirLogits) {
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
   in.elem_bytes = 4;
   in.grad_weight_f32 = true;
-  const lce::Plan p = lce::plan_linear_cross_entropy(in);
+  const Laid p = lay(in);
   EXPECT_TRUE(p.dlogits_in_place);
-  EXPECT_EQ(p.off_dlogits, lce::Plan::kNone);
+  EXPECT_EQ(off(p.b.head.dlogits), kNone);
   EXPECT_EQ(p.chunk_rows, p.group_rows);
   EXPECT_EQ(p.chunk_rows, 1024);  // 512 MiB / (4 x 128256) = 1046
   expect_layout_sound(p);
 }
 
 TEST(LinearCrossEntropyPlan, ForwardAndBackward) {
-  lce::Plan f = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kForward, 8192, 4096, 128256));
+  Laid f = lay(llama_inputs(lce::Pass::kForward, 8192, 4096, 128256));
   EXPECT_EQ(f.chunk_rows, 1024);
-  EXPECT_EQ(f.off_dlogits, lce::Plan::kNone);
-  EXPECT_EQ(f.ce_bytes, size_t{256 + 4 * 1024});
+  EXPECT_EQ(off(f.b.head.dlogits), kNone);
   expect_layout_sound(f);
   // Backward: vocabulary chunks of 512 MiB / (6 bytes x 8192 tokens) = 10922 -> 10880 columns; grad_hidden
   // sums over 12 chunks in float32.
-  lce::Plan b = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kBackward, 8192, 4096, 128256));
+  Laid b = lay(llama_inputs(lce::Pass::kBackward, 8192, 4096, 128256));
   EXPECT_EQ(b.vocab_cols, 10880);
   EXPECT_EQ(b.ld_logits % 8, 0);
   EXPECT_TRUE(b.dx_accumulator);
-  EXPECT_NE(b.off_dx, lce::Plan::kNone);
-  EXPECT_EQ(b.off_dw, lce::Plan::kNone);  // each chunk of grad_weight rows is final when written
+  EXPECT_NE(off(b.b.head.dx_acc), kNone);
+  EXPECT_EQ(off(b.b.head.dw_acc), kNone);  // each chunk of grad_weight rows is final when written
   expect_layout_sound(b);
   // Few tokens: the whole vocabulary in one chunk costs no more than the budget plus that accumulator.
-  b = lce::plan_linear_cross_entropy(llama_inputs(lce::Pass::kBackward, 256, 4096, 128256));
+  b = lay(llama_inputs(lce::Pass::kBackward, 256, 4096, 128256));
   EXPECT_EQ(b.vocab_cols, 128256);
   EXPECT_FALSE(b.dx_accumulator);
 }
@@ -1110,21 +1137,20 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   in.fused = true;
   // Forward: no logits, no cross-entropy scratch; 16 bytes per token and 256-column tile (501 tiles), so every
   // token fits one chunk.
-  lce::Plan f = lce::plan_linear_cross_entropy(in);
+  Laid f = lay(in);
   EXPECT_EQ(f.kernel, lce::Kernel::kHopperFused);
-  EXPECT_EQ(f.off_logits, lce::Plan::kNone);
-  EXPECT_EQ(f.ce_bytes, 0u);
+  EXPECT_EQ(off(f.b.head.logits), kNone);
   EXPECT_EQ(f.chunk_rows, 8192);
-  EXPECT_NE(f.off_partials, lce::Plan::kNone);
-  EXPECT_GE(f.bytes - f.off_partials, size_t{8192} * 501 * 16);
+  EXPECT_NE(off(f.b.fused.partials), kNone);
+  EXPECT_GE(f.bytes - off(f.b.fused.partials), size_t{8192} * 501 * 16);
   expect_layout_sound(f);
   // Gradient in forward without the exponential form (float16, soft cap, label smoothing): generic, the plan as
   // without the flag.
   in.pass = lce::Pass::kForwardBackward;
-  lce::Plan g = lce::plan_linear_cross_entropy(in);
+  Laid g = lay(in);
   EXPECT_EQ(g.kernel, lce::Kernel::kCublasChunked);
-  EXPECT_EQ(g.off_partials, lce::Plan::kNone);
-  EXPECT_EQ(g.off_shift, lce::Plan::kNone);
+  EXPECT_EQ(off(g.b.fused.partials), kNone);
+  EXPECT_EQ(off(g.b.fused.shift), kNone);
   EXPECT_EQ(g.chunk_rows, 1024);
   EXPECT_EQ(g.group_rows, 8192);
   expect_layout_sound(g);
@@ -1133,27 +1159,26 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   // (4 x 4096): 272908 bytes. Every token's (2.24 GB) costs less than budget + the float32 grad_weight accumulator
   // (2.64 GB), so one group and no accumulator.
   in.fused_exp = true;
-  g = lce::plan_linear_cross_entropy(in);
+  g = lay(in);
   EXPECT_EQ(g.kernel, lce::Kernel::kHopperFused);
   EXPECT_EQ(g.chunk_rows, 8192);
   EXPECT_EQ(g.group_rows, 8192);
   EXPECT_FALSE(g.dw_accumulator);
-  EXPECT_EQ(g.off_logits, lce::Plan::kNone);
-  EXPECT_EQ(g.ce_bytes, 0u);
-  for (size_t off :
-       {g.off_partials, g.off_dlogits, g.off_shift, g.off_row_scale, g.off_fixups, g.off_scaled_hidden, g.off_dx_rows})
-    EXPECT_NE(off, lce::Plan::kNone);
+  EXPECT_EQ(off(g.b.head.logits), kNone);
+  for (size_t off : {off(g.b.fused.partials), off(g.b.head.dlogits), off(g.b.fused.shift), off(g.b.fused.row_scale),
+                     off(g.b.fused.fixups), off(g.b.fused.scaled_hidden), off(g.b.fused.dx_rows)})
+    EXPECT_NE(off, kNone);
   EXPECT_GE(g.bytes, size_t{8192} * 272908);
   EXPECT_LE(g.bytes, size_t{8192} * 272908 + (size_t{40} << 20));
-  EXPECT_EQ(g.off_scaled_hidden, g.off_partials);
-  EXPECT_EQ(g.off_dx_rows, g.off_partials);
-  EXPECT_GE(g.bytes - g.off_partials, size_t{8192} * 4 * 4096);
+  EXPECT_EQ(off(g.b.fused.scaled_hidden), off(g.b.fused.partials));
+  EXPECT_EQ(off(g.b.fused.dx_rows), off(g.b.fused.partials));
+  EXPECT_GE(g.bytes - off(g.b.fused.partials), size_t{8192} * 4 * 4096);
   expect_layout_sound(g);
   // 16384 x 2048 x 128256: 264716 bytes a token; every token's (4.3 GB) exceeds budget + accumulator (1.6 GB), so
   // groups from the budget (2028 -> 1920 rows) and the accumulator.
   lce::PlanInputs in2 = llama_inputs(lce::Pass::kForwardBackward, 16384, 2048, 128256);
   in2.fused = in2.fused_exp = true;
-  g = lce::plan_linear_cross_entropy(in2);
+  g = lay(in2);
   EXPECT_EQ(g.kernel, lce::Kernel::kHopperFused);
   EXPECT_EQ(g.group_rows, 1920);
   EXPECT_EQ(g.chunk_rows, 1920);
@@ -1163,62 +1188,62 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   // hidden; a bias gradient: generic.
   in2.grad_hidden_f32 = true;
   in2.need_dw = false;
-  g = lce::plan_linear_cross_entropy(in2);
-  EXPECT_EQ(g.off_dx_rows, lce::Plan::kNone);
-  EXPECT_EQ(g.off_scaled_hidden, lce::Plan::kNone);
+  g = lay(in2);
+  EXPECT_EQ(off(g.b.fused.dx_rows), kNone);
+  EXPECT_EQ(off(g.b.fused.scaled_hidden), kNone);
   in2.need_db = true;
-  EXPECT_EQ(lce::plan_linear_cross_entropy(in2).kernel, lce::Kernel::kCublasChunked);
+  EXPECT_EQ(lay(in2).kernel, lce::Kernel::kCublasChunked);
   in.fused_exp = false;
   // Backward: only the 16-bit gradient per column, 512 MiB / (2 bytes x 8192) = 32768 columns (whole tiles).
   in.pass = lce::Pass::kBackward;
-  lce::Plan b = lce::plan_linear_cross_entropy(in);
+  Laid b = lay(in);
   EXPECT_EQ(b.kernel, lce::Kernel::kHopperFused);
-  EXPECT_EQ(b.off_logits, lce::Plan::kNone);
+  EXPECT_EQ(off(b.b.head.logits), kNone);
   EXPECT_EQ(b.vocab_cols, 32768);
   EXPECT_TRUE(b.dx_accumulator);
   expect_layout_sound(b);
   // What stays generic: a backward with a bias gradient, float32 inputs, the vocabulary-parallel steps.
   in.need_db = true;
-  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kCublasChunked);
+  EXPECT_EQ(lay(in).kernel, lce::Kernel::kCublasChunked);
   in.need_db = false;
   in.elem_bytes = 4;
-  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kCublasChunked);
+  EXPECT_EQ(lay(in).kernel, lce::Kernel::kCublasChunked);
   in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
   in.fused = true;
   in.steps = true;
   in.chunk_tokens = 512;
-  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kCublasChunked);
+  EXPECT_EQ(lay(in).kernel, lce::Kernel::kCublasChunked);
   // Without the flag (another GPU, other operands): the generic plan, as before.
   in = llama_inputs(lce::Pass::kBackward, 8192, 4096, 128256);
-  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kCublasChunked);
-  EXPECT_EQ(lce::plan_linear_cross_entropy(in).vocab_cols, 10880);
+  EXPECT_EQ(lay(in).kernel, lce::Kernel::kCublasChunked);
+  EXPECT_EQ(lay(in).vocab_cols, 10880);
 }
 
 TEST(LinearCrossEntropyPlan, ExplicitChunksAndTinyBudgets) {
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 100, 16, 1000);
   in.chunk_tokens = 7;
-  lce::Plan p = lce::plan_linear_cross_entropy(in);
+  Laid p = lay(in);
   EXPECT_EQ(p.group_rows, 7);
   EXPECT_LE(p.chunk_rows, 7);
   EXPECT_TRUE(p.dw_accumulator);
   in.chunk_tokens = 0;
   in.memory_budget = 1;  // smaller than one row: still one row at a time
-  p = lce::plan_linear_cross_entropy(in);
+  p = lay(in);
   EXPECT_EQ(p.chunk_rows, 1);
   EXPECT_GE(p.group_rows, 1);
   expect_layout_sound(p);
   in = llama_inputs(lce::Pass::kBackward, 100, 16, 1000);
   in.chunk_vocab = 333;
-  p = lce::plan_linear_cross_entropy(in);
+  p = lay(in);
   EXPECT_EQ(p.vocab_cols, 333);
   EXPECT_EQ(p.ld_logits, 336);
   in.chunk_vocab = 5000;
-  EXPECT_EQ(lce::plan_linear_cross_entropy(in).vocab_cols, 1000);
+  EXPECT_EQ(lay(in).vocab_cols, 1000);
   // No tokens: nothing but the scalars.
   in = llama_inputs(lce::Pass::kForwardBackward, 0, 16, 1000);
-  p = lce::plan_linear_cross_entropy(in);
-  EXPECT_EQ(p.off_logits, lce::Plan::kNone);
-  EXPECT_EQ(p.off_cublas, lce::Plan::kNone);
+  p = lay(in);
+  EXPECT_EQ(off(p.b.head.logits), kNone);
+  EXPECT_EQ(off(p.b.head.cublas), kNone);
 }
 
 // ---- bad input ----------------------------------------------------------------------------------------------

@@ -620,10 +620,30 @@ lpl::PlanInputs plan_in(int64_t B, int64_t L, int64_t Lg, int64_t H, int64_t V, 
   return in;
 }
 
+// A plan with its workspace carved at a fake base (addresses only, never dereferenced): every stage's pointers
+// become offsets, and the regions are listed.
+constexpr uintptr_t kFakeBase = uintptr_t{1} << 40;
+constexpr size_t kNone = ~size_t{0};
+size_t off(const void* ptr) { return ptr ? static_cast<size_t>(reinterpret_cast<uintptr_t>(ptr) - kFakeBase) : kNone; }
+struct Laid : lpl::Plan {
+  lpl::Buffers b;
+  std::vector<std::pair<size_t, size_t>> regions;
+};
+Laid lay(const lpl::PlanInputs& in) {
+  Laid l;
+  static_cast<lpl::Plan&>(l) = lpl::plan_linear_policy_loss(in);
+  head::WorkspaceLayout L;
+  lpl::declare_workspace(in, l, L, &l.b);
+  L.carve(reinterpret_cast<void*>(kFakeBase));
+  l.regions = L.regions();
+  EXPECT_EQ(L.bytes(), l.bytes);
+  return l;
+}
+
 TEST(LinearPolicyLossPlan, ChunksAreWholeSequencesAndRegionsDisjoint) {
   // The benchmark's shape: B=8, L=1024, V=150000, H=4096, bf16, 512 MiB.
   lpl::PlanInputs in = plan_in(8, 1024, 1025, 4096, 150000, 2, true);
-  lpl::Plan p = lpl::plan_linear_policy_loss(in);
+  Laid p = lay(in);
   EXPECT_GE(p.chunk_rows, 1);
   EXPECT_LE(static_cast<size_t>(p.chunk_rows * p.ld_logits * 4), in.memory_budget);  // a quarter, as in the LCE
   EXPECT_FALSE(p.dlogits_in_place);
@@ -632,18 +652,10 @@ TEST(LinearPolicyLossPlan, ChunksAreWholeSequencesAndRegionsDisjoint) {
   EXPECT_EQ(p.group_rows, in.rows);
   EXPECT_FALSE(p.dw_accumulator);
   // Regions: 256-aligned, disjoint, inside `bytes`.
-  std::vector<std::pair<size_t, size_t>> regions = {
-      {p.off_steps, in.steps_bytes},
-      {p.off_logp, 4 * 8192},
-      {p.off_lse, 4 * 8192},
-      {p.off_coeff, 4 * 8192},
-      {p.off_cublas, p.cublas_bytes},
-      {p.off_logits, static_cast<size_t>(p.chunk_rows * p.ld_logits * 4)},
-      {p.off_dlogits, static_cast<size_t>(p.group_rows * p.ld_dlogits * 2)},
-      {p.off_db, 150000 * 4}};
+  std::vector<std::pair<size_t, size_t>> regions = p.regions;
+  EXPECT_EQ(regions.size(), 9u);  // steps, logp, lse, coeff, cuBLAS, logits, dlogits, db and its partials
   std::sort(regions.begin(), regions.end());
   for (size_t i = 0; i < regions.size(); ++i) {
-    ASSERT_NE(regions[i].first, lpl::Plan::kNone) << i;
     EXPECT_EQ(regions[i].first % 256, 0u);
     if (i + 1 < regions.size()) EXPECT_LE(regions[i].first + regions[i].second, regions[i + 1].first);
     EXPECT_LE(regions[i].first + regions[i].second, p.bytes);
@@ -652,25 +664,25 @@ TEST(LinearPolicyLossPlan, ChunksAreWholeSequencesAndRegionsDisjoint) {
   // Chunks of at least a sequence are whole sequences; groups too.
   in = plan_in(6, 20, 21, 64, 1000, 2, true);
   in.chunk_tokens = 50;
-  p = lpl::plan_linear_policy_loss(in);
+  p = lay(in);
   EXPECT_EQ(p.chunk_rows % 21, 0);
   EXPECT_EQ(p.group_rows % 21, 0);
   EXPECT_TRUE(p.dw_accumulator);  // 42 of 126 positions per group
-  EXPECT_NE(p.off_dw, lpl::Plan::kNone);
+  EXPECT_NE(off(p.b.head.dw_acc), kNone);
   // float32: the gradient overwrites its logits, one chunk per group.
   in = plan_in(6, 20, 21, 64, 1000, 4, true);
   in.chunk_tokens = 50;
-  p = lpl::plan_linear_policy_loss(in);
+  p = lay(in);
   EXPECT_TRUE(p.dlogits_in_place);
   EXPECT_EQ(p.group_rows, p.chunk_rows);
-  EXPECT_EQ(p.off_dlogits, lpl::Plan::kNone);
+  EXPECT_EQ(off(p.b.head.dlogits), kNone);
   // The forward holds no gradient and no per-token state of its own.
   in = plan_in(6, 20, 21, 64, 1000, 2, false);
   in.token_logp = in.token_lse = in.token_coeff = false;
-  p = lpl::plan_linear_policy_loss(in);
-  EXPECT_EQ(p.off_dlogits, lpl::Plan::kNone);
-  EXPECT_EQ(p.off_coeff, lpl::Plan::kNone);
-  EXPECT_EQ(p.off_dw, lpl::Plan::kNone);
+  p = lay(in);
+  EXPECT_EQ(off(p.b.head.dlogits), kNone);
+  EXPECT_EQ(off(p.b.policy.coeff), kNone);
+  EXPECT_EQ(off(p.b.head.dw_acc), kNone);
 }
 
 // ---- selective log-softmax ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "linear_cross_entropy/cuda/plan.h"
+#include "linear_head/cuda/plan.h"
 #include "logitless/vocab_parallel.h"
 #include "test_util.h"
 
@@ -996,8 +997,27 @@ lce::PlanInputs step_inputs(int64_t n, int64_t h, int64_t v, int64_t chunk) {
   in.elem_bytes = 2;
   in.need_dx = in.need_dw = true;
   in.chunk_tokens = chunk;
-  in.ce_workspace_bytes = [](int64_t rows) { return static_cast<size_t>(256 + 4 * rows); };
   return in;
+}
+
+// A plan with its workspace carved at a fake base (addresses only, never dereferenced): every stage's pointers
+// become offsets, and the regions are listed.
+constexpr uintptr_t kFakeBase = uintptr_t{1} << 40;
+constexpr size_t kNone = ~size_t{0};
+size_t off(const void* ptr) { return ptr ? static_cast<size_t>(reinterpret_cast<uintptr_t>(ptr) - kFakeBase) : kNone; }
+struct Laid : lce::Plan {
+  lce::Buffers b;
+  std::vector<std::pair<size_t, size_t>> regions;
+};
+Laid lay(const lce::PlanInputs& in) {
+  Laid l;
+  static_cast<lce::Plan&>(l) = lce::plan_linear_cross_entropy(in);
+  head::WorkspaceLayout L;
+  lce::declare_workspace(in, l, L, &l.b);
+  L.carve(reinterpret_cast<void*>(kFakeBase));
+  l.regions = L.regions();
+  EXPECT_EQ(L.bytes(), l.bytes);
+  return l;
 }
 
 TEST(VocabParallelPlan, ChunksAtTheBenchmarkShape) {
@@ -1006,7 +1026,7 @@ TEST(VocabParallelPlan, ChunksAtTheBenchmarkShape) {
   // gradient, 2.1 GB, would exceed the budget plus the 1.05 GB accumulator).
   const int64_t chunk = lce::shard_chunk_tokens(16384, 64128, 0, size_t{512} << 20);
   EXPECT_EQ(chunk, 512);
-  const lce::Plan p = lce::plan_linear_cross_entropy(step_inputs(16384, 4096, 64128, chunk));
+  const Laid p = lay(step_inputs(16384, 4096, 64128, chunk));
   EXPECT_EQ(p.chunk_rows, 512);
   EXPECT_EQ(p.group_rows, 2048);
   EXPECT_EQ(p.group_rows % p.chunk_rows, 0);
@@ -1014,22 +1034,22 @@ TEST(VocabParallelPlan, ChunksAtTheBenchmarkShape) {
   EXPECT_EQ(p.slot_bytes, static_cast<size_t>(512 * 64128 * 4));
   EXPECT_LE(2 * p.slot_bytes + static_cast<size_t>(p.group_rows * p.ld_dlogits * 2), size_t{512} << 20);
   // The two slots lie one after the other, before the next region.
-  EXPECT_LE(p.off_logits + 2 * p.slot_bytes, p.off_dlogits);
+  EXPECT_LE(off(p.b.head.logits) + 2 * p.slot_bytes, off(p.b.head.dlogits));
   // Small problems: every token in one group; an option overrides the chunk; the chunk never exceeds N.
   EXPECT_EQ(lce::shard_chunk_tokens(100, 64128, 0, size_t{512} << 20), 100);
   EXPECT_EQ(lce::shard_chunk_tokens(16384, 64128, 77, size_t{512} << 20), 77);
   EXPECT_EQ(lce::shard_chunk_tokens(0, 0, 0, size_t{512} << 20), 1);
-  const lce::Plan s = lce::plan_linear_cross_entropy(step_inputs(1000, 64, 500, 96));
+  const Laid s = lay(step_inputs(1000, 64, 500, 96));
   EXPECT_EQ(s.chunk_rows, 96);
   EXPECT_EQ(s.group_rows, 1056);  // 11 whole chunks cover the 1000 tokens
   EXPECT_FALSE(s.dw_accumulator);
   // float32 inputs form the gradient in their slot: a group is a chunk.
   lce::PlanInputs f32 = step_inputs(1000, 64, 500, 96);
   f32.elem_bytes = 4;
-  const lce::Plan f = lce::plan_linear_cross_entropy(f32);
+  const Laid f = lay(f32);
   EXPECT_TRUE(f.dlogits_in_place);
   EXPECT_EQ(f.group_rows, 96);
-  EXPECT_EQ(f.off_dlogits, lce::Plan::kNone);
+  EXPECT_EQ(off(f.b.head.dlogits), kNone);
 }
 
 }  // namespace

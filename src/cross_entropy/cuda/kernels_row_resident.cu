@@ -15,6 +15,7 @@
 
 #include "common/cuda/check.cuh"
 #include "common/cuda/cluster_exchange.cuh"
+#include "common/cuda/launch_cache.h"
 #include "cross_entropy/cuda/device.cuh"
 #include "cross_entropy/cuda/kernels.h"
 
@@ -258,10 +259,13 @@ int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
                           kMaxCluster, " CTAs per cluster, got ", plan.stages, " and ", plan.cluster));
   const bool general = p.softcap > 0.f || p.eps != 0.f;
   auto kernel = general ? row_resident_kernel<T, true> : row_resident_kernel<T, false>;
-  LOGITLESS_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem_bytes)));
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  if (const cudaError_t err = launch_cache::reserve_dynamic_smem(fn, plan.smem_bytes); err != cudaSuccess)
+    throw_cuda(err, "cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize)", __FILE__, __LINE__);
   if (plan.cluster > 8)
-    LOGITLESS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    if (const cudaError_t err = launch_cache::allow_non_portable_clusters(fn); err != cudaSuccess)
+      throw_cuda(err, "cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed)", __FILE__,
+                 __LINE__);
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -274,12 +278,8 @@ int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
   cfg.dynamicSmemBytes = plan.smem_bytes;
   cfg.stream = stream;
   cfg.gridDim = dim3(plan.cluster);
-  int max_clusters = 0;
-  const cudaError_t occ = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg);
-  if (occ != cudaSuccess) {
-    cudaGetLastError();  // the cluster size is not supported here: not an error, the caller falls back
-    return 0;
-  }
+  // 0 where the cluster size is not supported here: not an error, the caller falls back.
+  const int max_clusters = launch_cache::max_active_clusters(fn, cfg);
   if (max_clusters <= 0) return 0;
   // Persistent clusters: one wave, rows strided across them.
   const int64_t clusters = std::min<int64_t>(plan.grid_clusters > 0 ? plan.grid_clusters : max_clusters, p.n_rows);

@@ -8,13 +8,13 @@
 //      the logits included when the gradient goes in place, and the GPU never waits for the host.
 // Nothing synchronizes with the host except step 5, which is skipped while a CUDA graph is being captured.
 #include <algorithm>
-#include <memory>
-#include <vector>
 
 #include "common/cuda/check.cuh"
+#include "common/cuda/index_readback.h"
 #include "cross_entropy/cuda/device.cuh"
 #include "cross_entropy/cuda/kernels.h"
 #include "cross_entropy/cuda/plan.h"
+#include "cross_entropy/cuda/steps.h"
 #include "cross_entropy/problem.h"
 
 namespace logitless::ce {
@@ -28,8 +28,7 @@ thread_local debug::LaunchRecord t_last_launch;
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 // Fixed thread count and fixed per-thread order: the sums come out bit-identical on every run.
-__global__ void __launch_bounds__(kReduceThreads)
-    prepass_kernel(const KernelParams p, Reduction reduction, Scalars* out) {
+__global__ void __launch_bounds__(kReduceThreads) prepass_kernel(const KernelParams p, const Prepass q) {
   __shared__ double sh_d[kReduceThreads / 32];
   __shared__ long long sh_b[kReduceThreads / 32], sh_c[kReduceThreads / 32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -37,6 +36,7 @@ __global__ void __launch_bounds__(kReduceThreads)
   long long bad = p.n_rows, count = 0;
   for (int64_t i = tid; i < p.n_rows; i += blockDim.x) {
     const int64_t t = load_target(p, i);
+    if (q.targets_out) q.targets_out[i] = t;
     const RowKind k = classify(p, t);
     if (k == RowKind::kValid) denom += target_weight(p, t), ++count;
     if (k == RowKind::kBad && i < bad) bad = i;
@@ -65,11 +65,12 @@ __global__ void __launch_bounds__(kReduceThreads)
     double d = 0;
     long long b = p.n_rows, c = 0;
     for (int i = 0; i < kReduceThreads / 32; ++i) d += sh_d[i], b = min(b, sh_b[i]), c += sh_c[i];
-    const bool mean = reduction == Reduction::kMean;
-    out->inv_denom = mean ? (d != 0 ? static_cast<float>(1.0 / d) : 0.f) : 1.f;
-    out->inv_count = mean ? (c != 0 ? static_cast<float>(1.0 / static_cast<double>(c)) : 0.f) : 1.f;
-    out->weight_sum = static_cast<float>(wsum);
-    out->first_bad = b;
+    const bool mean = q.reduction == Reduction::kMean;
+    q.out->inv_denom = mean ? (d != 0 ? static_cast<float>(1.0 / d) : 0.f) : 1.f;
+    q.out->inv_count = mean ? (c != 0 ? static_cast<float>(1.0 / static_cast<double>(c)) : 0.f) : 1.f;
+    q.out->weight_sum = static_cast<float>(wsum);
+    q.out->first_bad = b;
+    if (q.rows_out) *q.rows_out = Scalars{1.f, 1.f, static_cast<float>(wsum), b};
   }
 }
 
@@ -118,7 +119,9 @@ __global__ void combine_partials_kernel(const KernelParams p, const float4* part
   }
 }
 
-KernelParams make_params(const Problem& pr, Scalars* scalars, float* row_loss) {
+}  // namespace
+
+KernelParams make_params(const Problem& pr, const Scalars* scalars, float* row_loss) {
   KernelParams k;
   k.logits = static_cast<const char*>(pr.logits);
   k.logits_rows = pr.logits_rows;
@@ -149,40 +152,11 @@ KernelParams make_params(const Problem& pr, Scalars* scalars, float* row_loss) {
   return k;
 }
 
-// The eager target check's read-back: a pinned slot and an event per thread and device (a call waits for its own
-// slot before it returns, so one per thread suffices; an event belongs to the device current at its creation), kept
-// for the thread's lifetime.
-struct BadTargetReadback {
-  long long* slot = nullptr;
-  cudaEvent_t copied = nullptr;
-  BadTargetReadback() {
-    LOGITLESS_CUDA_CHECK(cudaHostAlloc(&slot, sizeof(long long), cudaHostAllocPortable));
-    LOGITLESS_CUDA_CHECK(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming));
-  }
-  ~BadTargetReadback() {  // errors ignored: the runtime may already be shutting down
-    if (copied) cudaEventDestroy(copied);
-    if (slot) cudaFreeHost(slot);
-  }
-};
-
-// Starts copying the prepass's first bad row to the host; the row kernels are queued behind it. `device` is current.
-BadTargetReadback& start_bad_target_readback(int device, const Scalars* scalars, cudaStream_t stream) {
-  thread_local std::vector<std::unique_ptr<BadTargetReadback>> per_device;
-  if (per_device.size() <= static_cast<size_t>(device)) per_device.resize(device + 1);
-  if (!per_device[device]) per_device[device] = std::make_unique<BadTargetReadback>();
-  BadTargetReadback& rb = *per_device[device];
-  // A call that threw before its wait may have left a copy in flight (on another stream, perhaps): let it land.
-  LOGITLESS_CUDA_CHECK(cudaEventSynchronize(rb.copied));
-  LOGITLESS_CUDA_CHECK(
-      cudaMemcpyAsync(rb.slot, &scalars->first_bad, sizeof(long long), cudaMemcpyDeviceToHost, stream));
-  LOGITLESS_CUDA_CHECK(cudaEventRecord(rb.copied, stream));
-  return rb;
-}
+namespace {
 
 // Waits for the read-back and throws if a row's target is bad (the kernels queued since then write nothing).
-void throw_if_bad_target(const Problem& pr, BadTargetReadback& rb) {
-  LOGITLESS_CUDA_CHECK(cudaEventSynchronize(rb.copied));
-  const long long first_bad = *rb.slot;
+void throw_if_bad_target(const Problem& pr, IndexReadback& rb) {
+  const long long first_bad = rb.wait();
   if (first_bad >= pr.n_rows) return;
   const int64_t es = dtype_size(pr.target_dtype);
   int64_t value = 0;
@@ -203,6 +177,54 @@ size_t cuda_workspace_bytes(int64_t n_rows, int64_t vocab, bool has_weight, cons
   return kScalarsBytes + align256(static_cast<size_t>(std::max<int64_t>(n_rows, 0)) * sizeof(float));
 }
 
+void launch_prepass(const KernelParams& p, const Prepass& q, cudaStream_t stream) {
+  prepass_kernel<<<1, kReduceThreads, 0, stream>>>(p, q);
+  LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy prepass");
+}
+
+void launch_rows(const Problem& pr, const KernelParams& kp, cudaStream_t stream) {
+  if (pr.n_rows <= 0) return;
+  const DeviceInfo& info = device_info(pr.device.index);
+  if (pr.mode == Mode::kFinalize) {
+    const int64_t blocks = std::min<int64_t>((pr.n_rows + 255) / 256, static_cast<int64_t>(info.sm_count) * 8);
+    combine_partials_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        kp, reinterpret_cast<const float4*>(pr.partials_in), pr.n_shards);
+    LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy shard finalize");
+    return;
+  }
+  if (pr.mode == Mode::kPartials || pr.vocab_offset != 0 || pr.vocab != pr.total_vocab()) {
+    // A vocabulary shard: its partial statistics, or its backward from the global lse. Both read each row once,
+    // which the streaming kernel does on every GPU (the row-resident kernel serves whole rows read twice).
+    launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
+    t_last_launch = debug::LaunchRecord{Plan{}, 0};
+    return;
+  }
+  PlanInputs in;
+  in.vocab = pr.vocab;
+  in.elem_bytes = static_cast<int>(dtype_size(pr.dtype));
+  in.backward_only = pr.mode == Mode::kBackward;
+  in.forward_only = pr.mode == Mode::kForward;
+  in.row_resident_capable = row_resident_available(pr.device.index);
+  in.smem_per_block = info.max_smem_per_block_optin - 4096;  // room for the static shared memory (about 2 KB)
+  in.smem_per_sm = info.max_smem_per_sm;
+  in.requested = pr.algo;
+  Plan plan = plan_cross_entropy(in);
+  if (g_plan_hook) g_plan_hook(plan);
+  if (plan.algo == CrossEntropyAlgo::kAuto)
+    throw_invalid(
+        str_cat("algo: expected an algorithm this GPU can run; row_resident needs a Hopper GPU (sm_90) "
+                "and rows that fit a cluster's shared memory, got V=",
+                pr.vocab, " on sm_", info.sm_major, info.sm_minor));
+  int clusters = 0;
+  if (plan.algo == CrossEntropyAlgo::kRowResident) {
+    clusters = launch_row_resident(pr.dtype, kp, plan, stream);
+    if (clusters == 0 && pr.algo == CrossEntropyAlgo::kRowResident)
+      throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
+  }
+  if (clusters == 0) launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
+  t_last_launch = debug::LaunchRecord{plan, clusters};
+}
+
 void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(pr.device.index);
@@ -211,56 +233,18 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
   const bool loss_out = pr.mode != Mode::kBackward && pr.mode != Mode::kPartials;
   float* row_loss = loss_out ? (pr.reduction == Reduction::kNone ? pr.loss : partials) : nullptr;
   KernelParams kp = make_params(pr, scalars, row_loss);
-  BadTargetReadback* readback = nullptr;
+  IndexReadback* readback = nullptr;
 
   if (pr.n_rows > 0) {
-    prepass_kernel<<<1, kReduceThreads, 0, stream>>>(kp, pr.reduction, scalars);
-    LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy prepass");
+    launch_prepass(kp, Prepass{pr.reduction, scalars}, stream);
     const bool checks = pr.mode != Mode::kBackward;  // the backward trusts the forward's check
     // Eager mode reads the first bad row back without stalling the GPU: the kernels are queued right behind the
     // copy and write nothing if there is one; the host waits for the copy (not the kernels) and throws.
     if (checks && pr.check_targets && !stream_is_capturing(stream)) {
       kp.abort_on_bad = 1;
-      readback = &start_bad_target_readback(pr.device.index, scalars, stream);
+      readback = &IndexReadback::start(pr.device.index, &scalars->first_bad, stream);
     }
-
-    const DeviceInfo& info = device_info(pr.device.index);
-    if (pr.mode == Mode::kFinalize) {
-      const int64_t blocks = std::min<int64_t>((pr.n_rows + 255) / 256, static_cast<int64_t>(info.sm_count) * 8);
-      combine_partials_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-          kp, reinterpret_cast<const float4*>(pr.partials_in), pr.n_shards);
-      LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy shard finalize");
-    } else if (pr.mode == Mode::kPartials || pr.vocab_offset != 0 || pr.vocab != pr.total_vocab()) {
-      // A vocabulary shard: its partial statistics, or its backward from the global lse. Both read each row once,
-      // which the streaming kernel does on every GPU (the row-resident kernel serves whole rows read twice).
-      launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
-      t_last_launch = debug::LaunchRecord{Plan{}, 0};
-    } else {
-      PlanInputs in;
-      in.vocab = pr.vocab;
-      in.elem_bytes = static_cast<int>(dtype_size(pr.dtype));
-      in.backward_only = pr.mode == Mode::kBackward;
-      in.forward_only = pr.mode == Mode::kForward;
-      in.row_resident_capable = row_resident_available(pr.device.index);
-      in.smem_per_block = info.max_smem_per_block_optin - 4096;  // room for the static shared memory (about 2 KB)
-      in.smem_per_sm = info.max_smem_per_sm;
-      in.requested = pr.algo;
-      Plan plan = plan_cross_entropy(in);
-      if (g_plan_hook) g_plan_hook(plan);
-      if (plan.algo == CrossEntropyAlgo::kAuto)
-        throw_invalid(
-            str_cat("algo: expected an algorithm this GPU can run; row_resident needs a Hopper GPU (sm_90) "
-                    "and rows that fit a cluster's shared memory, got V=",
-                    pr.vocab, " on sm_", info.sm_major, info.sm_minor));
-      int clusters = 0;
-      if (plan.algo == CrossEntropyAlgo::kRowResident) {
-        clusters = launch_row_resident(pr.dtype, kp, plan, stream);
-        if (clusters == 0 && pr.algo == CrossEntropyAlgo::kRowResident)
-          throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
-      }
-      if (clusters == 0) launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
-      t_last_launch = debug::LaunchRecord{plan, clusters};
-    }
+    launch_rows(pr, kp, stream);
   }
   if (loss_out && pr.reduction != Reduction::kNone) {
     finalize_kernel<<<1, kReduceThreads, 0, stream>>>(partials, pr.n_rows, scalars, pr.loss, kp.abort_on_bad);

@@ -4,34 +4,14 @@
 
 #include <cstdint>
 
-#include "common/layout.h"
 #include "cross_entropy/cuda/params.h"
 #include "logitless/tensor.h"
 
 namespace logitless::lce {
 
-// Per-call scalars, computed on the device by the prepass (workspace region Plan::off_scalars).
-struct Scalars {
-  float inv_denom;      // mean: 1 / sum of the class weights of the tokens not ignored (0 when there are none);
-                        // sum and none: 1
-  float inv_count;      // mean: 1 / count of the tokens not ignored (0 when none), the z-loss terms' divisor;
-                        // sum and none: 1
-  float weight_sum;     // W = sum of the class weights (V without them; only label smoothing uses it)
-  long long first_bad;  // smallest token with a target outside [0, V) other than ignore_index; N if none
-};
-
-struct PrepassParams {
-  const void* target = nullptr;
-  int target_is64 = 1;
-  RowLayout target_rows;
-  int64_t n = 0, vocab = 0, ignore_index = -100;
-  const float* class_weight = nullptr;
-  int64_t class_weight_stride = 1;
-  int mean = 0;
-  int need_weight_sum = 0;
-  int64_t* targets_out = nullptr;  // [n] int64, contiguous
-  Scalars* scalars = nullptr;
-};
+// Per-call scalars, computed on the device by the prepass (the cross-entropy family's, cross_entropy/cuda/steps.h;
+// workspace region Plan::off_scalars): the mean's divisors over the whole call, W, the first bad target.
+using Scalars = ce::Scalars;
 
 // The gradient of a chunk of float32 logits: rows [0, rows) of the chunk are tokens row0 + r, its columns
 // [0, width) are classes col0 + c.

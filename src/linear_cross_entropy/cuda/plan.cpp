@@ -8,35 +8,7 @@ namespace {
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// A chunk length from a byte count: whole multiples of 128 (a GEMM tile edge) once there is room for 128,
-// otherwise whatever fits, and at least 1 (a budget smaller than one row still makes progress).
-// Tokens of a float32 logits chunk when the gradient of every token is held (no grad_weight accumulator): the
-// logits GEMM of 1024 tokens does 1024 FLOP per byte of the weight it reads, past the H100's balance point.
-constexpr int64_t kGrownChunkRows = 1024;
-
-int64_t fit(size_t bytes, int64_t per_item) {
-  const int64_t n = static_cast<int64_t>(bytes / static_cast<size_t>(std::max<int64_t>(per_item, 1)));
-  return n >= 128 ? n / 128 * 128 : std::max<int64_t>(n, 1);
-}
-// The same in 64-token steps: the float32 chunk of a 16-bit gradient-in-forward plan, where 128-token steps
-// would give away up to a third of its share at V=256000.
-int64_t fit_chunk(size_t bytes, int64_t per_item) {
-  const int64_t n = static_cast<int64_t>(bytes / static_cast<size_t>(std::max<int64_t>(per_item, 1)));
-  return n >= 64 ? n / 64 * 64 : std::max<int64_t>(n, 1);
-}
-
-class Layout {
- public:
-  size_t add(size_t bytes) {
-    const size_t at = end_;
-    end_ += (bytes + 255) / 256 * 256;
-    return at;
-  }
-  size_t end() const { return end_; }
-
- private:
-  size_t end_ = 0;
-};
+using head::fit_rows;
 
 }  // namespace
 
@@ -45,7 +17,7 @@ int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens
   if (chunk_tokens > 0) return std::min(chunk_tokens, max_rows);
   // 512 tokens at V_r = 64128 with 512 MiB: as many GEMM tiles per logits GEMM as one device's 256-token chunks
   // at V = 128256, and a chunk's exchange (2048 floats a rank) is hidden behind the next chunk's GEMM.
-  return std::min(fit(std::max<size_t>(memory_budget, 1) / 4, 4 * round_up(widest_shard, 8)), max_rows);
+  return std::min(fit_rows(std::max<size_t>(memory_budget, 1) / 4, 4 * round_up(widest_shard, 8)), max_rows);
 }
 
 Plan plan_linear_cross_entropy(const PlanInputs& in) {
@@ -89,7 +61,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     const size_t slots = static_cast<size_t>(2 * p.chunk_rows * logits_row);
     if (!p.dlogits_in_place) {
       const int64_t all = ceil_div(max_rows, p.chunk_rows) * p.chunk_rows;
-      const int64_t fitted = fit(budget > slots ? budget - slots : 0, grad_row) / p.chunk_rows * p.chunk_rows;
+      const int64_t fitted = fit_rows(budget > slots ? budget - slots : 0, grad_row) / p.chunk_rows * p.chunk_rows;
       p.group_rows = std::min(std::max(fitted, p.chunk_rows), all);
       const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
       if (p.group_rows < N && acc > 0 && slots + static_cast<size_t>(all * grad_row) <= budget + acc)
@@ -108,46 +80,22 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       // costs no more than the float32 grad_weight accumulator it saves (as below).
       const int64_t row = es * p.ld_logits + exp_row;
       const int64_t max_rows = std::max<int64_t>(N, 1);
-      p.group_rows = std::min(in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, row), max_rows);
+      p.group_rows = std::min(in.chunk_tokens > 0 ? in.chunk_tokens : fit_rows(budget, row), max_rows);
       const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
       if (in.chunk_tokens <= 0 && p.group_rows < N && acc > 0 && static_cast<size_t>(N * row) <= budget + acc)
         p.group_rows = N;
       p.chunk_rows = p.group_rows;
-    } else if (in.pass == Pass::kForward || p.dlogits_in_place) {
-      p.chunk_rows = in.chunk_tokens > 0 ? in.chunk_tokens : fit(budget, logits_row);
-      p.chunk_rows = std::min(p.chunk_rows, std::max<int64_t>(N, 1));
-      p.group_rows = p.chunk_rows;
     } else {
-      // 16-bit inputs: the GEMM writes float32 logits (the loss needs them exact) and the gradient kernel
-      // narrows them into a separate 16-bit buffer that the grad_hidden / grad_weight GEMMs read. Only the
-      // 16-bit gradient has to be held for a whole group. The split of the budget weighs two costs: each chunk's
-      // logits GEMM re-reads the weight (2 V H bytes a chunk), each group past the first reads and writes the
-      // float32 grad_weight accumulator (8 V H bytes a group). Their sum over the tokens is least with 1 / (1 +
-      // sqrt 2) of the budget for the float32 chunk; 2/5 of it, in 64-token steps (384-token chunks
-      // and 1280-token groups at V=128256 with 512 MiB, 192 and 640 at V=256000).
-      const int64_t grad_row = es * p.ld_logits;
-      const int64_t max_rows = std::max<int64_t>(N, 1);
-      const int64_t chunk_fit = fit_chunk(budget / 5 * 2, logits_row);
-      if (in.chunk_tokens > 0) {
-        p.group_rows = std::min(in.chunk_tokens, max_rows);
-        p.chunk_rows = std::min(p.group_rows, chunk_fit);
-      } else {
-        p.chunk_rows = std::min(chunk_fit, max_rows);
-        const size_t used = static_cast<size_t>(p.chunk_rows * logits_row);
-        p.group_rows = std::min(std::max(fit(budget > used ? budget - used : 0, grad_row), p.chunk_rows), max_rows);
-        // Several groups with a 16-bit grad_weight need a float32 accumulator of 4 V H bytes. When holding
-        // every token's gradient takes no more than the budget plus that accumulator, do that instead: one
-        // grad_weight GEMM over all tokens, no accumulation traffic, and no more memory.
-        const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
-        if (p.group_rows < N && acc > 0 &&
-            static_cast<size_t>(p.chunk_rows * logits_row + N * grad_row) <= budget + acc) {
-          p.group_rows = N;
-          // The float32 chunk may then grow into the rest of that allowance, up to kGrownChunkRows tokens: each
-          // chunk's logits GEMM re-reads the whole weight, which at 256 tokens is as much time as its math.
-          const size_t room = budget + acc - static_cast<size_t>(N * grad_row);
-          p.chunk_rows = std::min(max_rows, std::max(p.chunk_rows, std::min(kGrownChunkRows, fit(room, logits_row))));
-        }
-      }
+      head::ChunkInputs c;
+      c.n = N;
+      c.chunk_tokens = in.chunk_tokens;
+      c.memory_budget = budget;
+      // 16-bit inputs: the float32 logits are narrowed into a group buffer of the GEMMs' dtype.
+      c.group_row_bytes = grads && !p.dlogits_in_place ? es * p.ld_logits : 0;
+      c.dw_accumulator_bytes = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
+      const head::ChunkPlan cp = head::plan_token_chunks(c, logits_row);
+      p.chunk_rows = cp.chunk_rows;
+      p.group_rows = cp.group_rows;
     }
     p.ld_dlogits = p.ld_logits;  // in place (float32) or a 16-bit buffer of the same row length
     p.dw_accumulator = grads && in.need_dw && !in.grad_weight_f32 && p.group_rows < N;
@@ -161,7 +109,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (in.chunk_vocab > 0) {
       p.vocab_cols = std::min(in.chunk_vocab, V);
     } else {
-      p.vocab_cols = std::min(fit(budget, per_col), V);
+      p.vocab_cols = std::min(fit_rows(budget, per_col), V);
       // Whole 256-column tiles of the fused GEMM per chunk.
       if (fused && p.vocab_cols >= kFusedTileCols) p.vocab_cols = p.vocab_cols / kFusedTileCols * kFusedTileCols;
       const size_t acc = in.need_dx && !in.grad_hidden_f32 ? static_cast<size_t>(4 * N * H) : 0;
@@ -175,57 +123,56 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (in.need_db) p.db_partial_rows = ceil_div(tokens, kGradRowsPerBlock);
   }
 
-  Layout L;
-  p.off_scalars = L.add(256);
-  p.off_targets = L.add(static_cast<size_t>(N) * 8);
-  if (in.pass != Pass::kBackward && !in.reduction_none) {
-    p.off_row_loss = L.add(static_cast<size_t>(N) * 4);
-    if (in.z_rows) p.off_row_z = L.add(static_cast<size_t>(N) * 4);
-  }
-  if (in.pass == Pass::kForwardBackward) p.off_lse = L.add(static_cast<size_t>(N) * 4);
-  if (in.pass != Pass::kBackward && !fused) {  // the fused path's row kernel needs no scratch
-    p.ce_bytes = in.ce_workspace_bytes ? in.ce_workspace_bytes(p.chunk_rows) : 0;
-    if (p.ce_bytes) p.off_ce = L.add(p.ce_bytes);
-  }
-  if (N > 0) {
-    p.cublas_bytes = in.cublas_workspace_bytes;
-    if (p.cublas_bytes) p.off_cublas = L.add(p.cublas_bytes);
-    if (in.copy_hidden) p.off_hidden = L.add(static_cast<size_t>(N * H * es));
-    if (in.pass == Pass::kBackward) {
-      if (!fused) p.off_logits = L.add(static_cast<size_t>(N * p.ld_logits * 4));
-      if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(N * p.ld_dlogits * es));
-      if (p.dx_accumulator) p.off_dx = L.add(static_cast<size_t>(N * H * 4));
-      if (in.need_db) p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
-    } else {
-      if (fused && !exp_form) p.off_partials = L.add(static_cast<size_t>(p.chunk_rows * stats_row));
-      p.slot_bytes = static_cast<size_t>(p.chunk_rows * p.ld_logits * 4);
-      if (!fused) p.off_logits = L.add(p.slot_bytes);
-      if (in.steps) {
-        p.slot_bytes = (p.slot_bytes + 255) / 256 * 256;
-        L.add(p.slot_bytes);  // the second slot, right after the first
-      }
-      if (grads) {
-        if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(p.group_rows * p.ld_dlogits * es));
-        if (fused) {
-          const auto G = static_cast<size_t>(p.group_rows);
-          p.off_shift = L.add(G * 4);
-          p.off_row_scale = L.add(G * 4);
-          p.off_fixups = L.add((G + 1) * 4);
-          const size_t shared = L.add(G * static_cast<size_t>(exp_shared_row));
-          p.off_partials = shared;
-          if (in.need_dw) p.off_scaled_hidden = shared;
-          if (in.need_dx && !in.grad_hidden_f32) p.off_dx_rows = shared;
-        }
-        if (p.dw_accumulator) p.off_dw = L.add(static_cast<size_t>(V * H * 4));
-        if (in.need_db) {
-          p.off_db = L.add(static_cast<size_t>(V * 4));
-          p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
-        }
-      }
-    }
-  }
-  p.bytes = L.end();
+  p.stats_row = stats_row;
+  p.exp_shared_row = exp_shared_row;
+  if (in.steps && !fused) p.slot_bytes = round_up(static_cast<int64_t>(p.chunk_rows * p.ld_logits * 4), 256);
+  Buffers b;
+  head::WorkspaceLayout L;
+  declare_workspace(in, p, L, &b);
+  p.bytes = L.bytes();
   return p;
+}
+
+void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b) {
+  const auto N = static_cast<size_t>(std::max<int64_t>(in.n, 0)), H = static_cast<size_t>(in.h);
+  const auto V = static_cast<size_t>(in.v), es = static_cast<size_t>(in.elem_bytes);
+  const bool grads = in.pass != Pass::kForward, fused = p.kernel == Kernel::kHopperFused;
+  const bool backward = in.pass == Pass::kBackward, exp_form = fused && in.pass == Pass::kForwardBackward;
+  LossBuffers& l = b->loss;
+  L.add(&l.scalars, 256);
+  L.add(&l.targets, N * 8);
+  if (!backward && !in.reduction_none) {
+    L.add(&l.row_loss, N * 4);
+    if (in.z_rows) L.add(&l.row_z, N * 4);
+  }
+  if (in.pass == Pass::kForwardBackward) L.add(&l.lse, N * 4);
+  if (N == 0) return;
+
+  // The engine's stage: backward over vocabulary chunks of every token, otherwise token chunks and groups.
+  const auto ld = static_cast<size_t>(p.ld_logits), ldd = static_cast<size_t>(p.ld_dlogits);
+  const size_t rows = backward ? N : static_cast<size_t>(p.chunk_rows);
+  const size_t grad_rows = backward ? N : static_cast<size_t>(p.group_rows);
+  head::HeadBytes h;
+  h.cublas = in.cublas_workspace_bytes;
+  h.hidden = in.copy_hidden ? N * H * es : 0;
+  h.logits = fused ? 0 : in.steps ? 2 * p.slot_bytes : rows * ld * 4;
+  h.dlogits = grads && !p.dlogits_in_place ? grad_rows * ldd * es : 0;
+  h.dw_acc = p.dw_accumulator ? V * H * 4 : 0;
+  h.dx_acc = p.dx_accumulator ? N * H * 4 : 0;
+  h.db = grads && !backward && in.need_db ? V * 4 : 0;
+  h.db_partial = grads && in.need_db ? static_cast<size_t>(p.db_partial_rows) * ld * 4 : 0;
+  b->head.declare(L, h);
+
+  FusedBuffers& f = b->fused;
+  if (fused && !grads) L.add(&f.partials, rows * static_cast<size_t>(p.stats_row));
+  if (!exp_form) return;
+  const auto G = static_cast<size_t>(p.group_rows);
+  L.add(&f.shift, G * 4);
+  L.add(&f.row_scale, G * 4);
+  L.add(&f.fixups, (G + 1) * 4);
+  const size_t shared = L.add(&f.partials, G * static_cast<size_t>(p.exp_shared_row));
+  if (in.need_dw) L.alias(&f.scaled_hidden, shared);
+  if (in.need_dx && !in.grad_hidden_f32) L.alias(&f.dx_rows, shared);
 }
 
 // Both schedules do the same three GEMMs' work and differ in what they add to it (N·V logits, V·H weight):

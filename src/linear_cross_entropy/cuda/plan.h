@@ -4,7 +4,9 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
+
+#include "cross_entropy/cuda/params.h"
+#include "linear_head/cuda/plan.h"
 
 namespace logitless::lce {
 
@@ -22,10 +24,8 @@ enum class Kernel : int32_t { kCublasChunked = 0, kHopperFused = 1 };
 
 enum class Pass : int32_t { kForward = 0, kForwardBackward = 1, kBackward = 2 };
 
-// Rows per CTA of the gradient kernel (cuda/kernels.cu): its bias-gradient partial sums are one float32 row
-// of the chunk's width per 32 rows, small enough to keep (a 256-token chunk of V=128256: 4 MB) while a
-// 256-token chunk still gives 8 CTAs per 1024 columns, about 1000 CTAs at V=128256.
-inline constexpr int64_t kGradRowsPerBlock = 32;
+using head::cublas_workspace_for;
+using head::kGradRowsPerBlock;
 
 // Columns of one tile of the fused Hopper GEMM: its forward writes 4 floats of statistics per token and tile.
 inline constexpr int64_t kFusedTileCols = 256;
@@ -51,9 +51,6 @@ struct PlanInputs {
   int64_t chunk_vocab = 0;
   size_t memory_budget = size_t{512} << 20;
   size_t cublas_workspace_bytes = size_t{32} << 20;
-  // Scratch of one cross-entropy forward call over `rows` rows of float32 logits (the cross-entropy family's
-  // own workspace query; a function here so that this file needs no CUDA).
-  std::function<size_t(int64_t rows)> ce_workspace_bytes;
 };
 
 struct Plan {
@@ -72,37 +69,46 @@ struct Plan {
   bool dx_accumulator = false;    // (backward) grad_hidden sums over vocabulary chunks in a float32 buffer
   int64_t db_partial_rows = 0;    // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
 
-  // Workspace layout: byte offsets (256-aligned); kNone where a region is absent.
-  static constexpr size_t kNone = ~size_t{0};
-  size_t off_scalars = kNone;   // Scalars (cuda/params.h)
-  size_t off_targets = kNone;   // int64 [N]: the targets, contiguous
-  size_t off_row_loss = kNone;  // float32 [N]: per-token losses before the reduction
-  size_t off_row_z = kNone;     // float32 [N]: their z-loss terms (PlanInputs::z_rows)
-  size_t off_lse = kNone;       // float32 [N]: the gradient pass's lse when the caller asks for none (always
-                                // reserved: the workspace queries do not see the lse argument)
-  size_t off_ce = kNone;        // the cross-entropy call's own workspace
-  size_t ce_bytes = 0;
-  size_t off_cublas = kNone;  // cuBLAS's workspace
-  size_t cublas_bytes = 0;
-  size_t off_hidden = kNone;  // [N, H] contiguous copy of hidden
-  size_t off_logits = kNone;  // float32 logits chunk (steps: two slots, slot_bytes apart)
-  size_t slot_bytes = 0;
-  size_t off_dlogits = kNone;     // the logits' gradient in the inputs' dtype (absent when in place)
-  size_t off_dw = kNone;          // float32 [V, H]
-  size_t off_dx = kNone;          // float32 [N, H]
-  size_t off_db = kNone;          // float32 [V]
-  size_t off_db_partial = kNone;  // float32 [db_partial_rows, width]
-  size_t off_partials = kNone;    // kHopperFused forward: float32 [chunk_rows, ceil(V / 256), 4] tile statistics
-  // kHopperFused gradient in forward (params.h, ExpGradParams), per token of a group: the logits' exponentials
-  // go to off_dlogits; the rows' shift, scale and rewrite list; hidden scaled by row (with a grad_weight) and
-  // the unscaled grad_hidden rows in float32 (with a 16-bit grad_hidden).
-  size_t off_shift = kNone;
-  size_t off_row_scale = kNone;
-  size_t off_fixups = kNone;
-  size_t off_scaled_hidden = kNone;
-  size_t off_dx_rows = kNone;
-  size_t bytes = 0;  // total
+  int64_t stats_row = 0;       // kHopperFused forward: bytes of tile statistics per token (16 per 256 columns)
+  int64_t exp_shared_row = 0;  // exponential form: bytes per token of the region that the statistics, the scaled
+                               // hidden row and the float32 grad_hidden row take in turn
+  size_t slot_bytes = 0;       // the steps' logits slot (two, one after the other)
+  size_t bytes = 0;            // the workspace: every stage of declare_workspace
 };
+
+// The cross-entropy's stage: the prepass's scalars and the per-token state.
+struct LossBuffers {
+  ce::Scalars* scalars = nullptr;  // the call's, and (kRowScalarsAt bytes on) the chunks' row steps'
+  int64_t* targets = nullptr;      // [N]: the targets, contiguous
+  float* row_loss = nullptr;       // [N]: per-token losses before the reduction
+  float* row_z = nullptr;          // [N]: their z-loss terms (PlanInputs::z_rows)
+  float* lse = nullptr;  // [N]: the gradient pass's lse when the caller asks for none (always reserved: the workspace
+                         // queries do not see the lse argument)
+};
+inline constexpr size_t kRowScalarsAt = 128;
+
+// The fused Hopper path's stage. Forward: the tile statistics [chunk_rows, ceil(V / 256), 4]. Gradient in forward
+// (params.h, ExpGradParams), per token of a group: the rows' shift, scale and rewrite list, and one region holding in
+// turn the statistics, hidden scaled by row (with a grad_weight) and the unscaled float32 grad_hidden rows (with a
+// 16-bit grad_hidden); the exponentials go to the engine's dlogits.
+struct FusedBuffers {
+  float* partials = nullptr;
+  float* shift = nullptr;
+  float* row_scale = nullptr;
+  int* fixups = nullptr;
+  void* scaled_hidden = nullptr;
+  float* dx_rows = nullptr;
+};
+
+struct Buffers {
+  LossBuffers loss;
+  head::HeadBuffers head;
+  FusedBuffers fused;
+};
+
+// Every stage's regions of plan `p` in `L`, pointers into `b` (set by L.carve): the loss's, the engine's, the fused
+// path's.
+void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b);
 
 Plan plan_linear_cross_entropy(const PlanInputs& in);
 
@@ -116,8 +122,5 @@ inline constexpr double kFlopsPerByte = 250.0;  // an H100's bf16 GEMM rate over
 // The token chunk of the vocabulary-parallel steps: `chunk_tokens` when > 0, else a quarter of the budget over a
 // float32 logits row of the widest shard (the two slots take half of it), in multiples of 128, at most n (>= 1).
 int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens, size_t memory_budget);
-
-// cuBLAS's recommended workspace: 32 MiB on Hopper and later, 4 MiB before.
-inline size_t cublas_workspace_for(int sm_major) { return sm_major >= 9 ? size_t{32} << 20 : size_t{4} << 20; }
 
 }  // namespace logitless::lce

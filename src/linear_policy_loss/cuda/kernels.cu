@@ -1,7 +1,7 @@
 // The gradient of a chunk of float32 logits for the linear policy loss and selective log-softmax. One thread owns
 // a group of kGradCols adjacent classes over the rows of a row block, with their column sums in registers (the
-// bias gradient's partials), as the linear cross-entropy's gradient kernel does: the column logic is its
-// grad_columns.h; the per-row part differs (a token's coefficient instead of the cross-entropy's, the
+// bias gradient's partials), as the linear cross-entropy's gradient kernel does: the column logic is the
+// linear head's grad_columns.h; the per-row part differs (a token's coefficient instead of the cross-entropy's, the
 // temperature, positions that are no token).
 #include <algorithm>
 #include <type_traits>
@@ -11,16 +11,17 @@
 
 #include "common/cuda/check.cuh"
 #include "common/cuda/chunks.cuh"
-#include "linear_cross_entropy/cuda/grad_columns.h"
-#include "linear_cross_entropy/cuda/plan.h"
+#include "linear_head/cuda/dtype_io.cuh"
+#include "linear_head/cuda/grad_columns.h"
+#include "linear_head/cuda/plan.h"
 #include "linear_policy_loss/cuda/kernels.h"
 
 namespace logitless::lpl {
 namespace {
 
 constexpr int kThreads = 256;
-using lce::kGradCols;
-using lce::kGradRowsPerBlock;
+using head::kGradCols;
+using head::kGradRowsPerBlock;
 
 __device__ __forceinline__ float token_weight(const GradParams& p, int64_t t) {
   if (!p.mask) return 1.f;
@@ -55,30 +56,11 @@ __device__ __forceinline__ void store1(void* row, int64_t c, float v) {
   }
 }
 
-// Four values at column c (16-byte aligned for float32, 8-byte for 16-bit: row lengths are multiples of 8 and
-// the buffers 256-byte aligned).
-template <typename T>
-__device__ __forceinline__ void store4(void* row, int64_t c, const float* v) {
-  if constexpr (std::is_same_v<T, float>) {
-    *reinterpret_cast<float4*>(static_cast<float*>(row) + c) = make_float4(v[0], v[1], v[2], v[3]);
-  } else {
-    uint2 u;
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]), b = __floats2bfloat162_rn(v[2], v[3]);
-      u = make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
-    } else {
-      __half2 a = __floats2half2_rn(v[0], v[1]), b = __floats2half2_rn(v[2], v[3]);
-      u = make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
-    }
-    *reinterpret_cast<uint2*>(static_cast<T*>(row) + c) = u;
-  }
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads) grad_kernel(const __grid_constant__ GradParams p) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kGradCols;
   if (c >= p.vocab) return;
-  const uint32_t mask = lce::grad_slot_mask(c, p.vocab);
+  const uint32_t mask = head::grad_slot_mask(c, p.vocab);
   const int64_t row_blocks = (p.rows + kGradRowsPerBlock - 1) / kGradRowsPerBlock;
   for (int64_t rb = blockIdx.y; rb < row_blocks; rb += gridDim.y) {
     float colsum[kGradCols] = {0.f, 0.f, 0.f, 0.f};
@@ -102,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(const __grid_constant__ 
         const float k = -p.coeff[t] * p.inv_temp;  // grad_j = k p_j - [j == id] k
         const float lse_l2 = p.lse[t] * kLog2e;
         // 16-byte aligned: ld_logits is a multiple of 8 columns, c of 4, and the chunk buffers 256-byte aligned.
-        lce::grad_group_values(
+        head::grad_group_values(
             mask,
             [&](float* x) {
               const float4 x4 = *reinterpret_cast<const float4*>(src);
@@ -115,14 +97,14 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(const __grid_constant__ 
             },
             v);
       } else {
-        lce::grad_group_fill(mask, fill, v);
+        head::grad_group_fill(mask, fill, v);
       }
       T* dst = static_cast<T*>(p.dlogits) + r * p.ld_dlogits;
-      lce::grad_group_store(
-          mask, v, [&](const float* w) { store4<T>(dst, c, w); }, [&](int i, float w) { store1<T>(dst, c + i, w); },
-          colsum);
+      head::grad_group_store(
+          mask, v, [&](const float* w) { head::store4<T>(dst, c, w); },
+          [&](int i, float w) { store1<T>(dst, c + i, w); }, colsum);
     }
-    if (p.db_partial) lce::grad_group_store_sums(mask, colsum, p.db_partial + rb * p.ld_logits + c);
+    if (p.db_partial) head::grad_group_store_sums(mask, colsum, p.db_partial + rb * p.ld_logits + c);
   }
 }
 

@@ -1,5 +1,5 @@
 // The linear policy loss's own kernel: the gradient of a chunk of float32 logits from per-token coefficients
-// (the GEMMs are cuBLAS's, the statistics the policy row kernel's, the rest the linear cross-entropy's helpers).
+// (the GEMMs are cuBLAS's, the statistics the policy row kernel's, the rest the linear head's).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,7 +18,7 @@ struct GradParams {
   int64_t ld_logits = 0;
   void* dlogits = nullptr;  // [rows, ld_dlogits] in the GEMMs' dtype; may be `logits` itself (float32)
   int64_t ld_dlogits = 0;
-  float* db_partial = nullptr;  // [ceil(rows / lce::kGradRowsPerBlock), ld_logits] column sums, or nullptr
+  float* db_partial = nullptr;  // [ceil(rows / head::kGradRowsPerBlock), ld_logits] column sums, or nullptr
   int64_t rows = 0, row0 = 0, vocab = 0, row_len = 1, seq_len = 1;
   // Per token: c = d(loss)/d(logp) with every upstream factor, and the lse of z / temperature.
   const float* coeff = nullptr;

@@ -2,49 +2,23 @@
 
 #include <algorithm>
 
-#include "linear_cross_entropy/cuda/plan.h"
+#include "linear_head/cuda/plan.h"
 
 namespace logitless::lpl {
-namespace {
-
-class Layout {
- public:
-  size_t add(size_t bytes) {
-    const size_t at = end_;
-    end_ += (bytes + 255) / 256 * 256;
-    return at;
-  }
-  size_t end() const { return end_; }
-
- private:
-  size_t end_ = 0;
-};
-
-}  // namespace
-
 Plan plan_linear_policy_loss(const PlanInputs& in) {
-  lce::PlanInputs q;
-  q.pass = in.grads ? lce::Pass::kForwardBackward : lce::Pass::kForward;
-  q.n = in.rows;
-  q.h = in.h;
-  q.v = in.v;
-  q.elem_bytes = in.elem_bytes;
-  q.need_dx = in.need_dx;
-  q.need_dw = in.need_dw;
-  q.need_db = in.need_db;
-  q.grad_weight_f32 = in.grad_weight_f32;
-  q.reduction_none = true;  // no per-token losses of its own: the policy steps reduce
-  q.chunk_tokens = in.chunk_tokens;
-  q.memory_budget = in.memory_budget;
-  q.cublas_workspace_bytes = in.cublas_workspace_bytes;
-  const lce::Plan c = lce::plan_linear_cross_entropy(q);
-
   Plan p;
-  p.chunk_rows = std::max<int64_t>(c.chunk_rows, 1);
-  p.group_rows = std::max<int64_t>(c.group_rows, p.chunk_rows);
-  p.ld_logits = c.ld_logits;
-  p.ld_dlogits = c.ld_dlogits;
-  p.dlogits_in_place = c.dlogits_in_place;
+  p.ld_logits = (in.v + 7) / 8 * 8;  // 32-byte float32 rows; 16-byte rows of a 16-bit gradient alike
+  p.ld_dlogits = p.ld_logits;
+  p.dlogits_in_place = in.grads && in.elem_bytes == 4;
+  head::ChunkInputs c;  // the linear head's chunks, as the linear cross-entropy's generic path takes them
+  c.n = in.rows;
+  c.chunk_tokens = in.chunk_tokens;
+  c.memory_budget = in.memory_budget;
+  c.group_row_bytes = in.grads && !p.dlogits_in_place ? in.elem_bytes * p.ld_logits : 0;
+  c.dw_accumulator_bytes = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * in.v * in.h) : 0;
+  const head::ChunkPlan cp = head::plan_token_chunks(c, 4 * p.ld_logits);
+  p.chunk_rows = std::max<int64_t>(cp.chunk_rows, 1);
+  p.group_rows = std::max<int64_t>(cp.group_rows, p.chunk_rows);
   const int64_t Lg = std::max<int64_t>(in.row_len, 1);
   if (Lg != in.seq_len && p.chunk_rows >= Lg) {
     // Whole sequences per chunk and per group (positions of the unused last row sit between them).
@@ -52,33 +26,36 @@ Plan plan_linear_policy_loss(const PlanInputs& in) {
     p.group_rows = p.dlogits_in_place ? p.chunk_rows : std::max(p.group_rows / Lg * Lg, p.chunk_rows);
   }
   p.dw_accumulator = in.grads && in.need_dw && !in.grad_weight_f32 && p.group_rows < in.rows;
-  if (in.grads && in.need_db) p.db_partial_rows = (p.chunk_rows + lce::kGradRowsPerBlock - 1) / lce::kGradRowsPerBlock;
+  if (in.grads && in.need_db)
+    p.db_partial_rows = (p.chunk_rows + head::kGradRowsPerBlock - 1) / head::kGradRowsPerBlock;
 
-  Layout L;
-  const size_t nt = static_cast<size_t>(std::max<int64_t>(in.tokens, 0));
-  if (in.steps_bytes) {
-    p.steps_bytes = in.steps_bytes;
-    p.off_steps = L.add(in.steps_bytes);
-  }
-  if (in.token_logp) p.off_logp = L.add(nt * 4);
-  if (in.token_lse) p.off_lse = L.add(nt * 4);
-  if (in.token_coeff) p.off_coeff = L.add(nt * 4);
-  if (in.rows > 0) {
-    p.cublas_bytes = in.cublas_workspace_bytes;
-    if (p.cublas_bytes) p.off_cublas = L.add(p.cublas_bytes);
-    if (in.copy_hidden) p.off_hidden = L.add(static_cast<size_t>(in.rows * in.h * in.elem_bytes));
-    p.off_logits = L.add(static_cast<size_t>(p.chunk_rows * p.ld_logits * 4));
-    if (in.grads) {
-      if (!p.dlogits_in_place) p.off_dlogits = L.add(static_cast<size_t>(p.group_rows * p.ld_dlogits * in.elem_bytes));
-      if (p.dw_accumulator) p.off_dw = L.add(static_cast<size_t>(in.v * in.h * 4));
-      if (in.need_db) {
-        p.off_db = L.add(static_cast<size_t>(in.v * 4));
-        p.off_db_partial = L.add(static_cast<size_t>(p.db_partial_rows * p.ld_logits * 4));
-      }
-    }
-  }
-  p.bytes = L.end();
+  Buffers b;
+  head::WorkspaceLayout L;
+  declare_workspace(in, p, L, &b);
+  p.bytes = L.bytes();
   return p;
+}
+
+void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b) {
+  const size_t nt = static_cast<size_t>(std::max<int64_t>(in.tokens, 0));
+  PolicyBuffers& s = b->policy;
+  L.add(&s.steps, in.steps_bytes);
+  if (in.token_logp) L.add(&s.logp, nt * 4);
+  if (in.token_lse) L.add(&s.lse, nt * 4);
+  if (in.token_coeff) L.add(&s.coeff, nt * 4);
+  if (in.rows <= 0) return;
+  const auto es = static_cast<size_t>(in.elem_bytes), ld = static_cast<size_t>(p.ld_logits);
+  head::HeadBytes h;
+  h.cublas = in.cublas_workspace_bytes;
+  h.hidden = in.copy_hidden ? static_cast<size_t>(in.rows * in.h) * es : 0;
+  h.logits = static_cast<size_t>(p.chunk_rows) * ld * 4;
+  if (in.grads) {
+    h.dlogits = p.dlogits_in_place ? 0 : static_cast<size_t>(p.group_rows * p.ld_dlogits) * es;
+    h.dw_acc = p.dw_accumulator ? static_cast<size_t>(in.v * in.h) * 4 : 0;
+    h.db = in.need_db ? static_cast<size_t>(in.v) * 4 : 0;
+    h.db_partial = in.need_db ? static_cast<size_t>(p.db_partial_rows) * ld * 4 : 0;
+  }
+  b->head.declare(L, h);
 }
 
 RowChunk chunk_at(int64_t row0, int64_t max_rows, int64_t limit, int64_t row_len, int64_t seq_len) {

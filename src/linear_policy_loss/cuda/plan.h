@@ -1,7 +1,7 @@
 // Chunking and workspace layout of the CUDA linear policy loss: pure host functions (no CUDA calls), so that a CPU
 // test can check every decision. The runner (cuda/run.cpp) only executes a Plan.
 //
-// Chunk sizes come from the linear cross-entropy's planner (linear_cross_entropy/cuda/plan.h: float32 logits of
+// Chunk sizes come from the linear head's planner (linear_head/cuda/plan.h, plan_token_chunks: float32 logits of
 // `chunk_rows` positions, the gradient of `group_rows` positions in the inputs' dtype for one dX / dW GEMM pair,
 // a float32 grad_weight accumulator only where several groups need one). This file adds what the policy loss
 // needs on top: chunks that map onto runs of tokens, and the per-token state.
@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "common/layout.h"
+#include "linear_head/cuda/plan.h"
 
 namespace logitless::lpl {
 
@@ -50,20 +51,24 @@ struct Plan {
   bool dw_accumulator = false;    // grad_weight sums over groups in a float32 buffer, cast at the end
   int64_t db_partial_rows = 0;    // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
 
-  static constexpr size_t kNone = ~size_t{0};
-  size_t off_steps = kNone;
-  size_t steps_bytes = 0;
-  size_t off_logp = kNone, off_lse = kNone, off_coeff = kNone;  // float32 [tokens]
-  size_t off_cublas = kNone;
-  size_t cublas_bytes = 0;
-  size_t off_hidden = kNone;      // [rows, H] contiguous copy of hidden
-  size_t off_logits = kNone;      // float32 [chunk_rows, ld_logits]
-  size_t off_dlogits = kNone;     // [group_rows, ld_dlogits] in the inputs' dtype (absent when in place)
-  size_t off_dw = kNone;          // float32 [V, H]
-  size_t off_db = kNone;          // float32 [V]
-  size_t off_db_partial = kNone;  // float32 [db_partial_rows, ld_logits]
-  size_t bytes = 0;
+  size_t bytes = 0;  // the workspace: every stage of declare_workspace
 };
+
+// The policy loss's stage: the policy steps' own workspace and the per-token state (float32 [tokens]).
+struct PolicyBuffers {
+  char* steps = nullptr;
+  float* logp = nullptr;
+  float* lse = nullptr;
+  float* coeff = nullptr;
+};
+
+struct Buffers {
+  PolicyBuffers policy;
+  head::HeadBuffers head;
+};
+
+// Every stage's regions of plan `p` in `L`, pointers into `b` (set by L.carve): the policy loss's, then the engine's.
+void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b);
 
 Plan plan_linear_policy_loss(const PlanInputs& in);
 

@@ -15,11 +15,11 @@
 // get up to kResidentMaxStages stages and keep that many rows in flight per CTA. A token that is masked (or has a
 // bad id) is classified before its copy is issued: its row is never read, its gradient slice is written with 0
 // (NaN for a bad id).
-#include <map>
-#include <mutex>
-#include <tuple>
+
+#include <algorithm>
 
 #include "common/cuda/check.cuh"
+#include "common/cuda/launch_cache.h"
 #include "common/cuda/resident.cuh"
 #include "policy_loss/cuda/device.cuh"
 #include "policy_loss/cuda/kernels.h"
@@ -198,17 +198,6 @@ KernelFn resident_fn(DType dtype, bool entropy) {
   }
 }
 
-// Per device and kernel: the dynamic shared memory opted into so far, and the occupancy answers (the queries cost
-// microseconds of host time per call, as much as the kernel takes at small shapes).
-struct FuncSetup {
-  int smem_optin = 0;         // dynamic shared memory opted into
-  bool non_portable = false;  // clusters above 8 CTAs allowed
-};
-std::mutex g_mu;
-// Keys: (device, kernel code) and (device, kernel code, threads, C, dynamic shared memory).
-std::map<std::tuple<int, int>, FuncSetup> g_setup;
-std::map<std::tuple<int, int, int, int, int64_t>, int> g_clusters;
-
 }  // namespace
 
 bool rows_resident_available(int device) {
@@ -241,8 +230,6 @@ bool launch_rows_resident(DType dtype, RowsVariant v, const KernelParams& p, con
     throw_invalid(str_cat("policy_loss: row-resident slices of ", plan.slice, " elements x ", plan.cluster,
                           " CTAs must cover V=", p.vocab, " and fit stages of ", plan.stage_bytes, " bytes"));
   const KernelFn kernel = resident_fn(dtype, v.entropy);
-  int device = 0;
-  LOGITLESS_CUDA_CHECK(cudaGetDevice(&device));
   debug::set_last_rows_plan(plan);
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -256,38 +243,12 @@ bool launch_rows_resident(DType dtype, RowsVariant v, const KernelParams& p, con
   cfg.dynamicSmemBytes = static_cast<size_t>(plan.smem_bytes);
   cfg.stream = stream;
   cfg.gridDim = dim3(plan.cluster);
-  int max_clusters = 0;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    const int code = static_cast<int>(dtype) * 2 + (v.entropy ? 1 : 0);
-    FuncSetup& fs = g_setup[std::make_tuple(device, code)];
-    if (plan.smem_bytes > fs.smem_optin) {
-      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(plan.smem_bytes)) != cudaSuccess) {
-        cudaGetLastError();
-        return false;  // more shared memory than this device allows: no cluster fits
-      }
-      fs.smem_optin = static_cast<int>(plan.smem_bytes);
-    }
-    if (plan.cluster > 8 && !fs.non_portable) {
-      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-        cudaGetLastError();
-        return false;  // no cluster above 8 CTAs here
-      }
-      fs.non_portable = true;
-    }
-    const auto key = std::make_tuple(device, code, plan.threads, plan.cluster, plan.smem_bytes);
-    auto it = g_clusters.find(key);
-    if (it == g_clusters.end()) {
-      int n = 0;
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-        cudaGetLastError();  // this cluster size is not supported here: the caller decides
-        n = 0;
-      }
-      it = g_clusters.emplace(key, n).first;
-    }
-    max_clusters = it->second;
-  }
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  if (launch_cache::reserve_dynamic_smem(fn, static_cast<size_t>(plan.smem_bytes)) != cudaSuccess)
+    return false;  // more shared memory than this device allows: no cluster fits
+  if (plan.cluster > 8 && launch_cache::allow_non_portable_clusters(fn) != cudaSuccess)
+    return false;  // no cluster above 8 CTAs here
+  const int max_clusters = launch_cache::max_active_clusters(fn, cfg);
   if (max_clusters <= 0) return false;
   // Persistent clusters, one wave, rows strided across them.
   const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(max_clusters, p.n_rows));

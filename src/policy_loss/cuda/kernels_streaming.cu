@@ -27,11 +27,10 @@
 //     the fused pass wherever the row fits a cluster's shared memory, and this kernel serves everything else.
 // A masked row costs only its gradient write (B bytes, 0 when no gradient is asked for); the forward without a
 // gradient and the backward from a saved lse read each row once.
-#include <map>
-#include <mutex>
-#include <tuple>
+#include <algorithm>
 
 #include "common/cuda/check.cuh"
+#include "common/cuda/launch_cache.h"
 #include "policy_loss/cuda/device.cuh"
 #include "policy_loss/cuda/kernels.h"
 
@@ -193,72 +192,22 @@ KernelFn rows_fn(DType dtype, RowsVariant v) {
 
 }  // namespace
 
-// Occupancy answers are cached per device, kernel and tile: the queries cost microseconds of host time per call,
-// as much as the kernels themselves take at small shapes.
-namespace {
-std::mutex g_cache_mu;
-std::map<std::tuple<int, int, int, int, int>, int> g_occupancy;  // (device, kernel, threads, cluster, kind) -> n
-
-int current_device() {
-  int d = 0;
-  LOGITLESS_CUDA_CHECK(cudaGetDevice(&d));
-  return d;
-}
-
-int kernel_code(DType dtype, RowsVariant v) {
-  return static_cast<int>(dtype) * 4 + (v.with_lse ? 2 : 0) + (v.entropy ? 1 : 0);
-}
-}  // namespace
-
 bool cluster_launch_available(int device) {
   const DeviceInfo& info = device_info(device);
   if (info.sm_major < 9) return false;
-  std::lock_guard<std::mutex> lock(g_cache_mu);
-  const auto key = std::make_tuple(device, -1, 0, 0, 0);
-  auto it = g_occupancy.find(key);
-  if (it == g_occupancy.end()) {
-    cudaFuncAttributes attr{};
-    int ok = 0;
-    if (cudaFuncGetAttributes(&attr, rows_kernel<__nv_bfloat16, false, false>) != cudaSuccess) {
-      cudaGetLastError();
-    } else {
-      ok = attr.binaryVersion >= 90;  // the cluster exchange exists only in the sm_90+ binaries of this build
-    }
-    it = g_occupancy.emplace(key, ok).first;
-  }
-  return it->second != 0;
+  // The cluster exchange exists only in the sm_90+ binaries of this build.
+  return launch_cache::binary_version(reinterpret_cast<const void*>(rows_kernel<__nv_bfloat16, false, false>)) >= 90;
 }
 
 int rows_ctas_per_sm(DType dtype, RowsVariant v, int threads) {
-  std::lock_guard<std::mutex> lock(g_cache_mu);
-  const auto key = std::make_tuple(current_device(), kernel_code(dtype, v), threads, 1, 0);
-  auto it = g_occupancy.find(key);
-  if (it == g_occupancy.end()) {
-    int n = 0;
-    LOGITLESS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rows_fn(dtype, v), threads, 0));
-    it = g_occupancy.emplace(key, n).first;
-  }
-  return it->second;
+  return launch_cache::max_active_blocks(reinterpret_cast<const void*>(rows_fn(dtype, v)), threads, 0);
 }
 
 // Clusters of `cfg`'s size that fit the device at once (0: none, or the size is not supported here).
-static int max_active_clusters(DType dtype, RowsVariant v, KernelFn kernel, cudaLaunchConfig_t cfg, int cluster) {
-  std::lock_guard<std::mutex> lock(g_cache_mu);
-  const auto key =
-      std::make_tuple(current_device(), kernel_code(dtype, v), static_cast<int>(cfg.blockDim.x), cluster, 1);
-  auto it = g_occupancy.find(key);
-  if (it == g_occupancy.end()) {
-    if (cluster > 8 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-      cudaGetLastError();
-    }
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-      cudaGetLastError();  // this cluster size is not supported here: the caller decides
-      n = 0;
-    }
-    it = g_occupancy.emplace(key, n).first;
-  }
-  return it->second;
+static int max_active_clusters(KernelFn kernel, const cudaLaunchConfig_t& cfg, int cluster) {
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  if (cluster > 8) launch_cache::allow_non_portable_clusters(fn);  // refused: the query below finds no cluster
+  return launch_cache::max_active_clusters(fn, cfg);
 }
 
 bool launch_rows(DType dtype, RowsVariant v, const KernelParams& p, const RowsPlan& plan, int sm_count,
@@ -287,7 +236,7 @@ bool launch_rows(DType dtype, RowsVariant v, const KernelParams& p, const RowsPl
   cfg.blockDim = dim3(plan.threads);
   cfg.stream = stream;
   cfg.gridDim = dim3(plan.cluster);
-  const int max_clusters = max_active_clusters(dtype, v, kernel, cfg, plan.cluster);
+  const int max_clusters = max_active_clusters(kernel, cfg, plan.cluster);
   if (max_clusters <= 0) return false;
   const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(max_clusters, p.n_rows));
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * plan.cluster));

@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "common/cuda/check.cuh"
+#include "common/cuda/index_readback.h"
 #include "policy_loss/cuda/kernels.h"
 #include "policy_loss/cuda/steps.h"
 #include "policy_loss/math.h"
@@ -289,12 +290,9 @@ KernelParams make_params(const Problem& pr, char* ws, const WorkspaceLayout& wl)
   return k;
 }
 
-// Reads the first bad token back and throws; called only when it is safe to synchronize.
+// Reads the first bad token back and throws, before anything is written; called only outside a graph capture.
 void throw_if_bad_id(const Problem& pr, const Scalars* scalars, cudaStream_t stream) {
-  long long first_bad = 0;
-  LOGITLESS_CUDA_CHECK(
-      cudaMemcpyAsync(&first_bad, &scalars->first_bad, sizeof(first_bad), cudaMemcpyDeviceToHost, stream));
-  LOGITLESS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const long long first_bad = IndexReadback::start(pr.device.index, &scalars->first_bad, stream).wait();
   if (first_bad >= pr.n_rows) return;
   const int64_t es = dtype_size(pr.ids_dtype);
   int64_t value = 0;

@@ -1,4 +1,5 @@
-// The column geometry of the linear cross-entropy's gradient kernel (cuda/kernels.cu) and what one thread does
+// The column geometry of the linear heads' gradient kernels (linear_cross_entropy/cuda/kernels.cu,
+// linear_policy_loss/cuda/kernels.cu) and what one thread does
 // with one row of its columns, written for host and device so that a CPU test runs the same code the kernel
 // does (tests/cpp/test_linear_cross_entropy.cpp, LinearCrossEntropyGradColumns).
 //
@@ -25,12 +26,12 @@
 
 // Device passes only: the host compiler of a .cu file sees the expanded pragma and warns about it.
 #if defined(__CUDA_ARCH__)
-#define LOGITLESS_LCE_UNROLL _Pragma("unroll")
+#define LOGITLESS_HEAD_UNROLL _Pragma("unroll")
 #else
-#define LOGITLESS_LCE_UNROLL
+#define LOGITLESS_HEAD_UNROLL
 #endif
 
-namespace logitless::lce {
+namespace logitless::head {
 
 inline constexpr int kGradCols = 4;  // float32 columns per thread: one 16-byte load per row
 inline constexpr uint32_t kGradFullMask = (1u << kGradCols) - 1u;
@@ -50,18 +51,18 @@ LOGITLESS_HD void grad_group_values(uint32_t mask, const LoadFull& load_full, co
   if (mask == kGradFullMask) {
     float x[kGradCols];
     load_full(x);
-    LOGITLESS_LCE_UNROLL
+    LOGITLESS_HEAD_UNROLL
     for (int k = 0; k < kGradCols; ++k) v[k] = elem(x[k], k);
     return;
   }
-  LOGITLESS_LCE_UNROLL
+  LOGITLESS_HEAD_UNROLL
   for (int k = 0; k < kGradCols; ++k) v[k] = (mask >> k) & 1u ? elem(load_one(k), k) : 0.f;
 }
 
 // A row's values that are not gradients of its logits (an ignored or bad token's 0 or NaN): `value` in the
 // slots of `mask`, 0 in the others.
 LOGITLESS_HD void grad_group_fill(uint32_t mask, float value, float* v) {
-  LOGITLESS_LCE_UNROLL
+  LOGITLESS_HEAD_UNROLL
   for (int k = 0; k < kGradCols; ++k) v[k] = (mask >> k) & 1u ? value : 0.f;
 }
 
@@ -72,11 +73,11 @@ LOGITLESS_HD void grad_group_store(uint32_t mask, const float* v, const StoreFul
                                    const StoreOne& store_one, float* colsum) {
   if (mask == kGradFullMask) {
     store_full(v);
-    LOGITLESS_LCE_UNROLL
+    LOGITLESS_HEAD_UNROLL
     for (int k = 0; k < kGradCols; ++k) colsum[k] += v[k];
     return;
   }
-  LOGITLESS_LCE_UNROLL
+  LOGITLESS_HEAD_UNROLL
   for (int k = 0; k < kGradCols; ++k)
     if ((mask >> k) & 1u) {
       store_one(k, v[k]);
@@ -86,9 +87,9 @@ LOGITLESS_HD void grad_group_store(uint32_t mask, const float* v, const StoreFul
 
 // The group's column sums over a row block into its row of bias-gradient partials (`out` points at column c).
 LOGITLESS_HD void grad_group_store_sums(uint32_t mask, const float* colsum, float* out) {
-  LOGITLESS_LCE_UNROLL
+  LOGITLESS_HEAD_UNROLL
   for (int k = 0; k < kGradCols; ++k)
     if ((mask >> k) & 1u) out[k] = colsum[k];
 }
 
-}  // namespace logitless::lce
+}  // namespace logitless::head

@@ -1,0 +1,28 @@
+// The library's test and benchmark switches, in one registry. Each hook is a named integer with a default, read by
+// the code it steers at the start of a call and set by tests (by enum) or by benchmark harnesses (by name). The
+// library never reads the environment: a harness that takes a switch from its command line or environment sets
+// the hook itself. Not public API.
+#pragma once
+
+#include <cstdint>
+
+namespace logitless::debug {
+
+enum class Hook : int {
+  // Linear cross-entropy: the fused Hopper kernels where they apply (1, the default) or the generic cuBLAS path.
+  kLceFusedKernels,
+  // Linear cross-entropy: the gradient in forward's exponential form (linear_cross_entropy/cuda/params.h,
+  // ExpGradParams). Off by default: the fastest bfloat16 plan, but its grad_weight error exceeds the library's
+  // bound relative to torch's own bfloat16 error (bench/RESULTS.md, "Accuracy against float64").
+  kLceExpForm,
+  // Linear cross-entropy: every valid row through the exponential form's rewrite, a path real inputs seldom reach.
+  kLceExpFixupAll,
+  kCount
+};
+
+int64_t hook(Hook h);
+void set_hook(Hook h, int64_t value);
+// The hook of that name ("lce_fused_kernels", "lce_exp_form", "lce_exp_fixup_all") set; false if none has it.
+bool set_hook(const char* name, int64_t value);
+
+}  // namespace logitless::debug

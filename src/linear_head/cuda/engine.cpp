@@ -1,0 +1,73 @@
+#include "linear_head/cuda/engine.h"
+
+#include "common/cuda/check.cuh"
+#include "common/cuda/cublas.h"
+#include "linear_head/cuda/kernels.h"
+#include "linear_head/cuda/plan.h"
+
+namespace logitless::head {
+
+const void* Engine::x_rows(int64_t r0) const {
+  return static_cast<const char*>(io_.x) + r0 * io_.ldx * static_cast<int64_t>(dtype_size(io_.dtype));
+}
+
+const void* Engine::w_rows(int64_t v0) const { return io_.w.rows_from(v0).data; }
+
+void Engine::logits(float* z, int64_t ld, int64_t r0, int64_t rows, int64_t v0, int64_t width) const {
+  if (io_.bias) launch_fill_bias(z, ld, rows, width, io_.bias, io_.bias_dtype, io_.bias_stride, v0, sm_count_, stream_);
+  gemm_row_major(blas_, false, true, rows, width, io_.h, x_rows(r0), io_.ldx, w_rows(v0), io_.w.ld, io_.dtype, z, ld,
+                 DType::kFloat32, /*accumulate=*/io_.bias != nullptr);
+}
+
+void Engine::grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t v0, int64_t cols, const Matrix& dx,
+                              bool accumulate) const {
+  gemm_row_major(blas_, false, false, rows, io_.h, cols, dz, ld_dz, w_rows(v0), io_.w.ld, io_.dtype, dx.data, dx.ld,
+                 dx.dtype, accumulate);
+}
+
+void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
+                              const Matrix& dw, bool accumulate) const {
+  gemm_row_major(blas_, true, false, cols, io_.h, rows, dz, ld_dz, x, ldx, io_.dtype, dw.data, dw.ld, dw.dtype,
+                 accumulate);
+}
+
+void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, float* dw_acc) const {
+  if (io_.grad_hidden.data) {
+    const Matrix dx = io_.grad_hidden.rows_from(g0);
+    if (io_.v == 0) {  // an empty vocabulary shard contributes nothing (a GEMM over k = 0 would leave dx unwritten)
+      launch_cast(nullptr, 0, rows, io_.h, dx.data, dx.dtype, dx.ld, 1, sm_count_, stream_);
+    } else {
+      grad_hidden_gemm(dz, ld_dz, rows, 0, io_.v, dx, false);
+    }
+  }
+  if (io_.grad_weight.data) {
+    const Matrix dw = dw_acc ? Matrix{dw_acc, DType::kFloat32, io_.h} : io_.grad_weight;
+    grad_weight_gemm(dz, ld_dz, rows, io_.v, x_rows(g0), io_.ldx, dw, /*accumulate=*/g0 > 0);
+  }
+}
+
+void Engine::bias_sums(const float* db_partial, int64_t rows, int64_t ld, float* db) const {
+  launch_column_sums(db_partial, (rows + kGradRowsPerBlock - 1) / kGradRowsPerBlock, ld, io_.v, db, nullptr,
+                     DType::kFloat32, 1, stream_);
+}
+
+void Engine::finish(const float* dw_acc, const float* db) const {
+  const Matrix& gw = io_.grad_weight;
+  if (dw_acc) launch_cast(dw_acc, io_.h, io_.v, io_.h, gw.data, gw.dtype, gw.ld, 1, sm_count_, stream_);
+  if (db)
+    launch_cast(db, io_.v, 1, io_.v, io_.grad_bias, io_.grad_bias_dtype, 0, io_.grad_bias_stride, sm_count_, stream_);
+}
+
+void Engine::zero_grads(int64_t dx_rows) const {
+  const Matrix &gx = io_.grad_hidden, &gw = io_.grad_weight;
+  if (gx.data) launch_cast(nullptr, 0, dx_rows, io_.h, gx.data, gx.dtype, gx.ld, 1, sm_count_, stream_);
+  if (gw.data) launch_cast(nullptr, 0, io_.v, io_.h, gw.data, gw.dtype, gw.ld, 1, sm_count_, stream_);
+  if (io_.grad_bias)
+    launch_cast(nullptr, 0, 1, io_.v, io_.grad_bias, io_.grad_bias_dtype, 0, io_.grad_bias_stride, sm_count_, stream_);
+}
+
+void Engine::clear(float* buffer, int64_t floats) const {
+  LOGITLESS_CUDA_CHECK(cudaMemsetAsync(buffer, 0, static_cast<size_t>(floats) * 4, stream_));
+}
+
+}  // namespace logitless::head
