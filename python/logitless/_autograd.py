@@ -50,6 +50,7 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode_on = torch._C._is_torch_function_mode_enabled
 _functorch_level = torch._C._functorch.peek_interpreter_stack
+_profiling = torch.autograd._profiler_enabled
 
 # Counts the calls that took the direct path, per op name; tests read it to see which path ran. A dict increment
 # per call: cheap enough to keep on.
@@ -128,12 +129,13 @@ class DirectOp:
         if not eager_ok(tensors):
             return self._overload(*args)
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-        direct_calls[self.name] = direct_calls.get(self.name, 0) + 1
-        if not grad:
-            return self._run(args)
-        if self.backward is None:  # no formula: torch's own handling of the call (an error on backward)
+        if grad and self.backward is None:  # no formula: torch's own handling of the call (an error on backward)
             return self._overload(*args)
-        return _Direct.apply(*args, self, ctx_attrs or {})
+        direct_calls[self.name] = direct_calls.get(self.name, 0) + 1
+        if _profiling():  # the op's name in the profile, as the dispatcher would have recorded it
+            with torch.autograd.profiler.record_function(self.name):
+                return _Direct.apply(*args, self, ctx_attrs or {}) if grad else self._run(args)
+        return _Direct.apply(*args, self, ctx_attrs or {}) if grad else self._run(args)
 
 
 def custom_op(name: str, mutates_args=(), device_types=("cpu", "cuda")):
