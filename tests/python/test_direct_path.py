@@ -1,8 +1,6 @@
 """The direct eager path of the custom ops (logitless._autograd.custom_op): taken by plain eager calls, never where
 torch has to see the op (torch.compile, FakeTensorMode, a function mode, a DTensor or other tensor subclass), and the
 same results and gradients, bit for bit, as the dispatched op."""
-import os
-
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -225,11 +223,18 @@ def test_dtensor_never_takes_the_direct_path():
 
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (1,))
+    # A group of one over an in-process store: no port, no environment variable left for other tests' processes.
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _check_dtensor(init_device_mesh("cpu", (1,)), DTensor, Replicate)
+    finally:
+        if mine:
+            dist.destroy_process_group()
+
+
+def _check_dtensor(mesh, DTensor, Replicate):
     x = DTensor.from_local(torch.randn(4, 8), mesh, [Replicate()])
     assert not _autograd.eager_ok([x])
     from logitless.rms_norm import _forward
