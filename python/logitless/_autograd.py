@@ -1,5 +1,14 @@
-"""What the op modules share: the autograd helpers of the fused schedules, and the tables and constants more than
-one family uses.
+"""What the op modules share: the custom ops' direct eager path, the autograd helpers of the fused schedules, and
+the tables and constants more than one family uses.
+
+Every op is declared with `custom_op` (this module's), which registers it with torch.library as usual and returns a
+`DirectOp`: calling it runs the registered op where torch has to see it (torch.compile, a FakeTensorMode or any other
+dispatch or function mode, functorch transforms, tensor subclasses such as DTensor, meta tensors), and otherwise the
+op's own Python implementation directly, with the op's registered autograd formula run by one generic
+autograd.Function (`_Direct`). The custom-op dispatch costs several times the op's own host time per call (schema
+parsing, the Python dispatcher, the autograd wrapper, alias and mutation checks), more than the kernels take on a
+GPU at small shapes; the direct path is the same implementation and the same formula, so both agree to the bit
+(tested), and opcheck, fake kernels, torch.compile(fullgraph=True) and CUDA graphs keep the op.
 
 Every op module imports from here at its top, and this module imports none of them, so the op modules need no
 import inside a function to break a cycle.
@@ -10,6 +19,9 @@ compute the gradient in the forward pass and save it; their backward only multip
 """
 from __future__ import annotations
 
+import atexit
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -18,7 +30,7 @@ from ._checks import register_fake
 from ._tensor import descriptor, stream
 
 __all__ = ["REDUCTIONS", "REDUCTION_NONE", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "enum", "no_double_backward",
-           "scale_saved"]
+           "scale_saved", "custom_op", "DirectOp", "eager_ok", "cached"]
 
 # Must match logitless::Reduction (include/logitless/cross_entropy.h); the linear cross-entropy and the
 # vocabulary-parallel path use the same enum.
@@ -29,6 +41,133 @@ REDUCTION_NONE = REDUCTIONS["none"]
 # options' default memory_budget.
 SCHEDULES = ("auto", "gradient_in_forward", "recompute")
 DEFAULT_MEMORY_BUDGET = 512 << 20
+
+
+# ----------------------------------------------------------------------------------------------------
+# The direct eager path.
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_profiling = torch.autograd._profiler_enabled
+
+# Counts the calls that took the direct path, per op name; tests read it to see which path ran. A dict increment
+# per call: cheap enough to keep on.
+direct_calls: dict = {}
+
+
+def eager_ok(tensors) -> bool:
+    """Whether a call over `tensors` (None entries allowed) may skip the dispatcher: no compilation, no dispatch or
+    function mode (FakeTensorMode, FunctionalTensorMode, make_fx, a device context), no functorch transform, and
+    only plain CPU or CUDA tensors (no subclass such as DTensor or FakeTensor, no meta tensor)."""
+    if torch.compiler.is_compiling():
+        return False
+    if _dispatch_modes() or _function_mode_on() or _functorch_level() is not None:
+        return False
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or not (t.is_cuda or t.is_cpu)):
+            return False
+    return True
+
+
+class _Direct(torch.autograd.Function):
+    """The registered autograd formula of a DirectOp around its implementation: forward(*args, op, ctx_attrs). The
+    op's setup_context and backward see the ctx they see under the dispatcher (needs_input_grad indexed by the op's
+    arguments); `ctx_attrs` are set on the ctx first (eager-only choices, such as an in-place backward)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        op, attrs = args[-2], args[-1]
+        args = args[:-2]
+        out = op._run(args)
+        for k, v in attrs.items():
+            setattr(ctx, k, v)
+        ctx.direct_op = op
+        op.setup_context(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        got = ctx.direct_op.backward(ctx, *grads)
+        return (tuple(got) if isinstance(got, (tuple, list)) else (got,)) + (None, None)
+
+
+class DirectOp:
+    """A custom op (torch.library's CustomOpDef, whose attributes it forwards) that eager calls run directly (see the
+    module docstring). Call it with every argument positionally; `ctx_attrs` reach the autograd ctx on the direct
+    path only."""
+
+    def __init__(self, op, impl, name: str):
+        self.op = op
+        self._overload = op._opoverload
+        self.impl = impl
+        self.name = name
+        args = self._overload._schema.arguments
+        self.tensor_args = tuple(i for i, a in enumerate(args) if str(a.type) in ("Tensor", "Optional[Tensor]"))
+        self.mutated = tuple(i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+        self.backward = self.setup_context = None
+
+    def __getattr__(self, name):
+        return getattr(self.op, name)
+
+    def register_autograd(self, backward, *, setup_context) -> None:
+        self.op.register_autograd(backward, setup_context=setup_context)
+        self.backward, self.setup_context = backward, setup_context
+
+    def _run(self, args):
+        out = self.impl(*args)
+        for i in self.mutated:  # what the dispatcher does for a declared mutation
+            if args[i] is not None:
+                torch.autograd.graph.increment_version(args[i])
+        return out
+
+    def __call__(self, *args, ctx_attrs: Optional[dict] = None):
+        if torch.compiler.is_compiling():
+            return self._overload(*args)
+        tensors = [args[i] for i in self.tensor_args]
+        if not eager_ok(tensors):
+            return self._overload(*args)
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        if grad and self.backward is None:  # no formula: torch's own handling of the call (an error on backward)
+            return self._overload(*args)
+        direct_calls[self.name] = direct_calls.get(self.name, 0) + 1
+        if _profiling():  # the op's name in the profile, as the dispatcher would have recorded it
+            with torch.autograd.profiler.record_function(self.name):
+                return _Direct.apply(*args, self, ctx_attrs or {}) if grad else self._run(args)
+        return _Direct.apply(*args, self, ctx_attrs or {}) if grad else self._run(args)
+
+
+def custom_op(name: str, mutates_args=(), device_types=("cpu", "cuda")):
+    """torch.library.custom_op, returning a DirectOp."""
+    def decorate(fn):
+        op = torch.library.custom_op(name, mutates_args=mutates_args, device_types=device_types)(fn)
+        return DirectOp(op, fn, name)
+
+    return decorate
+
+
+def cached(factory):
+    """`factory` (a binding's options constructor over hashable scalars) behind a small dictionary: one options
+    object per distinct argument tuple, made once. The objects are shared: never modify one (copy.copy it)."""
+    cache: dict = {}
+
+    def get(*key):
+        o = cache.get(key)
+        if o is None:
+            if len(cache) >= 256:
+                cache.clear()
+            o = cache[key] = factory(*key)
+        return o
+
+    get.__wrapped__ = factory
+    # Emptied before the extension module is torn down, whose leak check would otherwise report the objects held.
+    atexit.register(cache.clear)
+    return get
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tables and helpers.
 
 
 def enum(table: dict, value, name: str) -> int:
@@ -49,7 +188,7 @@ def no_double_backward(name: str) -> None:
         raise RuntimeError(f"logitless.{name}: double backward (create_graph=True) is not supported")
 
 
-@torch.library.custom_op("logitless::scale_rows_", mutates_args=("grad",), device_types=("cpu", "cuda"))
+@custom_op("logitless::scale_rows_", mutates_args=("grad",))
 def _scale_rows(grad: Tensor, scale: Tensor) -> None:
     """grad[i, :] *= scale ([] or one per row, float32, on grad's device); rows with scale exactly 1 are
     not touched."""

@@ -30,10 +30,18 @@ Descriptor = Tuple[int, int, int, int, Tuple[int, ...], Tuple[int, ...]]
 
 
 def descriptor(t: Optional[torch.Tensor], name: str) -> Optional[Descriptor]:
-    """The binding's description of `t` (None stays None). `name` is the argument named in errors."""
+    """The binding's description of `t` (None stays None). `name` is the argument named in errors.
+
+    Runs for every tensor of every call, so the common case reads only attributes that make no new Python object
+    beyond the tuple: the sizes go as the torch.Size itself (a tuple), the device as is_cuda / get_device()."""
     if t is None:
         return None
     code = DTYPE_CODES.get(t.dtype)
+    if code is not None:
+        if t.is_cuda:
+            return (t.data_ptr(), code, 1, t.get_device(), t.shape, t.stride())
+        if t.is_cpu:
+            return (t.data_ptr(), code, 0, 0, t.shape, t.stride())
     if code is None:
         raise ValueError(f"{name}: dtype {t.dtype} is not supported by logitless")
     dev = DEVICE_CODES.get(t.device.type)
@@ -59,7 +67,12 @@ def workspace(nbytes: int, device: torch.device) -> Tuple[Optional[torch.Tensor]
 
 
 def stream(device: torch.device) -> int:
-    """torch's current stream on `device` (the capture stream inside torch.cuda.graph), as an integer."""
+    """torch's current stream on `device` (the capture stream inside torch.cuda.graph), as an integer. The raw
+    handle, without the torch.cuda.Stream object current_stream() would build on every call."""
     if device.type != "cuda":
         return 0
-    return torch.cuda.current_stream(device).cuda_stream
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._autograd import REDUCTION_NONE, REDUCTIONS, enum, no_double_backward, scale_saved
+from ._autograd import REDUCTION_NONE, REDUCTIONS, cached, custom_op, enum, no_double_backward, scale_saved
 from ._checks import (
     check_float,
     check_int64,
@@ -55,6 +55,9 @@ def _options(ignore_index: int, reduction: int, label_smoothing: float, z_loss: 
     binding's CrossEntropyOptions, field by field by name."""
     return _C.CrossEntropyOptions(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                                   z_loss=z_loss, softcap=softcap, check_targets=check_targets, algo=algo)
+
+
+_cached_options = cached(_options)
 
 
 def _scratch(logits: Tensor, target: Tensor, weight: Optional[Tensor], options: _C.CrossEntropyOptions):
@@ -87,12 +90,12 @@ def _run_forward_backward(logits: Tensor, target: Tensor, weight: Optional[Tenso
 # scalars). Fake kernels only need the reduction for the loss's shape.
 
 
-@torch.library.custom_op("logitless::cross_entropy_forward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::cross_entropy_forward")
 def _forward(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int, reduction: int,
              label_smoothing: float, z_loss: float, softcap: float, check_targets: bool,
              algo: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(loss, lse, z_loss) with one read of the logits."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     loss, lse, z = _new_outputs(logits, target, reduction)
     owner, ws = _scratch(logits, target, weight, options)
     _C.cross_entropy_forward(descriptor(logits, "logits"), descriptor(target, "target"),
@@ -107,14 +110,13 @@ def _(logits, target, weight, ignore_index, reduction, *options):
     return _new_outputs(logits, target, reduction)
 
 
-@torch.library.custom_op("logitless::cross_entropy_forward_backward_out", mutates_args=("grad_logits",),
-                         device_types=("cpu", "cuda"))
+@custom_op("logitless::cross_entropy_forward_backward_out", mutates_args=("grad_logits",))
 def _forward_backward_out(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
                           reduction: int, label_smoothing: float, z_loss: float, softcap: float,
                           check_targets: bool, algo: int, grad_logits: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """(loss, lse, z_loss), and the gradient of the reduced loss (upstream gradient 1) written into
     `grad_logits` (the logits' shape and dtype, memory apart from them) in the same pass."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     return _run_forward_backward(logits, target, weight, options, grad_logits)
 
 
@@ -123,13 +125,12 @@ def _(logits, target, weight, ignore_index, reduction, *options_and_grad):
     return _new_outputs(logits, target, reduction)
 
 
-@torch.library.custom_op("logitless::cross_entropy_forward_backward_", mutates_args=("logits",),
-                         device_types=("cpu", "cuda"))
+@custom_op("logitless::cross_entropy_forward_backward_", mutates_args=("logits",))
 def _forward_backward_inplace(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
                               reduction: int, label_smoothing: float, z_loss: float, softcap: float,
                               check_targets: bool, algo: int) -> Tuple[Tensor, Tensor, Tensor]:
     """As cross_entropy_forward_backward_out, but the gradient overwrites `logits` (no N x V allocation)."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     return _run_forward_backward(logits, target, weight, options, logits)
 
 
@@ -138,12 +139,12 @@ def _(logits, target, weight, ignore_index, reduction, *options):
     return _new_outputs(logits, target, reduction)
 
 
-@torch.library.custom_op("logitless::cross_entropy_backward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::cross_entropy_backward")
 def _backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], lse: Tensor, grad_loss: Tensor,
               ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
               check_targets: bool, algo: int) -> Tensor:
     """grad_logits from the forward's lse: float32 grad_loss is [] for sum/mean, [*] (contiguous) for none."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     owner, ws = _scratch(logits, target, weight, options)
     _C.cross_entropy_backward(descriptor(logits, "logits"), descriptor(target, "target"),

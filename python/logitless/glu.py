@@ -15,9 +15,9 @@ one [*, 2I] tensor.
 The forward's registered autograd saves gate and up, which the model holds anyway (they are the outputs of its
 projections); nothing else is kept between the passes.
 
-Eager calls do not go through the ops: `_GLU` (an autograd.Function) calls the same C++ entry points directly,
-as rms_norm.py does and for the same reason (the custom-op dispatch costs more host time than the kernels take
-at small shapes). Under torch.compile the ops are the path; both run the same code, so they agree to the bit.
+Eager calls run the ops' implementations directly, without the custom-op dispatch (`logitless._autograd.custom_op`
+says when and why); that path is also the only one that writes the gradients in place (``inplace_backward``: the
+compiler plans its own buffers). Under torch.compile the ops are the path; both run the same code.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._autograd import enum, no_double_backward
+from ._autograd import cached, custom_op, enum, no_double_backward
 from ._tensor import descriptor, rows_ready, stream
 
 __all__ = ["glu", "swiglu", "geglu", "ACTIVATIONS"]
@@ -40,6 +40,9 @@ ALGOS = {"auto": 0, "vector": 1, "scalar": 2}
 def _options(activation: int, algo: int) -> _C.GLUOptions:
     """The ops' option arguments (the C++ enum values) as the binding's GLUOptions."""
     return _C.GLUOptions(activation=activation, algo=algo)
+
+
+_cached_options = cached(_options)
 
 
 def _halves(gate: Tensor, up: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -62,7 +65,7 @@ def _check_concatenated(gate: Tensor) -> None:
 
 def _run_forward(gate: Tensor, up: Optional[Tensor], activation: int, algo: int, y: Tensor) -> None:
     g, u = _halves(gate, up)
-    _C.glu_forward(descriptor(g, "gate"), descriptor(u, "up"), _options(activation, algo), descriptor(y, "y"),
+    _C.glu_forward(descriptor(g, "gate"), descriptor(u, "up"), _cached_options(activation, algo), descriptor(y, "y"),
                    stream(gate.device))
 
 
@@ -72,7 +75,7 @@ def _run_backward(grad_y: Tensor, gate: Tensor, up: Optional[Tensor], activation
     g, u = _halves(gate, up)
     dg, du = _halves(grad_gate, grad_up)
     _C.glu_backward(descriptor(grad_y, "grad_y"), descriptor(g, "gate"), descriptor(u, "up"),
-                    _options(activation, algo), descriptor(dg, "grad_gate"), descriptor(du, "grad_up"),
+                    _cached_options(activation, algo), descriptor(dg, "grad_gate"), descriptor(du, "grad_up"),
                     stream(gate.device))
 
 
@@ -84,7 +87,7 @@ def _empty(shape, like: Tensor) -> Tensor:
 # The ops. After the tensors, every op takes the arguments of `_options` (custom ops take plain scalars).
 
 
-@torch.library.custom_op("logitless::glu_forward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::glu_forward")
 def _forward(gate: Tensor, up: Optional[Tensor], activation: int, algo: int) -> Tensor:
     """act(gate) * up, or act(gate_up[..., :I]) * gate_up[..., I:] without up."""
     gate = rows_ready(gate)
@@ -99,7 +102,7 @@ def _(gate, up, activation, algo):
     return _empty(_out_shape(gate, up), gate)
 
 
-@torch.library.custom_op("logitless::glu_backward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::glu_backward")
 def _backward(grad_y: Tensor, gate: Tensor, up: Optional[Tensor], activation: int,
               algo: int) -> Tuple[Tensor, Tensor]:
     """(grad_gate, grad_up); without up, grad_gate is the [*, 2I] gradient of gate_up and grad_up is empty."""
@@ -116,7 +119,7 @@ def _(grad_y, gate, up, activation, algo):
     return _empty(gate.shape, gate), _empty(up.shape if up is not None else (0,), gate)
 
 
-@torch.library.custom_op("logitless::glu_backward_", mutates_args=("gate", "up"), device_types=("cpu", "cuda"))
+@custom_op("logitless::glu_backward_", mutates_args=("gate", "up"))
 def _backward_inplace(grad_y: Tensor, gate: Tensor, up: Optional[Tensor], activation: int, algo: int) -> None:
     """grad_gate written over gate and grad_up over up (or the gradient of gate_up over gate_up). gate and up must
     have their last dimension contiguous and not overlap each other."""
@@ -129,8 +132,7 @@ def _(grad_y, gate, up, activation, algo):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Autograd: one backward for both paths (`use_ops`: through the custom ops, as torch.compile traces them;
-# otherwise straight into C++, as eager calls run).
+# Autograd.
 
 
 def _writable(t: Tensor) -> bool:
@@ -153,7 +155,7 @@ def _inplace_ok(gate: Tensor, up: Optional[Tensor]) -> bool:
     return _writable(up) and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
 
 
-def _grads(ctx, grad_y: Optional[Tensor], use_ops: bool):
+def _grads(ctx, grad_y: Optional[Tensor]):
     """(grad_gate, grad_up) from the saved gate and up; grad_up is None without up."""
     no_double_backward("glu")
     if grad_y is None:
@@ -163,24 +165,14 @@ def _grads(ctx, grad_y: Optional[Tensor], use_ops: bool):
     # An incoming gradient in an unusual layout (e.g. the stride-0 gradient of y.sum()) is copied: its rows must
     # collapse jointly with those of gate and up.
     grad_y = grad_y if grad_y.is_contiguous() else grad_y.contiguous()
-    if ctx.inplace and _inplace_ok(gate, up):
-        if use_ops:
-            _backward_inplace(grad_y, gate, up, act, algo)
-        else:
-            _run_backward(grad_y, gate, up, act, algo, gate, up)
-            # What the op's mutates_args declares: any other node that saved gate or up now raises when it unpacks
-            # them, instead of reading a gradient.
-            torch.autograd.graph.increment_version(gate)
-            if up is not None:
-                torch.autograd.graph.increment_version(up)
+    # `inplace` is set on the direct eager path only (glu's inplace_backward).
+    if getattr(ctx, "inplace", False) and _inplace_ok(gate, up):
+        # The op declares the mutation: any other node that saved gate or up now raises when it unpacks them,
+        # instead of reading a gradient.
+        _backward_inplace(grad_y, gate, up, act, algo)
         # Handed on as plain tensors (the saved ones carry the forward's graph).
         return gate.detach(), (None if up is None else up.detach())
-    if use_ops:
-        grad_gate, grad_up = _backward(grad_y, gate, up, act, algo)
-    else:
-        grad_gate = _empty(gate.shape, gate)
-        grad_up = None if up is None else _empty(up.shape, up)
-        _run_backward(grad_y, gate, up, act, algo, grad_gate, grad_up)
+    grad_gate, grad_up = _backward(grad_y, gate, up, act, algo)
     return grad_gate, (None if up is None else grad_up)
 
 
@@ -189,37 +181,15 @@ def _forward_setup(ctx, inputs, output):
     ctx.save_for_backward(*((gate,) if up is None else (gate, up)))
     ctx.has_up = up is not None
     ctx.activation, ctx.algo = activation, algo
-    ctx.inplace = False  # the op path writes out of place: the compiler plans its own buffers
     ctx.set_materialize_grads(False)
 
 
 def _forward_grad(ctx, grad_y):
-    grad_gate, grad_up = _grads(ctx, grad_y, use_ops=True)
+    grad_gate, grad_up = _grads(ctx, grad_y)
     return grad_gate, grad_up, None, None
 
 
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
-
-
-class _GLU(torch.autograd.Function):
-    """The eager path: the same C++ calls as the ops above, without the custom-op dispatch."""
-
-    @staticmethod
-    def forward(ctx, gate, up, activation, algo, inplace):
-        gate = rows_ready(gate)
-        up = None if up is None else rows_ready(up)
-        y = _empty(_out_shape(gate, up), gate)
-        _run_forward(gate, up, activation, algo, y)
-        ctx.save_for_backward(*((gate,) if up is None else (gate, up)))
-        ctx.has_up = up is not None
-        ctx.activation, ctx.algo, ctx.inplace = activation, algo, inplace
-        ctx.set_materialize_grads(False)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        grad_gate, grad_up = _grads(ctx, grad_y, use_ops=False)
-        return grad_gate, grad_up, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -263,16 +233,10 @@ def glu(gate: Tensor, up: Optional[Tensor] = None, *, activation: str = "silu", 
     algo_code = enum(ALGOS, algo, "algo")
     if up is None:
         _check_concatenated(gate)
-    if torch.compiler.is_compiling():
-        return _forward(gate, up, act, algo_code)
-    if torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
-        return _GLU.apply(gate, up, act, algo_code, bool(inplace_backward))
-    # Nothing to differentiate: no graph node and nothing saved.
-    gate = rows_ready(gate)
-    up = None if up is None else rows_ready(up)
-    y = _empty(_out_shape(gate, up), gate)
-    _run_forward(gate, up, act, algo_code, y)
-    return y
+    return _forward(gate, up, act, algo_code, ctx_attrs=_INPLACE if inplace_backward else None)
+
+
+_INPLACE = {"inplace": True}
 
 
 def swiglu(gate: Tensor, up: Optional[Tensor] = None, *, inplace_backward: bool = False) -> Tensor:

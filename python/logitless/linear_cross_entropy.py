@@ -34,6 +34,8 @@ from ._autograd import (
     REDUCTION_NONE,
     REDUCTIONS,
     SCHEDULES,
+    cached,
+    custom_op,
     enum,
     no_double_backward,
     scale_saved,
@@ -58,6 +60,9 @@ def _options(ignore_index: int, reduction: int, label_smoothing: float, z_loss: 
                                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                                         check_targets=check_targets, chunk_tokens=chunk_tokens,
                                         chunk_vocab=chunk_vocab, memory_budget=memory_budget)
+
+
+_cached_options = cached(_options)
 
 
 def _new_outputs(hidden: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor, Tensor]:
@@ -109,12 +114,12 @@ def _recompute_is_faster(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
 # The ops.
 
 
-@torch.library.custom_op("logitless::linear_cross_entropy_forward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::linear_cross_entropy_forward")
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
              ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
              check_targets: bool, chunk_tokens: int, chunk_vocab: int, memory_budget: int) -> Tuple[Tensor, Tensor]:
     """(loss, lse): one GEMM over token chunks; lse is what the backward needs."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
+    options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
                        chunk_vocab, memory_budget)
     loss, lse = _new_outputs(hidden, target, reduction)
     h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
@@ -131,8 +136,8 @@ def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *opti
     return _new_outputs(hidden, target, reduction)
 
 
-@torch.library.custom_op("logitless::linear_cross_entropy_forward_backward_out",
-                         mutates_args=("grad_hidden", "grad_weight", "grad_bias"), device_types=("cpu", "cuda"))
+@custom_op("logitless::linear_cross_entropy_forward_backward_out",
+           mutates_args=("grad_hidden", "grad_weight", "grad_bias"))
 def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                           class_weight: Optional[Tensor], ignore_index: int, reduction: int, label_smoothing: float,
                           z_loss: float, softcap: float, check_targets: bool, chunk_tokens: int, chunk_vocab: int,
@@ -140,7 +145,7 @@ def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                           grad_bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """(loss, lse), and the gradients of the reduced loss (upstream gradient 1) written into the given buffers
     (None: not computed) in the same pass."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
+    options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
                        chunk_vocab, memory_budget)
     return _run_forward_backward(hidden, weight, bias, target, class_weight, options, grad_hidden, grad_weight,
                                  grad_bias)
@@ -151,7 +156,7 @@ def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest
     return _new_outputs(hidden, target, reduction)
 
 
-@torch.library.custom_op("logitless::linear_cross_entropy_backward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::linear_cross_entropy_backward")
 def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
               lse: Tensor, grad_loss: Tensor, ignore_index: int, reduction: int, label_smoothing: float,
               z_loss: float, softcap: float, check_targets: bool, chunk_tokens: int, chunk_vocab: int,
@@ -159,7 +164,7 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
               need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) from the forward's lse, times grad_loss (float32: [] for sum/mean,
     [*] contiguous for none); a gradient not needed comes back empty."""
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
+    options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
                        chunk_vocab, memory_budget)
     gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
     d = lambda t, need, name: descriptor(t, name) if need else None  # noqa: E731

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._autograd import DEFAULT_MEMORY_BUDGET, SCHEDULES, enum, no_double_backward, scale_saved
+from ._autograd import DEFAULT_MEMORY_BUDGET, SCHEDULES, cached, custom_op, enum, no_double_backward, scale_saved
 from ._checks import check_bias, check_float, check_index_dtype, check_int64, check_rows, check_tensors, register_fake
 from ._tensor import descriptor, rows_ready, stream, workspace
 from .heads import refuse_sharded_weight
@@ -51,6 +51,9 @@ def _options(loss_type: int, level: int, beta: float, eps_low: float, eps_high: 
                                   max_completion_length=max_completion_length,
                                   num_items_in_batch=num_items_in_batch, check_ids=check_ids)
     return _C.LinearPolicyLossOptions(policy=policy, chunk_tokens=chunk_tokens, memory_budget=memory_budget)
+
+
+_cached_options = cached(_options)
 
 
 def _selective_options(temperature: float, check_ids: bool, chunk_tokens: int,
@@ -118,7 +121,7 @@ def _run(hidden, weight, bias, ids, adv, mask, old, ref, options, want_per_token
 # The policy ops.
 
 
-@torch.library.custom_op("logitless::linear_policy_loss_forward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::linear_policy_loss_forward")
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], completion_ids: Tensor, advantages: Tensor,
              completion_mask: Optional[Tensor], old_logp: Optional[Tensor], ref_logp: Optional[Tensor], loss_type: int,
              level: int, beta: float, eps_low: float, eps_high: float, temperature: float, max_completion_length: int,
@@ -126,7 +129,7 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], completion_
              want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, per_token_loss, kl, is_clipped, logp, entropy, lse): one GEMM over token chunks; logp and lse are
     what the backward needs."""
-    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+    options = _cached_options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
                        num_items_in_batch, check_ids, chunk_tokens, memory_budget)
     return _run(hidden, weight, bias, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                 want_per_token, want_entropy, None)
@@ -137,8 +140,8 @@ def _(hidden, weight, bias, completion_ids, *rest):
     return _outputs(hidden, completion_ids, rest[-2], rest[-1])
 
 
-@torch.library.custom_op("logitless::linear_policy_loss_forward_backward_out",
-                         mutates_args=("grad_hidden", "grad_weight", "grad_bias"), device_types=("cpu", "cuda"))
+@custom_op("logitless::linear_policy_loss_forward_backward_out",
+           mutates_args=("grad_hidden", "grad_weight", "grad_bias"))
 def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], completion_ids: Tensor,
                           advantages: Tensor, completion_mask: Optional[Tensor], old_logp: Optional[Tensor],
                           ref_logp: Optional[Tensor], loss_type: int, level: int, beta: float, eps_low: float,
@@ -148,7 +151,7 @@ def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]
                           grad_bias: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """As linear_policy_loss_forward, and the gradients of the loss (upstream gradient 1) written into the given
     buffers (None: not computed) in the same call."""
-    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+    options = _cached_options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
                        num_items_in_batch, check_ids, chunk_tokens, memory_budget)
     return _run(hidden, weight, bias, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                 want_per_token, want_entropy, (grad_hidden, grad_weight, grad_bias))
@@ -159,7 +162,7 @@ def _(hidden, weight, bias, completion_ids, *rest):
     return _outputs(hidden, completion_ids, rest[-5], rest[-4])
 
 
-@torch.library.custom_op("logitless::linear_policy_loss_backward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::linear_policy_loss_backward")
 def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], completion_ids: Tensor, advantages: Tensor,
               completion_mask: Optional[Tensor], old_logp: Optional[Tensor], ref_logp: Optional[Tensor], logp: Tensor,
               lse: Tensor, grad_loss: Tensor, loss_type: int, level: int, beta: float, eps_low: float,
@@ -168,7 +171,7 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], completion
               need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) times grad_loss (float32 []), from the forward's logp and lse; a
     gradient not needed comes back empty."""
-    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+    options = _cached_options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
                        num_items_in_batch, False, chunk_tokens, memory_budget)
     gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
     tensors = _inputs(hidden, weight, bias, completion_ids, advantages, completion_mask, old_logp, ref_logp)
@@ -363,8 +366,7 @@ def _sel_outputs(hidden: Tensor, ids: Tensor, want_entropy: bool):
             torch.empty(ids.shape, **f32))
 
 
-@torch.library.custom_op("logitless::linear_selective_log_softmax_forward", mutates_args=(),
-                         device_types=("cpu", "cuda"))
+@custom_op("logitless::linear_selective_log_softmax_forward")
 def _sel_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
                  check_ids: bool, chunk_tokens: int, memory_budget: int,
                  want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -387,8 +389,7 @@ def _(hidden, weight, bias, ids, temperature, check_ids, chunk_tokens, memory_bu
     return _sel_outputs(hidden, ids, want_entropy)
 
 
-@torch.library.custom_op("logitless::linear_selective_log_softmax_backward", mutates_args=(),
-                         device_types=("cpu", "cuda"))
+@custom_op("logitless::linear_selective_log_softmax_backward")
 def _sel_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor, grad_logp: Tensor,
                   temperature: float, chunk_tokens: int, memory_budget: int, need_hidden: bool, need_weight: bool,
                   need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:

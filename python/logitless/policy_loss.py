@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._autograd import enum, no_double_backward, scale_saved
+from ._autograd import cached, custom_op, enum, no_double_backward, scale_saved
 from ._checks import (
     check_float,
     check_index_dtype,
@@ -77,6 +77,9 @@ def _options(loss_type: int, level: int, beta: float, eps_low: float, eps_high: 
                                 check_ids=check_ids, algo=algo, cluster_size=cluster_size, threads=threads)
 
 
+_cached_options = cached(_options)
+
+
 def _policy_outputs(logits: Tensor, ids: Tensor, want_per_token: bool, want_entropy: bool):
     # (loss, per_token_loss, kl, is_clipped, logp, entropy); the ones not asked for are empty (a custom op cannot
     # return None).
@@ -113,7 +116,7 @@ def _run_policy(logits, ids, adv, mask, old, ref, options, want_per_token, want_
     return outs
 
 
-@torch.library.custom_op("logitless::policy_loss_forward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::policy_loss_forward")
 def _policy_forward(logits: Tensor, completion_ids: Tensor, advantages: Tensor, completion_mask: Optional[Tensor],
                     old_logp: Optional[Tensor], ref_logp: Optional[Tensor], loss_type: int, level: int, beta: float,
                     eps_low: float, eps_high: float, temperature: float, max_completion_length: int,
@@ -121,7 +124,7 @@ def _policy_forward(logits: Tensor, completion_ids: Tensor, advantages: Tensor, 
                     want_per_token: bool, want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, per_token_loss, kl, is_clipped, logp, entropy), one read of the unmasked rows; the per-token
     outputs are empty unless asked for."""
-    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+    options = _cached_options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
                        num_items_in_batch, check_ids, algo, cluster_size, threads)
     return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                        want_per_token, want_entropy, None)
@@ -132,8 +135,7 @@ def _(logits, completion_ids, *rest):
     return _policy_outputs(logits, completion_ids, rest[-2], rest[-1])
 
 
-@torch.library.custom_op("logitless::policy_loss_forward_backward_out", mutates_args=("grad_logits",),
-                         device_types=("cpu", "cuda"))
+@custom_op("logitless::policy_loss_forward_backward_out", mutates_args=("grad_logits",))
 def _policy_forward_backward_out(logits: Tensor, completion_ids: Tensor, advantages: Tensor,
                                  completion_mask: Optional[Tensor], old_logp: Optional[Tensor],
                                  ref_logp: Optional[Tensor], loss_type: int, level: int, beta: float, eps_low: float,
@@ -143,7 +145,7 @@ def _policy_forward_backward_out(logits: Tensor, completion_ids: Tensor, advanta
                                  grad_logits: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """As policy_loss_forward, and the gradient of the loss (upstream gradient 1) written into `grad_logits`
     (the logits' shape and dtype, memory apart from them)."""
-    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+    options = _cached_options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
                        num_items_in_batch, check_ids, algo, cluster_size, threads)
     return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                        want_per_token, want_entropy, grad_logits)
@@ -154,8 +156,7 @@ def _(logits, completion_ids, *rest):
     return _policy_outputs(logits, completion_ids, rest[-3], rest[-2])
 
 
-@torch.library.custom_op("logitless::policy_loss_forward_backward_", mutates_args=("logits",),
-                         device_types=("cpu", "cuda"))
+@custom_op("logitless::policy_loss_forward_backward_", mutates_args=("logits",))
 def _policy_forward_backward_inplace(logits: Tensor, completion_ids: Tensor, advantages: Tensor,
                                      completion_mask: Optional[Tensor], old_logp: Optional[Tensor],
                                      ref_logp: Optional[Tensor], loss_type: int, level: int, beta: float,
@@ -165,7 +166,7 @@ def _policy_forward_backward_inplace(logits: Tensor, completion_ids: Tensor, adv
                                      want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """As policy_loss_forward_backward_out, with the gradient written over `logits` (no extra logits-sized
     memory; the unused last position becomes 0 too)."""
-    options = _options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
+    options = _cached_options(loss_type, level, beta, eps_low, eps_high, temperature, max_completion_length,
                        num_items_in_batch, check_ids, algo, cluster_size, threads)
     return _run_policy(logits, completion_ids, advantages, completion_mask, old_logp, ref_logp, options,
                        want_per_token, want_entropy, logits)
@@ -363,7 +364,7 @@ def _selective_outputs(logits: Tensor, ids: Tensor, want_entropy: bool):
             torch.empty(ids.shape, **f32))
 
 
-@torch.library.custom_op("logitless::selective_log_softmax_forward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::selective_log_softmax_forward")
 def _selective_forward(logits: Tensor, ids: Tensor, temperature: float, check_ids: bool,
                        want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(logp, entropy, lse) of logits [*, V] at ids [*]; entropy is empty unless asked for."""
@@ -383,7 +384,7 @@ def _(logits, ids, temperature, check_ids, want_entropy):
     return _selective_outputs(logits, ids, want_entropy)
 
 
-@torch.library.custom_op("logitless::selective_log_softmax_backward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::selective_log_softmax_backward")
 def _selective_backward(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Tensor, temperature: float) -> Tensor:
     """grad_logits = grad_logp ([j == id] - p_j) / temperature from the forward's lse."""
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)

@@ -15,12 +15,8 @@ callers that own their buffers).
 
 The forward's registered autograd saves what the forward normalized (x, or residual_out) and rstd.
 
-Eager calls do not go through those ops: `_RMSNorm` (an autograd.Function) calls the same C++ entry points
-directly, because the custom-op machinery costs more CPU time per call than the kernels take on a GPU at
-small shapes (the dispatcher, schema default filling and alias checks cost several times the op's own Python work),
-and a GPU that waits for the CPU between the forward and the backward kernel loses bandwidth. Under
-torch.compile (and for anyone calling torch.ops.logitless.*) the ops are the path; both run the same code
-below, so they agree to the bit.
+Eager calls run the ops' implementations directly, without the custom-op dispatch (`logitless._autograd.custom_op`
+says when and why); torch.compile and callers of torch.ops.logitless.* get the ops. Both are the same code.
 """
 from __future__ import annotations
 
@@ -30,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._autograd import enum, no_double_backward
+from ._autograd import cached, custom_op, enum, no_double_backward
 from ._checks import check_float, check_int64, check_rows, check_tensors, register_fake, rows_collapse
 from ._tensor import descriptor, rows_ready, stream, workspace
 
@@ -43,8 +39,11 @@ ALGOS = {"auto": 0, "registers": 1, "generic": 2}
 
 def _options(eps: float, offset: float, casting: int, algo: int, vectors_per_thread: int) -> _C.RMSNormOptions:
     """The ops' option arguments (casting and algo as the C++ enum values) as the binding's RMSNormOptions, field by
-    field by name. The eager path builds it once per call and keeps it for the backward."""
+    field by name."""
     return _C.RMSNormOptions(eps=eps, offset=offset, casting=casting, algo=algo, vectors_per_thread=vectors_per_thread)
+
+
+_cached_options = cached(_options)
 
 
 def _forward_outputs(x: Tensor, has_residual: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -86,14 +85,14 @@ def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor
 # scalars).
 
 
-@torch.library.custom_op("logitless::rms_norm_forward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::rms_norm_forward")
 def _forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float, offset: float, casting: int,
              algo: int, vectors_per_thread: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(y, residual_out, rstd); residual_out = x + residual (empty without a residual)."""
     x, weight = rows_ready(x), weight.contiguous()
     residual = None if residual is None else rows_ready(residual)
     y, s, rstd = _forward_outputs(x, residual is not None)
-    _run_forward(x, weight, residual, _options(eps, offset, casting, algo, vectors_per_thread), y,
+    _run_forward(x, weight, residual, _cached_options(eps, offset, casting, algo, vectors_per_thread), y,
                  s if residual is not None else None, rstd)
     return y, s, rstd
 
@@ -103,7 +102,7 @@ def _(x, weight, residual, *options):
     return _forward_outputs(x, residual is not None)
 
 
-@torch.library.custom_op("logitless::rms_norm_backward", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::rms_norm_backward")
 def _backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
               eps: float, offset: float, casting: int, algo: int, vectors_per_thread: int,
               need_weight_grad: bool) -> Tuple[Tensor, Tensor]:
@@ -112,7 +111,7 @@ def _backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, we
     grad_y, x, weight = rows_ready(grad_y), rows_ready(x), weight.contiguous()
     grad_residual_out = None if grad_residual_out is None else rows_ready(grad_residual_out)
     grad_x = torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device)
-    options = _options(eps, offset, casting, algo, vectors_per_thread)
+    options = _cached_options(eps, offset, casting, algo, vectors_per_thread)
     grad_weight = _run_backward(grad_y, grad_residual_out, x, weight, rstd.contiguous(), options, grad_x,
                                 need_weight_grad)
     return grad_x, grad_weight
@@ -125,11 +124,10 @@ def _(grad_y, grad_residual_out, x, weight, rstd, eps, offset, casting, algo, ve
 
 
 # ----------------------------------------------------------------------------------------------------
-# Autograd: one backward for both paths (`use_ops`: through the custom ops, as torch.compile traces them;
-# otherwise straight into C++, as eager calls run).
+# Autograd.
 
 
-def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], use_ops: bool):
+def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor]):
     """(grad_x, grad_weight, grad_residual) from the saved (what was normalized, weight, rstd)."""
     no_double_backward("rms_norm")
     xs, weight, rstd = ctx.saved_tensors
@@ -140,7 +138,6 @@ def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], use_ops: boo
     if grad_y is None:  # only residual_out was used
         grad_y = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
     grad_s = grad_s if ctx.has_residual else None
-    opts = ctx.options  # the op's option arguments (use_ops), or the RMSNormOptions of the eager path
     grad_y = rows_ready(grad_y)
     grad_s = None if grad_s is None else rows_ready(grad_s)
     # Incoming gradients have whatever layout autograd produced (e.g. a permuted view's gradient). Where their rows
@@ -149,11 +146,7 @@ def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], use_ops: boo
     if not rows_collapse(xs.dim() - 1, xs, grad_y, *(() if grad_s is None else (grad_s,))):
         grad_y = grad_y.contiguous()
         grad_s = None if grad_s is None else grad_s.contiguous()
-    if use_ops:
-        grad_x, grad_w = _backward(grad_y, grad_s, xs, weight, rstd, *opts, need_w)
-    else:
-        grad_x = torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device)
-        grad_w = _run_backward(grad_y, grad_s, xs, weight, rstd, opts, grad_x, need_w)
+    grad_x, grad_w = _backward(grad_y, grad_s, xs, weight, rstd, *ctx.options, need_w)
     grad_x = grad_x if need_x else None
     return grad_x, (grad_w if need_w else None), (grad_x if ctx.has_residual else None)
 
@@ -173,35 +166,11 @@ def _forward_setup(ctx, inputs, output):
 
 
 def _forward_grad(ctx, grad_y, grad_s, grad_rstd):
-    grad_x, grad_w, grad_res = _grads(ctx, grad_y, grad_s, use_ops=True)
+    grad_x, grad_w, grad_res = _grads(ctx, grad_y, grad_s)
     return (grad_x, grad_w, grad_res) + (None,) * 5
 
 
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
-
-
-class _RMSNorm(torch.autograd.Function):
-    """The eager path: the same C++ calls as the ops above, without the custom-op dispatch (see the module
-    docstring). Returns y, or (y, residual_out)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, residual, options):
-        x, weight = rows_ready(x), weight.contiguous()
-        residual = None if residual is None else rows_ready(residual)
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        s = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        _run_forward(x, weight, residual, options, y, s, rstd)
-        ctx.save_for_backward(x if s is None else s, weight, rstd)
-        ctx.has_residual = s is not None
-        ctx.options = options
-        ctx.set_materialize_grads(False)
-        return y if s is None else (y, s)
-
-    @staticmethod
-    def backward(ctx, grad_y, grad_s=None):
-        grad_x, grad_w, grad_res = _grads(ctx, grad_y, grad_s, use_ops=False)
-        return grad_x, grad_w, grad_res, None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -270,16 +239,5 @@ def rms_norm(
     if x.dim() > 4:  # (rows of fewer dimensions always collapse) judged as the C++ side will see them
         res = None if residual is None else rows_ready(residual)
         check_rows(x.dim() - 1, (("x", rows_ready(x)), ("residual", res)))
-    if torch.compiler.is_compiling():
-        y, s, _ = _forward(x, weight, residual, *scalars)
-        return y if residual is None else (y, s)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
-                                    (residual is not None and residual.requires_grad)):
-        return _RMSNorm.apply(x, weight, residual, _options(*scalars))
-    # Nothing to differentiate: no graph node, and no rstd to keep.
-    x, weight = rows_ready(x), weight.contiguous()
-    residual = None if residual is None else rows_ready(residual)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    s = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _run_forward(x, weight, residual, _options(*scalars), y, s, None)
-    return y if s is None else (y, s)
+    y, s, _ = _forward(x, weight, residual, *scalars)
+    return y if residual is None else (y, s)

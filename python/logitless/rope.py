@@ -10,10 +10,10 @@ Op (namespace ``logitless``):
 The rotation is Hugging Face's ``q * cos + rotate_half(q) * sin`` over the first Dr channels (Dr = cos's last
 dimension; the rest pass through), see include/logitless/rope.h. cos and sin get no gradient.
 
-Eager calls do not go through the op: `_Rope` (an autograd.Function) calls the same C++ entry point directly,
-as rms_norm.py does and for the same reason, and is the path that rotates in place (``inplace=True``, declared to
-autograd with ``mark_dirty``). Under torch.compile the op is the path (an in-place call is the op followed by a
-copy into q and k, which the compiler may elide).
+Eager calls run the op's implementation directly, without the custom-op dispatch (`logitless._autograd.custom_op`
+says when and why). Rotating in place (``inplace=True``) is `_Rope`, an autograd.Function declared with
+``mark_dirty``, in eager mode; under torch.compile the op is the path (an in-place call is the op followed by a copy
+into q and k, which the compiler may elide).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._autograd import enum
+from ._autograd import custom_op, eager_ok, enum
 from ._tensor import descriptor, rows_ready, stream
 
 __all__ = ["rope"]
@@ -63,7 +63,7 @@ def _ready(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_id
 # The op.
 
 
-@torch.library.custom_op("logitless::rope", mutates_args=(), device_types=("cpu", "cuda"))
+@custom_op("logitless::rope")
 def _rope(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids: Optional[Tensor], inverse: bool,
           algo: int) -> Tuple[Tensor, Tensor]:
     """(q_rot, k_rot); k_rot is empty without k. inverse: the transpose of the rotation (the backward)."""
@@ -77,18 +77,16 @@ def _(q, k, cos, sin, position_ids, inverse, algo):
     return _out_like(rows_ready(q)), (_out_like(rows_ready(k)) if k is not None else q.new_empty((0,)))
 
 
-def _grads(grad_q: Optional[Tensor], grad_k: Optional[Tensor], cos, sin, position_ids, inverse: bool, algo: int,
-           use_ops: bool):
-    """(grad_q, grad_k): the transposed rotation of the incoming gradients (either may be None)."""
+def _grads(grad_q: Optional[Tensor], grad_k: Optional[Tensor], cos, sin, position_ids, inverse: bool, algo: int):
+    """(grad_q, grad_k): the transposed rotation of the incoming gradients (either may be None), through the op, so
+    that under create_graph=True its own derivative (the rotation) is recorded."""
     if grad_q is None and grad_k is None:
         return None, None
-    if use_ops:
-        def rotate(a, b):
-            ra, rb = _rope(a, b, cos, sin, position_ids, inverse, algo)
-            return ra, (rb if b is not None else None)
-    else:
-        def rotate(a, b):
-            return _rotated(*_ready(a, b, cos, sin, position_ids), inverse, algo)
+
+    def rotate(a, b):
+        ra, rb = _rope(a, b, cos, sin, position_ids, inverse, algo)
+        return ra, (rb if b is not None else None)
+
     if grad_q is None:  # the rotation is the same for any head: k's gradient alone goes in as the first operand
         return None, rotate(grad_k, None)[0]
     return rotate(grad_q, grad_k)
@@ -103,8 +101,7 @@ def _setup(ctx, inputs, output):
 
 def _rope_grad(ctx, grad_q, grad_k):
     cos, sin, position_ids = ctx.saved_tensors
-    gq, gk = _grads(grad_q, grad_k if ctx.has_k else None, cos, sin, position_ids, not ctx.inverse, ctx.algo,
-                    use_ops=True)
+    gq, gk = _grads(grad_q, grad_k if ctx.has_k else None, cos, sin, position_ids, not ctx.inverse, ctx.algo)
     return gq, gk, None, None, None, None, None
 
 
@@ -112,33 +109,28 @@ _rope.register_autograd(_rope_grad, setup_context=_setup)
 
 
 class _Rope(torch.autograd.Function):
-    """The eager path: the same C++ call as the op, without the custom-op dispatch; rotates q and k in place when
-    asked (declared with mark_dirty, so autograd versions them as it does torch's own in-place ops). Returns
-    (q_rot, k_rot), or q_rot alone without k (a Function that modifies a view in place may return one tensor
-    only)."""
+    """The eager in-place rotation of q and k (declared with mark_dirty, so autograd versions them as it does torch's
+    own in-place ops), the same C++ call as the op. Returns (q, k), or q alone without k (a Function that modifies a
+    view in place may return one tensor only)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids, algo, inplace):
+    def forward(ctx, q, k, cos, sin, position_ids, algo):
         ctx.save_for_backward(cos, sin, position_ids)
         ctx.algo = algo
         ctx.set_materialize_grads(False)
-        if inplace:
-            _run(q, k, cos, sin, position_ids, False, algo, q, k)
-            ctx.mark_dirty(*((q,) if k is None else (q, k)))
-            return q if k is None else (q, k)
-        q_out, k_out = _rotated(q, k, cos, sin, position_ids, False, algo)
-        return q_out if k is None else (q_out, k_out)
+        _run(q, k, cos, sin, position_ids, False, algo, q, k)
+        ctx.mark_dirty(*((q,) if k is None else (q, k)))
+        return q if k is None else (q, k)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k=None):
         cos, sin, position_ids = ctx.saved_tensors
-        # Under create_graph=True the op path builds the graph of the backward (whose derivative is the rotation).
-        gq, gk = _grads(grad_q, grad_k, cos, sin, position_ids, True, ctx.algo, use_ops=torch.is_grad_enabled())
-        return gq, gk, None, None, None, None, None
+        gq, gk = _grads(grad_q, grad_k, cos, sin, position_ids, True, ctx.algo)
+        return gq, gk, None, None, None, None
 
 
-def _apply(q, k, cos, sin, position_ids, algo, inplace):
-    out = _Rope.apply(q, k, cos, sin, position_ids, algo, inplace)
+def _apply_inplace(q, k, cos, sin, position_ids, algo):
+    out = _Rope.apply(q, k, cos, sin, position_ids, algo)
     return (out, None) if k is None else out
 
 
@@ -190,29 +182,24 @@ def rope(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids:
             if t.requires_grad:
                 raise ValueError(f"{name}: expected a tensor that does not require grad (rope gives cos and sin no "
                                  f"gradient; detach them), got one that requires grad")
-    if torch.compiler.is_compiling():
+    if inplace and not eager_ok((q, k, cos, sin, position_ids)):  # traced (or a mode, a subclass): the op, copied
         q_rot, k_rot = _rope(q, k, cos, sin, position_ids, False, code)
-        k_rot = None if k is None else k_rot
-        if inplace:
-            q.copy_(q_rot)
-            if k is not None:
-                k.copy_(k_rot)
-            return q, k
-        return q_rot, k_rot
+        q.copy_(q_rot)
+        if k is not None:
+            k.copy_(k_rot)
+        return q, k
     needs_graph = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
     if inplace:
         if not needs_graph:
             _run(q, k, cos, sin, position_ids, False, code, q, k)
             return q, k
         if q._base is None and (k is None or k._base is None):
-            return _apply(q, k, cos, sin, position_ids, code, True)
+            return _apply_inplace(q, k, cos, sin, position_ids, code)
         # Autograd lets a Function that modifies a view in place return that one tensor only: q and k (views of
         # their projections, as a model makes them) are then rotated by one launch each.
-        q = _Rope.apply(q, None, cos, sin, position_ids, code, True)
+        q = _Rope.apply(q, None, cos, sin, position_ids, code)
         if k is not None:
-            k = _Rope.apply(k, None, cos, sin, position_ids, code, True)
+            k = _Rope.apply(k, None, cos, sin, position_ids, code)
         return q, k
-    q, k = rows_ready(q), None if k is None else rows_ready(k)
-    if needs_graph:
-        return _apply(q, k, cos, sin, position_ids, code, False)
-    return _rotated(q, k, cos, sin, position_ids, False, code)
+    q_rot, k_rot = _rope(q, k, cos, sin, position_ids, False, code)
+    return q_rot, (None if k is None else k_rot)

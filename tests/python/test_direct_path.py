@@ -1,0 +1,247 @@
+"""The direct eager path of the custom ops (logitless._autograd.custom_op): taken by plain eager calls, never where
+torch has to see the op (torch.compile, FakeTensorMode, a function mode, a DTensor or other tensor subclass), and the
+same results and gradients, bit for bit, as the dispatched op."""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import logitless
+from logitless import _autograd
+
+
+class _PassThrough(TorchFunctionMode):
+    """A function mode that changes nothing: with it active every call takes the dispatched op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Dispatched:
+    """Every op call through the dispatcher while active: the reference the direct path must match."""
+
+    def __enter__(self):
+        self.saved = _autograd.eager_ok
+        _autograd.eager_ok = lambda tensors: False
+
+    def __exit__(self, *exc):
+        _autograd.eager_ok = self.saved
+
+
+def _counts():
+    return dict(_autograd.direct_calls)
+
+
+def _grown(before):
+    now = _autograd.direct_calls
+    return {k: now[k] - before.get(k, 0) for k in now if now[k] != before.get(k, 0)}
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rms_norm(residual):
+    g = _gen()
+    x, w, r = torch.randn(6, 32, generator=g), torch.randn(32, generator=g), torch.randn(6, 32, generator=g)
+    dy = torch.randn(6, 32, generator=g)
+
+    def run(x, w, r):
+        out = logitless.rms_norm(x, w, residual=r if residual else None)
+        y = out[0] if residual else out
+        return (y * dy).sum() + (out[1].square().sum() if residual else 0)
+
+    return run, [x, w, r]
+
+
+def _cross_entropy(reduction):
+    g = _gen()
+    logits, target = torch.randn(7, 33, generator=g), torch.randint(0, 33, (7,), generator=g)
+    target[2] = -100
+    up = torch.rand(7, generator=g)
+
+    def run(logits):
+        loss = logitless.cross_entropy(logits, target, reduction=reduction, z_loss=1e-3)
+        return (loss * up).sum() if reduction == "none" else 3 * loss
+
+    return run, [logits]
+
+
+def _glu(concatenated, inplace):
+    g = _gen()
+    gate, up, dy = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g), torch.randn(5, 8, generator=g)
+
+    def run(gate, up):
+        a, b = gate * 1, up * 1  # activations (the in-place backward writes only over those)
+        y = logitless.swiglu(torch.cat([a[:, :8], b[:, :8]], -1)) if concatenated else logitless.swiglu(
+            a[:, :8].contiguous(), b[:, :8].contiguous(), inplace_backward=inplace)
+        return (y * dy).sum()
+
+    return run, [gate, up]
+
+
+def _rope():
+    g = _gen()
+    q, k = torch.randn(2, 4, 6, 16, generator=g), torch.randn(2, 2, 6, 16, generator=g)
+    cos, sin = torch.randn(2, 6, 16, generator=g), torch.randn(2, 6, 16, generator=g)
+    dq, dk = torch.randn(2, 4, 6, 16, generator=g), torch.randn(2, 2, 6, 16, generator=g)
+
+    def run(q, k):
+        qr, kr = logitless.rope(q, k, cos, sin)
+        return (qr * dq).sum() + (kr * dk).sum()
+
+    return run, [q, k]
+
+
+def _policy():
+    g = _gen()
+    logits = torch.randn(2, 5, 40, generator=g)
+    ids, adv = torch.randint(0, 40, (2, 4), generator=g), torch.randn(2, generator=g)
+    ref = -torch.rand(2, 4, generator=g)
+
+    def run(logits):
+        loss = logitless.grpo_loss(logits, ids, adv, ref_logp=ref)
+        return 2 * loss + logitless.selective_log_softmax(logits[:, :-1], ids).sum()
+
+    return run, [logits]
+
+
+def _linear():
+    g = _gen()
+    h, w = torch.randn(2, 5, 16, generator=g), 0.3 * torch.randn(40, 16, generator=g)
+    ids, adv = torch.randint(0, 40, (2, 4), generator=g), torch.randn(2, generator=g)
+    target = torch.randint(0, 40, (2, 5), generator=g)
+
+    def run(h, w):
+        total = logitless.linear_cross_entropy(h, w, target) + logitless.linear_cross_entropy(
+            h, w, target, schedule="recompute", reduction="sum")
+        total = total + logitless.linear_grpo_loss(h, w, ids, adv, beta=0.0)
+        return total + logitless.linear_selective_log_softmax(h[:, :-1], w, ids).sum()
+
+    return run, [h, w]
+
+
+CASES = {
+    "rms_norm": lambda: _rms_norm(False), "rms_norm_residual": lambda: _rms_norm(True),
+    "cross_entropy_mean": lambda: _cross_entropy("mean"), "cross_entropy_none": lambda: _cross_entropy("none"),
+    "glu": lambda: _glu(False, False), "glu_inplace": lambda: _glu(False, True),
+    "glu_gate_up": lambda: _glu(True, False),
+    "rope": _rope, "policy": _policy, "linear": _linear,
+}
+
+
+def _run(case, mode=None):
+    fn, inputs = CASES[case]()
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    before = _counts()
+    if mode is None:
+        out = fn(*leaves)
+        out.backward()
+    else:
+        with mode:
+            out = fn(*leaves)
+            out.backward()
+    return out.detach(), [t.grad for t in leaves], _grown(before)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_eager_takes_the_direct_path_and_matches_the_op_bitwise(case):
+    out, grads, direct = _run(case)
+    assert direct, "the eager call never took the direct path"
+    ref_out, ref_grads, ref_direct = _run(case, _Dispatched())
+    assert not ref_direct, f"the direct path ran: {ref_direct}"
+    assert torch.equal(out, ref_out)
+    for a, b in zip(grads, ref_grads):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_forward_and_backward_ops_both_go_direct():
+    _, _, direct = _run("rms_norm")
+    assert direct == {"logitless::rms_norm_forward": 1, "logitless::rms_norm_backward": 1}
+    _, _, direct = _run("cross_entropy_mean")
+    assert direct == {"logitless::cross_entropy_forward_backward_out": 1, "logitless::scale_rows_": 1}
+
+
+def test_no_grad_call_goes_direct_without_a_graph():
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8)
+    before = _counts()
+    with torch.no_grad():
+        y = logitless.rms_norm(x, w)
+    assert _grown(before) == {"logitless::rms_norm_forward": 1} and y.grad_fn is None
+
+
+@pytest.mark.parametrize("case", ["rms_norm", "cross_entropy_mean", "glu", "rope", "policy"])
+def test_compile_never_takes_the_direct_path(case):
+    torch._dynamo.reset()
+    fn, inputs = CASES[case]()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    before = _counts()
+    out = compiled(*leaves)
+    out.backward()
+    assert not _grown(before)
+    ref_out, ref_grads, _ = _run(case)
+    torch.testing.assert_close(out.detach(), ref_out)
+    for a, b in zip([t.grad for t in leaves], ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_fake_tensor_mode_never_takes_the_direct_path():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    before = _counts()
+    with FakeTensorMode():
+        x, w = torch.randn(4, 8), torch.randn(8)
+        y = logitless.rms_norm(x, w)
+        loss = logitless.cross_entropy(torch.randn(4, 10, requires_grad=True), torch.zeros(4, dtype=torch.long))
+    assert not _grown(before)
+    assert y.shape == (4, 8) and loss.shape == ()
+
+
+def test_tensor_subclasses_and_meta_tensors_never_take_the_direct_path():
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.randn(2, 3)
+    assert _autograd.eager_ok([x, None, torch.nn.Parameter(x)])
+    assert not _autograd.eager_ok([x.as_subclass(Sub)])
+    assert not _autograd.eager_ok([torch.empty(2, 3, device="meta")])
+    with _PassThrough():
+        assert not _autograd.eager_ok([x])
+        before = _counts()
+        logitless.rms_norm(x, torch.randn(3))
+        assert not _grown(before)
+    # Meta tensors are shape inference through the fake kernels, as before.
+    before = _counts()
+    y = logitless.rms_norm(torch.empty(4, 8, device="meta"), torch.empty(8, device="meta"))
+    assert y.device.type == "meta" and y.shape == (4, 8) and not _grown(before)
+
+
+def test_dtensor_never_takes_the_direct_path():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    # A group of one over an in-process store: no port, no environment variable left for other tests' processes.
+    mine = not dist.is_initialized()
+    if mine:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _check_dtensor(init_device_mesh("cpu", (1,)), DTensor, Replicate)
+    finally:
+        if mine:
+            dist.destroy_process_group()
+
+
+def _check_dtensor(mesh, DTensor, Replicate):
+    x = DTensor.from_local(torch.randn(4, 8), mesh, [Replicate()])
+    assert not _autograd.eager_ok([x])
+    from logitless.rms_norm import _forward
+
+    before = _counts()
+    w = DTensor.from_local(torch.randn(8), mesh, [Replicate()])
+    # The dispatched op meets DTensor's dispatch (no sharding rule registered), never the C++ entry point.
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        _forward(x, w, None, 1e-6, 0.0, 0, 0, 0)
+    assert not _grown(before)
