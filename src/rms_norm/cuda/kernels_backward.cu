@@ -10,11 +10,9 @@
 // Nothing depends on timing, so the bits repeat from run to run. The workspace is (CTAs x H) floats (a small
 // fraction of the bytes the row kernel moves once N is many times the CTA count), written once and read once.
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "common/cuda/check.cuh"
+#include "common/cuda/launch_cache.h"
 #include "rms_norm/cuda/device.cuh"
 #include "rms_norm/cuda/plan.h"
 #include "rms_norm/cuda/run.h"
@@ -440,22 +438,13 @@ void launch_reduce(const float* partials, int64_t rows, int64_t stride, int64_t 
 
 }  // namespace
 
-// The occupancy the device reports for a kernel at a CTA shape, cached: every backward asks twice (for the
-// workspace size and for the launch), and the answer never changes for a process.
+// The occupancy the device reports for a kernel at a CTA shape, from the process-wide launch cache: every backward
+// asks twice (for the workspace size and for the launch), and the answer never changes for a process.
 int max_ctas_per_sm(const void* kernel, int threads, size_t smem, int device) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
-  const auto key = std::make_tuple(kernel, threads, smem, device);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  if (smem > 48 * 1024)
-    LOGITLESS_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int n = 0;
-  LOGITLESS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+  DeviceGuard guard(device);
+  if (smem > 48 * 1024) LOGITLESS_CUDA_CHECK(launch_cache::reserve_dynamic_smem(kernel, smem));
+  const int n = launch_cache::max_active_blocks(kernel, threads, smem);
   if (n < 1) throw_runtime("rms_norm: the kernel does not fit on this device");
-  cache.emplace(key, n);
   return n;
 }
 

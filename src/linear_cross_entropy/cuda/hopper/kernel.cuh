@@ -17,9 +17,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 
 #include "common/cuda/check.cuh"
+#include "common/cuda/launch_cache.h"
 #include "linear_cross_entropy/cuda/hopper/epilogue_rows.cuh"  // TileAt
 #include "linear_cross_entropy/cuda/hopper/mainloop.cuh"
 
@@ -102,29 +102,14 @@ __global__ void __launch_bounds__(kThreads, 1) fused_kernel(const __grid_constan
 }
 
 // How many clusters of the kernel fit at once (the GPCs may not pair every SM). The shared-memory opt-in and that
-// count are per kernel and device: asked once (the occupancy query alone costs more host time than a launch), under
-// a lock, for each device of the process.
+// count come from the process-wide launch cache: asked of the runtime once per kernel and device.
 template <class Kernel>
-int resident_clusters(const cudaLaunchConfig_t& launch, int sm_count) {
-  constexpr int kMaxDevices = 64;  // devices whose count is remembered (others ask every launch)
-  static std::mutex mu;
-  static int resident_of[kMaxDevices] = {};
-  int device = 0;
-  LOGITLESS_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  if (device < kMaxDevices && resident_of[device] != 0) return resident_of[device];
-  auto* kernel = &fused_kernel<Kernel>;
-  LOGITLESS_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Kernel::kSmemBytes)));
-  cudaLaunchConfig_t query = launch;
+int resident_clusters(cudaLaunchConfig_t query, int sm_count) {
+  const void* kernel = reinterpret_cast<const void*>(&fused_kernel<Kernel>);
+  LOGITLESS_CUDA_CHECK(launch_cache::reserve_dynamic_smem(kernel, Kernel::kSmemBytes));
   query.gridDim = dim3(static_cast<unsigned>(kCluster * std::max(1, sm_count / kCluster)));
-  int resident = 0;
-  if (cudaOccupancyMaxActiveClusters(&resident, kernel, &query) != cudaSuccess || resident < 1) {
-    (void)cudaGetLastError();
-    resident = std::max(1, sm_count / kCluster);
-  }
-  if (device < kMaxDevices) resident_of[device] = resident;
-  return resident;
+  const int resident = launch_cache::max_active_clusters(kernel, query);
+  return resident >= 1 ? resident : std::max(1, sm_count / kCluster);
 }
 
 // As many clusters as fit at once, at most one per work unit.
