@@ -40,8 +40,8 @@ model computes, checked before anything is changed:
   attention runs, where a probe shows the two compute the same; the module-level function is never changed for
   good. ``fused_residual=True``: in each decoder layer whose forward adds a block's output to the residual stream
   and then normalizes the sum with one of the replaced RMSNorms (pre-norm layers: Llama, Mistral, Qwen, Phi-3, ...;
-  Gemma 2 and 3 between attention and MLP), the add and the norm run as one ``rms_norm(..., residual=)``. All three
-  are in python/logitless/_hf_layers.py, which says how they are recognized.
+  Gemma 2 and 3 between attention and MLP), the add and the norm run as one ``rms_norm(..., residual=)``.
+  python/logitless/_hf_layers.py (MLPs, rotary) and _hf_residual.py (residual adds) say how they are recognized.
 
 Patching is all or nothing: every check runs before the first change, and a refusal (`PatchRefused`, a
 ValueError, listing every reason and what to pass instead) leaves the model as it was. `unpatch` restores it
@@ -67,7 +67,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _hf_layers
+from . import _hf_layers, _hf_residual
 from .linear_cross_entropy import linear_cross_entropy
 from .nn import RMSNorm
 from .rms_norm import rms_norm
@@ -140,7 +140,7 @@ class _Refusal(Exception):
 # at one module and says whether it is of the kind (by what it computes), and if so returns the replacement, or
 # a refusal when it is of the kind but cannot be reproduced. Gated MLPs and rotary embeddings are not swapped
 # modules but forwards set on the module's instance (its children, and the attention, stay where they are):
-# they live in _hf_layers.py.
+# they live in _hf_layers.py and _hf_residual.py.
 
 
 @dataclass(frozen=True)
@@ -618,7 +618,8 @@ class _PatchState:
     loss_options: Dict[str, Any]
     swaps: List[_Swap] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
-    # Gated MLPs, the rotary function's sites and the fused residual adds (python/logitless/_hf_layers.py).
+    # Gated MLPs and the rotary function's sites (python/logitless/_hf_layers.py), the fused residual adds
+    # (python/logitless/_hf_residual.py).
     mlps: List[Any] = field(default_factory=list)
     ropes: List[Any] = field(default_factory=list)
     residuals: List[Any] = field(default_factory=list)
@@ -757,7 +758,7 @@ def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, An
     if fused_residual:
         norms = {(id(s.parent), s.attr): (s.original, s.replacement) for s in state.swaps}
         taken = {id(s.module) for s in state.mlps} | {id(m) for site in state.ropes for m, _ in site.modules}
-        state.residuals = _hf_layers.plan_residuals(model, norms, taken, reasons, state.notes)
+        state.residuals = _hf_residual.plan_residuals(model, norms, taken, reasons, state.notes)
     if cross_entropy:
         had_forward = "forward" in model.__dict__
         state.forward_before = (had_forward, model.__dict__.get("forward"))
@@ -789,7 +790,7 @@ def _apply(model, state: _PatchState) -> None:
         setattr(swap.parent, swap.attr, swap.replacement)
     _hf_layers.apply_mlps(state.mlps)
     _hf_layers.apply_rope(state.ropes)
-    _hf_layers.apply_residuals(state.residuals)
+    _hf_residual.apply_residuals(state.residuals)
     if state.loss is not None:
         head = state.loss.head
         object.__setattr__(head, _STATE, state)
@@ -813,7 +814,7 @@ def _restore(obj, name: str, before: Tuple[bool, Any]) -> None:
 def _revert(model, state: _PatchState) -> None:
     for swap in reversed(state.swaps):
         setattr(swap.parent, swap.attr, swap.original)
-    _hf_layers.revert_residuals(state.residuals)
+    _hf_residual.revert_residuals(state.residuals)
     _hf_layers.revert_rope(state.ropes)
     _hf_layers.revert_mlps(state.mlps)
     if state.loss is not None:

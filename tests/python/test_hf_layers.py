@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import _hf_zoo as zoo  # noqa: E402
 import logitless  # noqa: E402
-from logitless import _hf_layers  # noqa: E402
+from logitless import _hf_layers, _hf_residual  # noqa: E402
 from logitless.hf import PatchRefused  # noqa: E402
 
 KINDS = ("rope", "swiglu", "fused_residual", "rms_norm", "cross_entropy")
@@ -422,7 +422,7 @@ def test_fused_residual_runs_unfused_where_the_norm_has_a_hook(monkeypatch):
 def test_fused_residual_probe_failure_refuses_and_leaves_the_model(monkeypatch):
     model = _llama()
     before = _snapshot(model)
-    monkeypatch.setattr(_hf_layers, "_probe_add_norm", lambda original, replacement: "a test's reason")
+    monkeypatch.setattr(_hf_residual, "_probe_add_norm", lambda original, replacement: "a test's reason")
     with pytest.raises(PatchRefused, match="a test's reason; pass fused_residual=False"):
         logitless.patch(model)
     _assert_same(_snapshot(model), before)
@@ -465,7 +465,7 @@ class _Private(_Toy):
 
 def test_fused_residual_rewrite_by_structure():
     toy = _Toy()
-    forward, fused, why = _hf_layers._rewritten(_Toy.forward, frozenset({"norm_a", "norm_b"}))
+    forward, fused, why = _hf_residual._rewritten(_Toy.forward, frozenset({"norm_a", "norm_b"}))
     assert fused == ("norm_b",) and why is None
     x = torch.randn(2, 3, 16, requires_grad=True)
     for twice in (True, False):
@@ -476,8 +476,8 @@ def test_fused_residual_rewrite_by_structure():
         (wx,) = torch.autograd.grad(want.sum(), x)
         torch.testing.assert_close(gx, wx)
     # Only the norms the patch replaced are fused; a layer that uses name-mangled names is left alone.
-    assert _hf_layers._rewritten(_Toy.forward, frozenset({"norm_a"}))[:2] == (None, ())
-    forward, fused, why = _hf_layers._rewritten(_Private.forward, frozenset({"norm_b"}))
+    assert _hf_residual._rewritten(_Toy.forward, frozenset({"norm_a"}))[:2] == (None, ())
+    forward, fused, why = _hf_residual._rewritten(_Private.forward, frozenset({"norm_b"}))
     assert forward is None and "private" in why
 
 
