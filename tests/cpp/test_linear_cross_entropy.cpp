@@ -17,6 +17,7 @@
 #if defined(LOGITLESS_WITH_CUDA)
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
 #endif
+#include "layout_test_util.h"
 #include "test_util.h"
 
 namespace logitless::test {
@@ -959,25 +960,8 @@ lce::PlanInputs llama_inputs(lce::Pass pass, int64_t n, int64_t h, int64_t v) {
   return in;
 }
 
-// A plan with its workspace carved at a fake base (addresses only, never dereferenced): every stage's pointers
-// become offsets, and the regions are listed.
-constexpr uintptr_t kFakeBase = uintptr_t{1} << 40;
-constexpr size_t kNone = ~size_t{0};
-size_t off(const void* ptr) { return ptr ? static_cast<size_t>(reinterpret_cast<uintptr_t>(ptr) - kFakeBase) : kNone; }
-struct Laid : lce::Plan {
-  lce::Buffers b;
-  std::vector<std::pair<size_t, size_t>> regions;
-};
-Laid lay(const lce::PlanInputs& in) {
-  Laid l;
-  static_cast<lce::Plan&>(l) = lce::plan_linear_cross_entropy(in);
-  head::WorkspaceLayout L;
-  lce::declare_workspace(in, l, L, &l.b);
-  L.carve(reinterpret_cast<void*>(kFakeBase));
-  l.regions = L.regions();
-  EXPECT_EQ(L.bytes(), l.bytes);
-  return l;
-}
+using Laid = LaidPlan<lce::Plan, lce::Buffers>;
+Laid lay(const lce::PlanInputs& in) { return lay_plan(in, lce::plan_linear_cross_entropy, lce::declare_workspace); }
 
 // Every region is 256-aligned, lies inside the total, and no two overlap.
 void expect_layout_sound(const Laid& p) {

@@ -17,6 +17,7 @@
 #include <set>
 #include <sstream>
 
+#include "layout_test_util.h"
 #include "linear_policy_loss/cuda/plan.h"
 #include "policy_test_util.h"
 #include "test_util.h"
@@ -620,25 +621,8 @@ lpl::PlanInputs plan_in(int64_t B, int64_t L, int64_t Lg, int64_t H, int64_t V, 
   return in;
 }
 
-// A plan with its workspace carved at a fake base (addresses only, never dereferenced): every stage's pointers
-// become offsets, and the regions are listed.
-constexpr uintptr_t kFakeBase = uintptr_t{1} << 40;
-constexpr size_t kNone = ~size_t{0};
-size_t off(const void* ptr) { return ptr ? static_cast<size_t>(reinterpret_cast<uintptr_t>(ptr) - kFakeBase) : kNone; }
-struct Laid : lpl::Plan {
-  lpl::Buffers b;
-  std::vector<std::pair<size_t, size_t>> regions;
-};
-Laid lay(const lpl::PlanInputs& in) {
-  Laid l;
-  static_cast<lpl::Plan&>(l) = lpl::plan_linear_policy_loss(in);
-  head::WorkspaceLayout L;
-  lpl::declare_workspace(in, l, L, &l.b);
-  L.carve(reinterpret_cast<void*>(kFakeBase));
-  l.regions = L.regions();
-  EXPECT_EQ(L.bytes(), l.bytes);
-  return l;
-}
+using Laid = LaidPlan<lpl::Plan, lpl::Buffers>;
+Laid lay(const lpl::PlanInputs& in) { return lay_plan(in, lpl::plan_linear_policy_loss, lpl::declare_workspace); }
 
 TEST(LinearPolicyLossPlan, ChunksAreWholeSequencesAndRegionsDisjoint) {
   // The benchmark's shape: B=8, L=1024, V=150000, H=4096, bf16, 512 MiB.

@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 
+#include "layout_test_util.h"
 #include "linear_cross_entropy/cuda/plan.h"
 #include "linear_head/cuda/plan.h"
 #include "logitless/vocab_parallel.h"
@@ -1000,25 +1001,8 @@ lce::PlanInputs step_inputs(int64_t n, int64_t h, int64_t v, int64_t chunk) {
   return in;
 }
 
-// A plan with its workspace carved at a fake base (addresses only, never dereferenced): every stage's pointers
-// become offsets, and the regions are listed.
-constexpr uintptr_t kFakeBase = uintptr_t{1} << 40;
-constexpr size_t kNone = ~size_t{0};
-size_t off(const void* ptr) { return ptr ? static_cast<size_t>(reinterpret_cast<uintptr_t>(ptr) - kFakeBase) : kNone; }
-struct Laid : lce::Plan {
-  lce::Buffers b;
-  std::vector<std::pair<size_t, size_t>> regions;
-};
-Laid lay(const lce::PlanInputs& in) {
-  Laid l;
-  static_cast<lce::Plan&>(l) = lce::plan_linear_cross_entropy(in);
-  head::WorkspaceLayout L;
-  lce::declare_workspace(in, l, L, &l.b);
-  L.carve(reinterpret_cast<void*>(kFakeBase));
-  l.regions = L.regions();
-  EXPECT_EQ(L.bytes(), l.bytes);
-  return l;
-}
+using Laid = LaidPlan<lce::Plan, lce::Buffers>;
+Laid lay(const lce::PlanInputs& in) { return lay_plan(in, lce::plan_linear_cross_entropy, lce::declare_workspace); }
 
 TEST(VocabParallelPlan, ChunksAtTheBenchmarkShape) {
   // N=16384, H=4096, V=128256 on two ranks (V_r = 64128), bf16, 512 MiB: 512-token chunks (a quarter of the
