@@ -641,10 +641,12 @@ def summarize(results):
     return rows
 
 
-# "Within bf16 noise", as this report reads it: at step 1 (the same weights and batch) the losses differ by
-# at most bf16's epsilon (2^-8, relative), and along the curve by at most 4 epsilons on average.
-LOSS_FIRST_TOL, LOSS_MEAN_TOL = 2.0 ** -8, 2.0 ** -6
-TARGETS = dict(memory=0.6, tokens=1.15, batch=2.0)
+# The end-to-end targets: against the baseline, and ahead of Liger's full patch where it ran in the same report.
+# "Agree with the baseline": at step 1 (the same weights and batch) the losses differ by at most bf16's epsilon
+# (2^-8, relative), and along the curve by at most 1e-3 on average.
+LOSS_FIRST_TOL, LOSS_MEAN_TOL = 2.0 ** -8, 1e-3
+TARGETS = dict(memory=0.40, tokens=1.45)
+PEER = "liger-full"
 
 
 def target_lines(rows, args):
@@ -652,21 +654,30 @@ def target_lines(rows, args):
     r = by.get("logitless")
     if not r or "tokens_per_s" not in r or not by.get("baseline", {}).get("tokens_per_s"):
         return ["(the targets need a baseline and a logitless run)"]
+    peer = by.get(PEER) if "tokens_per_s" in by.get(PEER, {}) else None
 
     def verdict(ok):
         return "met" if ok else "missed"
 
+    def against_peer(key, better):
+        if peer is None or peer.get(key) is None:
+            return "", True
+        return f", and {'below' if better is min else 'above'} {PEER}'s {peer[key]:.2f}x", \
+            better(r[key], peer[key]) == r[key] and r[key] != peer[key]
+
     lines = []
     if r.get("memory_ratio") is not None:
-        lines.append(f"- peak memory {r['memory_ratio']:.2f}x baseline (target <= {TARGETS['memory']}x): "
-                     f"{verdict(r['memory_ratio'] <= TARGETS['memory'])}")
+        text, ok = against_peer("memory_ratio", min)
+        lines.append(f"- peak memory {r['memory_ratio']:.2f}x baseline (target <= {TARGETS['memory']}x{text}): "
+                     f"{verdict(r['memory_ratio'] <= TARGETS['memory'] and ok)}")
     if r.get("tokens_ratio") is not None:
-        lines.append(f"- tokens/s {r['tokens_ratio']:.2f}x baseline (target >= {TARGETS['tokens']}x): "
-                     f"{verdict(r['tokens_ratio'] >= TARGETS['tokens'])}")
-    if r.get("batch_ratio") is not None:
+        text, ok = against_peer("tokens_ratio", max)
+        lines.append(f"- tokens/s {r['tokens_ratio']:.2f}x baseline (target >= {TARGETS['tokens']}x{text}): "
+                     f"{verdict(r['tokens_ratio'] >= TARGETS['tokens'] and ok)}")
+    if r.get("max_batch") is not None and peer is not None and peer.get("max_batch") is not None:
         bound = "" if r.get("max_batch_exact") else " (a lower bound: the search limit or time ran out)"
-        lines.append(f"- largest batch {r['max_batch']} vs {by['baseline']['max_batch']}, {r['batch_ratio']:.2f}x "
-                     f"(target >= {TARGETS['batch']}x){bound}: {verdict(r['batch_ratio'] >= TARGETS['batch'])}")
+        lines.append(f"- largest batch {r['max_batch']} vs {PEER}'s {peer['max_batch']} (target: at least as large)"
+                     f"{bound}: {verdict(r['max_batch'] >= peer['max_batch'])}")
     if r.get("first_rel") is not None:
         ok = r["first_rel"] <= LOSS_FIRST_TOL and r["mean_rel"] <= LOSS_MEAN_TOL
         lines.append(f"- loss vs baseline over {args.steps} steps: step 1 differs by {r['first_rel']:.2e} "
