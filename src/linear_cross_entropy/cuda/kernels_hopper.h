@@ -59,17 +59,17 @@ struct FusedGemmParams {
 // TMA descriptor takes), k >= 1.
 bool fused_gemm_supported(int device, DType dtype, const void* x, int64_t ldx, const void* w, int64_t ldw, int64_t k);
 
-// Test and benchmark hooks (not public API): the fused kernels on or off for every later call in the process
-// (on by default; off from the start with the environment variable LOGITLESS_LCE_KERNEL=generic), and which
-// kernel the last call on this thread planned.
+// Test and benchmark hooks (not public API; names over common/debug_hooks.h's registry, which benchmark harnesses
+// set by name): the fused kernels on or off for every later call in the process (on by default), and which kernel
+// the last call on this thread planned.
 namespace debug {
 bool fused_kernels_built();  // this build has them (it found the CUTLASS headers)
 void set_fused_kernels(bool enabled);
 // The gradient in forward's fused path sends every valid row through its rewrite (params.h, ExpGradParams), the
 // path of rows the scaled form does not suit, which real inputs seldom reach.
 void set_exp_fixup_all(bool enabled);
-// The gradient in forward's exponential form on or off for later calls (off by default: see run.cpp; on from
-// the start with LOGITLESS_LCE_EXP_FORM=1).
+// The gradient in forward's exponential form on or off for later calls (off by default: its grad_weight error is
+// above the library's bound; see common/debug_hooks.h).
 void set_exp_form(bool enabled);
 bool fused_kernels_enabled();
 Kernel last_kernel();
