@@ -172,14 +172,15 @@ def check_rows(nd: int, named: Sequence[Tuple[str, Optional[Tensor]]], jointly: 
                          f"{got}; make one of them contiguous first")
 
 
-def check_bias(bias: Optional[Tensor], weight: Tensor, hidden: Tensor) -> None:
+def check_bias(bias: Optional[Tensor], weight: Tensor, hidden: Tensor, dtype: Optional[torch.dtype] = None) -> None:
     """A linear head's bias, as the C++ check_bias sees it ([V], hidden's dtype or float32), checked before the
     gradient-in-forward schedules allocate grad_bias from it: C++ checks the gradient buffers first, and its error
-    would name grad_bias for a bad bias."""
+    would name grad_bias for a bad bias. `dtype`: the products' dtype where it is not hidden's (autocast)."""
     if bias is None:
         return
-    if bias.dtype not in (hidden.dtype, torch.float32):
-        raise ValueError(f"bias: expected dtype {hidden.dtype} (hidden's) or float32, got {bias.dtype}")
+    dtype = dtype or hidden.dtype
+    if bias.dtype not in (dtype, torch.float32):
+        raise ValueError(f"bias: expected dtype {dtype} (hidden's) or float32, got {bias.dtype}")
     if bias.dim() != 1 or (weight.dim() == 2 and bias.shape[0] != weight.shape[0]):
         want = f"[{weight.shape[0]}] (one per class, V from weight)" if weight.dim() == 2 else "[V]"
         raise ValueError(f"bias: expected shape {want}, got shape {list(bias.shape)}")

@@ -939,13 +939,9 @@ def _causal_lm_loss(head, state: _PatchState, hidden: Tensor, call: _Call) -> Te
     # Read here, inside the head's call: a wrapper that shards them (FSDP2, ZeRO-3) has gathered them, and
     # reduces their gradients after the backward.
     weight, bias = head.weight, head.bias
-    # The head runs in the autocast dtype under autocast; the fused op gets its operands already cast.
-    device_type = h.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        h, weight = h.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    elif h.dtype != weight.dtype:
+    # Under autocast the fused op casts its operands itself (the products in the autocast dtype, a float32 weight's
+    # gradient written in float32, no 16-bit gradient of it on top); outside autocast the head's dtype rules.
+    if not torch.is_autocast_enabled(h.device.type) and h.dtype != weight.dtype:
         h = h.to(weight.dtype)
     plan = state.loss
     if plan.scale != 1.0:

@@ -72,12 +72,13 @@ def _new_outputs(hidden: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor
 
 
 def _grad_outputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_hidden: bool, need_weight: bool,
-                  need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    # A custom op cannot return None: a gradient nobody needs is an empty tensor.
+                  need_bias: bool, float32: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    # A custom op cannot return None: a gradient nobody needs is an empty tensor. `float32`: every gradient in
+    # float32 whatever the operands' dtype (the kernels write float32 gradients of 16-bit operands).
     def make(like: Optional[Tensor], need: bool) -> Tensor:
         if like is None or not need:
             return torch.empty(0, dtype=hidden.dtype, device=hidden.device)
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        return torch.empty(like.shape, dtype=torch.float32 if float32 else like.dtype, device=like.device)
 
     return make(hidden, need_hidden), make(weight, need_weight), make(bias, need_bias)
 
@@ -97,17 +98,43 @@ def _run_forward_backward(hidden, weight, bias, target, class_weight, options, g
     return loss, lse
 
 
-def _recompute_is_faster(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], scalars: tuple) -> bool:
+def _recompute_is_faster(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], scalars: tuple,
+                         dtype: Optional[torch.dtype] = None) -> bool:
     # The library's cost model of the two CUDA plans (shapes and dtypes only, so it also runs while torch.compile
     # traces with fake tensors); False on the CPU and for float32. `scalars`: the ops' option arguments, made the
-    # binding's struct only past that test (torch.compile cannot trace its construction).
-    if hidden.device.type != "cuda" or hidden.dtype not in (torch.bfloat16, torch.float16):
+    # binding's struct only past that test (torch.compile cannot trace its construction). `dtype`: the products'
+    # dtype where it is not hidden's (under autocast).
+    dtype = dtype or hidden.dtype
+    if hidden.device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     h = int(hidden.shape[-1])
     n = int(hidden.numel()) // h if h else 0
     return bool(_C.linear_cross_entropy_recompute_is_faster(
-        n, h, int(weight.shape[0]), DTYPE_CODES[hidden.dtype], DEVICE_CODES["cuda"], hidden.device.index or 0,
+        n, h, int(weight.shape[0]), DTYPE_CODES[dtype], DEVICE_CODES["cuda"], hidden.device.index or 0,
         hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad, _options(*scalars)))
+
+
+def _autocast_dtype(hidden: Tensor, weight: Tensor) -> Optional[torch.dtype]:
+    """The 16-bit dtype the products run in under torch.autocast, where hidden or weight is float32 (as F.linear
+    would cast them); None outside autocast or where both are in its dtype already."""
+    device = hidden.device.type
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if dtype not in (torch.bfloat16, torch.float16) or (hidden.dtype == dtype and weight.dtype == dtype):
+        return None
+    if hidden.dtype not in (dtype, torch.float32) or weight.dtype not in (dtype, torch.float32):
+        return None  # float64, or the other 16-bit type: as without autocast (the op's own dtype checks)
+    return dtype
+
+
+def _cast(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dtype: Optional[torch.dtype]):
+    """The operands in the products' dtype; a float32 bias stays float32 (the kernels add it in float32)."""
+    if dtype is None:
+        return hidden, weight, bias
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.to(dtype)
+    return hidden.to(dtype), weight.to(dtype), bias
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -160,13 +187,14 @@ def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest
 def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
               lse: Tensor, grad_loss: Tensor, ignore_index: int, reduction: int, label_smoothing: float,
               z_loss: float, softcap: float, check_targets: bool, chunk_tokens: int, chunk_vocab: int,
-              memory_budget: int, need_hidden: bool, need_weight: bool,
-              need_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
+              memory_budget: int, need_hidden: bool, need_weight: bool, need_bias: bool,
+              grads_float32: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) from the forward's lse, times grad_loss (float32: [] for sum/mean,
-    [*] contiguous for none); a gradient not needed comes back empty."""
+    [*] contiguous for none), in the operands' dtypes or (grads_float32) in float32; a gradient not needed comes
+    back empty."""
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
                        chunk_vocab, memory_budget)
-    gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
+    gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias, grads_float32)
     d = lambda t, need, name: descriptor(t, name) if need else None  # noqa: E731
     h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
     ghd, gwd, gbd = d(gh, need_hidden, "grad_hidden"), d(gw, need_weight, "grad_weight"), d(gb, need_bias, "grad_bias")
@@ -181,8 +209,8 @@ def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
 
 @register_fake(_backward)
 def _(hidden, weight, bias, target, class_weight, lse, grad_loss, *rest):
-    need_hidden, need_weight, need_bias = rest[-3:]
-    return _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
+    need_hidden, need_weight, need_bias, grads_float32 = rest[-4:]
+    return _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias, grads_float32)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -206,21 +234,54 @@ def _forward_grad(ctx, grad_loss, grad_lse):
     # An upstream gradient may be expanded (loss.sum() gives a stride-0 one); C++ wants it contiguous.
     g = grad_loss.to(torch.float32).contiguous()
     gh, gw, gb = _backward(hidden, weight, bias, target, class_weight, lse, g, *ctx.options, need[0], need[1],
-                           need[2] and bias is not None)
+                           need[2] and bias is not None, False)
     return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 11
 
 
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
 
 
+class _AutocastRecompute(torch.autograd.Function):
+    """The recompute schedule under autocast: the forward op on 16-bit copies of float32 operands, which it keeps
+    for the backward (one 16-bit copy of the weight between the passes); the backward writes each gradient in
+    float32 and hands it to the argument in its own dtype, with no 16-bit gradient of a float32 weight on top."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, class_weight, scalars, compute_dtype):
+        dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        hidden, weight, bias = _cast(hidden, weight, bias, compute_dtype)
+        loss, lse = _forward(hidden, weight, bias, target, class_weight, *scalars)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
+        ctx.scalars, ctx.dtypes = scalars, dtypes
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        no_double_backward("linear_cross_entropy")
+        hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        if grad_loss is None or not any(need):
+            return (None,) * 7
+        g = grad_loss.to(torch.float32).contiguous()
+        grads = _backward(hidden, weight, bias, target, class_weight, lse, g, *ctx.scalars, need[0], need[1],
+                          need[2] and bias is not None, True)
+        out = tuple(t.to(dtype) if n and dtype is not None else None for t, n, dtype in zip(grads, need, ctx.dtypes))
+        return out + (None,) * 4
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Loss and gradients in one pass (reduction sum/mean); backward scales the saved gradients in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, scalars):
+    def forward(ctx, hidden, weight, bias, target, class_weight, scalars, compute_dtype=None):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_bias = bias is not None and ctx.needs_input_grad[2]
+        # In the arguments' own dtypes: under autocast a float32 weight's gradient is written in float32 directly
+        # (it is then its own accumulator over token groups), and the 16-bit copies below live only in this call.
         gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
+        hidden, weight, bias = _cast(hidden, weight, bias, compute_dtype)
         loss, lse = _forward_backward_out(hidden, weight, bias, target, class_weight, *scalars,
                                           gh if need_hidden else None, gw if need_weight else None,
                                           gb if need_bias else None)
@@ -238,12 +299,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         no_double_backward("linear_cross_entropy")
         grads = ctx.saved_tensors
         if grad_loss is None:  # no gradient reached the loss: nothing flows to the inputs
-            return (None,) * 6
+            return (None,) * 7
         scale = grad_loss.to(torch.float32).contiguous()
         out = []
         for g, need in zip(grads, ctx.needs):
             out.append(scale_saved(g, scale) if need else None)
-        return tuple(out) + (None, None, None)
+        return tuple(out) + (None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,6 +390,12 @@ def linear_cross_entropy(
     Raises:
         ValueError: on a bad argument, naming it (shapes, dtypes, a target out of range with its row).
 
+    Under ``torch.autocast`` (CUDA or CPU, bfloat16 or float16) a float32 hidden or weight is cast to the autocast
+    dtype for the products, as F.linear would be, and its gradient comes back in float32, written so by the kernels:
+    with float32 master weights the float32 grad_weight is itself the accumulator over token groups, and the only
+    extra memory is the 16-bit copy of the weight (kept for the backward by the recompute schedule, freed after the
+    forward by gradient_in_forward). A float32 bias stays float32.
+
     Autograd: gradients flow to hidden, weight and bias. With gradient_in_forward the gradients are computed
     once and consumed by the backward: a second backward through the same call (retain_graph=True) raises
     torch's "modified by an inplace operation" error; use schedule="recompute" for that. Double backward is
@@ -373,8 +440,11 @@ def linear_cross_entropy(
                          "process_group= with this rank's rows of the weight), got a plain tensor")
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                               (bias is not None and bias.requires_grad))
+    compute_dtype = None if sharded else _autocast_dtype(hidden, weight)
+    if compute_dtype == torch.float16 and schedule == "auto":
+        recompute = True  # as for float16 inputs
     if schedule == "auto" and not recompute and needs_grad and not sharded:
-        recompute = _recompute_is_faster(hidden, weight, bias, scalars)
+        recompute = _recompute_is_faster(hidden, weight, bias, scalars, compute_dtype)
     if sharded:
         loss, lse = vp.linear_cross_entropy(hidden, weight, target, bias, class_weight, _options(*scalars), recompute,
                                             process_group, bool(sequence_parallel))
@@ -383,10 +453,15 @@ def linear_cross_entropy(
         raise ValueError("sequence_parallel: expected a process_group or vocab_parallel=True (vocabulary parallelism)")
     check_tensors((("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias),
                    ("class_weight", class_weight)), optional=("bias", "class_weight"))
-    check_bias(bias, weight, hidden)
+    # Under autocast any 16-bit or float32 bias goes in (cast like the operands, or kept in float32).
+    casts = compute_dtype is not None and bias is not None and bias.dtype in (torch.float16, torch.bfloat16)
+    check_bias(bias, weight, hidden, dtype=bias.dtype if casts else None)
     check_rows(hidden.dim() - 1, (("hidden", hidden), ("target", target)), jointly=False)
-    if not needs_grad or recompute:
+    if needs_grad and recompute and compute_dtype is not None:
+        loss, lse = _AutocastRecompute.apply(hidden, weight, bias, target, class_weight, scalars, compute_dtype)
+    elif not needs_grad or recompute:
+        hidden, weight, bias = _cast(hidden, weight, bias, compute_dtype)
         loss, lse = _forward(hidden, weight, bias, target, class_weight, *scalars)
     else:
-        loss, lse = _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, scalars)
+        loss, lse = _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, scalars, compute_dtype)
     return (loss, lse) if return_lse else loss

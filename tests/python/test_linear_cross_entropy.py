@@ -381,9 +381,9 @@ def _op_samples(device="cpu"):
         (ops.linear_cross_entropy_forward_backward_out,
          (hidden, weight, None, target, None) + options + (None, torch.empty_like(weight), None)),
         (ops.linear_cross_entropy_backward,
-         (hidden, weight, bias, target, cw, lse, torch.tensor(1.5, device=device)) + options + (True, True, True)),
+         (hidden, weight, bias, target, cw, lse, torch.tensor(1.5, device=device)) + options + (True, True, True, False)),
         (ops.linear_cross_entropy_backward,
-         (hidden, weight, None, target, None, lse, torch.rand(4, device=device)) + none_options + (True, False, False)),
+         (hidden, weight, None, target, None, lse, torch.rand(4, device=device)) + none_options + (True, False, False, True)),
     ]
 
 
@@ -634,3 +634,46 @@ def test_auto_schedule_takes_recompute_where_the_accumulator_costs_more():
     assert _recompute_is_faster(*_shape_only(8192, 2304, 256000, "cuda"), None, _default_options())
     assert not _recompute_is_faster(*_shape_only(16384, 2048, 128256, "cuda"), None, _default_options())
     assert not _recompute_is_faster(*_shape_only(8192, 4096, 128256, "cuda"), None, _default_options())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Under torch.autocast: the products in its dtype, the gradients in the arguments' dtypes.
+
+
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_autocast_runs_the_products_in_its_dtype(schedule, bias_dtype):
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(2, 9, 32, generator=g).requires_grad_()
+    w = (torch.randn(70, 32, generator=g) * 0.3).requires_grad_()
+    b = None if bias_dtype is None else torch.randn(70, generator=g).to(bias_dtype).requires_grad_()
+    t = torch.randint(0, 70, (2, 9), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = logitless.linear_cross_entropy(h, w, t, b, schedule=schedule)
+    loss.backward()
+    # The reference: float32 tensors holding the bf16-rounded operands, without autocast.
+    hr, wr = h.detach().bfloat16().float().requires_grad_(), w.detach().bfloat16().float().requires_grad_()
+    br = None if b is None else b.detach().float().requires_grad_()
+    want = logitless.linear_cross_entropy(hr, wr, t, br, schedule=schedule)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(h.grad, hr.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-7)
+    if b is not None:
+        assert b.grad.dtype == bias_dtype
+        torch.testing.assert_close(b.grad.float(), br.grad.to(bias_dtype).float(), rtol=1e-2, atol=1e-3)
+    # Not the float32 products: the rounding of the operands shows in the per-token losses.
+    bias = None if b is None else b.detach().float()
+    full = logitless.linear_cross_entropy(h.detach(), w.detach(), t, bias, reduction="none")
+    rounded = logitless.linear_cross_entropy(hr.detach(), wr.detach(), t, bias, reduction="none")
+    assert (full - rounded).abs().max().item() > 1e-4
+
+
+def test_autocast_leaves_operands_in_its_dtype_alone():
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(5, 16, generator=g).bfloat16(), torch.randn(40, 16, generator=g).bfloat16()
+    t = torch.randint(0, 40, (5,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = logitless.linear_cross_entropy(h, w, t)
+    torch.testing.assert_close(got, logitless.linear_cross_entropy(h, w, t), rtol=0, atol=0)
