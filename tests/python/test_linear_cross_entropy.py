@@ -381,9 +381,11 @@ def _op_samples(device="cpu"):
         (ops.linear_cross_entropy_forward_backward_out,
          (hidden, weight, None, target, None) + options + (None, torch.empty_like(weight), None)),
         (ops.linear_cross_entropy_backward,
-         (hidden, weight, bias, target, cw, lse, torch.tensor(1.5, device=device)) + options + (True, True, True, False)),
+         (hidden, weight, bias, target, cw, lse, torch.tensor(1.5, device=device)) + options
+         + (True, True, True, False)),
         (ops.linear_cross_entropy_backward,
-         (hidden, weight, None, target, None, lse, torch.rand(4, device=device)) + none_options + (True, False, False, True)),
+         (hidden, weight, None, target, None, lse, torch.rand(4, device=device)) + none_options
+         + (True, False, False, True)),
     ]
 
 
