@@ -100,6 +100,20 @@ class Impl:
     check: Optional[Callable[[Any], str]] = None
 
 
+class Source(torch.autograd.Function):
+    """``Source.apply(t, anchor)`` hands `t` on as a non-leaf activation that requires grad (through `anchor`, a
+    scalar leaf), without a copy and without being a view of `t` (a view of a leaf is not an activation an op may
+    write over); its backward drops the gradient. A fwd+bwd row built on it times the op's own backward only."""
+
+    @staticmethod
+    def forward(ctx, t, anchor):
+        return torch.ops.aten._unsafe_view(t, t.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
 def time_call(ctx: Context, fn: Callable[..., Any], setup: Callable[[int], Sequence[Any]]) -> float:
     """Median milliseconds of `fn(*setup(i))`. On CUDA each call sits between two events on the current
     stream, so work `setup` enqueued before the start event is not counted; warm-up calls come first

@@ -9,7 +9,7 @@ The GB/s column counts the minimum traffic in elements of 2 bytes: a forward rea
 is their sum (8). Targets, as ratios to the device copy timed in the same run (its GB/s count one read and one
 write of an N x I tensor): >= 90% forward and fwd+bwd.
 
-Every fwd+bwd row gets gate and up from `_Source`, an autograd node whose backward is free and whose outputs are
+Every fwd+bwd row gets gate and up from `Source`, an autograd node whose backward is free and whose outputs are
 non-leaf activations as a model's projections hand them over (so `inplace_backward` may write over them, as it
 would in a model), so only the GLU's own backward is timed. Peers that write their gradients over gate and up
 (Liger, logitless with inplace_backward) get fresh copies of the inputs from their setup (untimed).
@@ -24,7 +24,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from common import Context, Impl, Row, release, run_impls
+from common import Context, Impl, Row, Source, release, run_impls
 from suites.rms_norm import _retime_with_graphs
 
 QUICK_SHAPES = ["256x1024", "64x4096"]
@@ -36,19 +36,6 @@ DTYPE = torch.bfloat16
 def parse_shape(text: str):
     n, i = text.lower().split("x")
     return int(n), int(i)
-
-
-class _Source(torch.autograd.Function):
-    """Hands `t` on as a non-leaf activation that requires grad (through `anchor`), without a copy and without being
-    a view of `t` (a view of a leaf is not an activation to write over); its backward drops the gradient."""
-
-    @staticmethod
-    def forward(ctx, t, anchor):
-        return torch.ops.aten._unsafe_view(t, t.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None
 
 
 def torch_swiglu(gate, up):
@@ -112,14 +99,14 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
             g, u = gates[i % k], ups[i % k]
             if fresh:  # for the callers that write their gradients over gate and up
                 g, u = g.clone(), u.clone()
-            return _Source.apply(g, anchor), _Source.apply(u, anchor), dys[i % k]
+            return Source.apply(g, anchor), Source.apply(u, anchor), dys[i % k]
 
         def sources_fresh(i):
             return sources(i, fresh=True)
 
         def sources_concat(i, fresh=False):
             gu = gate_ups[i % k].clone() if fresh else gate_ups[i % k]
-            return _Source.apply(gu, anchor), dys[i % k]
+            return Source.apply(gu, anchor), dys[i % k]
 
         def sources_concat_fresh(i):
             return sources_concat(i, fresh=True)

@@ -8,7 +8,7 @@ linear_selective_log_softmax BxLxHxV). The default shapes are the two small ones
 
 Every row is one eager forward + backward, timed per call as bench/common.py times everything (CUDA events around
 the call, so a GPU that waits for the host counts the wait; no CUDA graphs here: the host is what is measured). The
-differentiable inputs come from `_Source`, a node whose backward is free, so only the op's own backward is timed;
+differentiable inputs come from `Source`, a node whose backward is free, so only the op's own backward is timed;
 weights are leaves whose .grad is cleared before each call. torch.compile of the torch composition runs on CUDA
 only (as in the other suites); the logitless row's note gives its time over the faster torch row, the targets being
 <= 1.3x (cross-entropy: <= 1.0x).
@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from common import Context, Row, release, time_call
+from common import Context, Row, Source, release, time_call
 
 QUICK_SHAPES = ["rms_norm:64x256", "cross_entropy:32x1024", "glu:64x256", "rope:1x32x4x2x64", "grpo_loss:2x16x1024",
                 "selective_log_softmax:2x16x1024", "linear_cross_entropy:64x64x1024",
@@ -43,19 +43,6 @@ HOST_CALLS = 200
 DTYPE = torch.bfloat16  # on CUDA (see _dtype)
 EPS = 1e-6
 BETA = 0.04
-
-
-class _Source(torch.autograd.Function):
-    """Hands `t` on as a non-leaf activation that requires grad (through `anchor`), without a copy; its backward
-    drops the gradient."""
-
-    @staticmethod
-    def forward(ctx, t, anchor):
-        return torch.ops.aten._unsafe_view(t, t.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None
 
 
 Step = Callable[..., object]  # one forward + backward over setup(i)'s arguments
@@ -137,7 +124,7 @@ def _rms_norm(ctx: Context, dims) -> Case:
         w.grad = None
         if cls is not None:
             liger.weight.grad = None
-        return _Source.apply(x, anchor), dy.clone() if cls is not None else dy  # Liger's backward writes over dy
+        return Source.apply(x, anchor), dy.clone() if cls is not None else dy  # Liger's backward writes over dy
 
     return fns, _with_grad, setup
 
@@ -154,7 +141,7 @@ def _cross_entropy(ctx: Context, dims) -> Case:
     if cls is not None:
         liger = cls()
         fns["Liger"] = lambda a: liger(a.clone(), target)  # its forward writes over the logits
-    return fns, _scalar, lambda i: (_Source.apply(logits, anchor),)
+    return fns, _scalar, lambda i: (Source.apply(logits, anchor),)
 
 
 def _glu(ctx: Context, dims) -> Case:
@@ -167,7 +154,7 @@ def _glu(ctx: Context, dims) -> Case:
     fn = _liger("liger_kernel.ops.swiglu", "LigerSiLUMulFunction", ctx)
     if fn is not None:
         fns["Liger"] = fn.apply
-    return fns, _with_grad, lambda i: (_Source.apply(gate, anchor), _Source.apply(up, anchor), dy)
+    return fns, _with_grad, lambda i: (Source.apply(gate, anchor), Source.apply(up, anchor), dy)
 
 
 def _rope(ctx: Context, dims) -> Case:
@@ -193,7 +180,7 @@ def _rope(ctx: Context, dims) -> Case:
     fn = _liger("liger_kernel.ops.rope", "LigerRopeFunction", ctx)
     if fn is not None:
         fns["Liger"] = lambda a, b: fn.apply(a.clone(), b.clone(), cos, sin)  # it rotates in place
-    return fns, both, lambda i: (_Source.apply(q, anchor).transpose(1, 2), _Source.apply(k, anchor).transpose(1, 2))
+    return fns, both, lambda i: (Source.apply(q, anchor).transpose(1, 2), Source.apply(k, anchor).transpose(1, 2))
 
 
 def _policy_inputs(ctx: Context, B: int, L: int, V: int):
@@ -229,7 +216,7 @@ def _grpo_loss(ctx: Context, dims) -> Case:
             return (out[0] if isinstance(out, tuple) else out).sum()
 
         fns["Liger"] = liger
-    return fns, _scalar, lambda i: (_Source.apply(logits, anchor),)
+    return fns, _scalar, lambda i: (Source.apply(logits, anchor),)
 
 
 def _torch_selective(logits, ids):
@@ -245,7 +232,7 @@ def _selective_log_softmax(ctx: Context, dims) -> Case:
     g = torch.rand(B, L, device=ctx.device)
     anchor = torch.zeros((), device=ctx.device, requires_grad=True)
     fns = {"logitless": lambda a: logitless.selective_log_softmax(a, ids), "torch": lambda a: _torch_selective(a, ids)}
-    return fns, _upstream(g), lambda i: (_Source.apply(logits, anchor),)
+    return fns, _upstream(g), lambda i: (Source.apply(logits, anchor),)
 
 
 def _linear_inputs(ctx: Context, N: int, H: int, V: int):
@@ -271,7 +258,7 @@ def _linear_cross_entropy(ctx: Context, dims) -> Case:
 
     def setup(i):
         weight.grad = None
-        return (_Source.apply(hidden, anchor),)
+        return (Source.apply(hidden, anchor),)
 
     return fns, _scalar, setup
 
@@ -289,7 +276,7 @@ def _linear_grpo_loss(ctx: Context, dims) -> Case:
 
     def setup(i):
         weight.grad = None
-        return (_Source.apply(hidden, anchor),)
+        return (Source.apply(hidden, anchor),)
 
     return fns, _scalar, setup
 
@@ -308,7 +295,7 @@ def _linear_selective_log_softmax(ctx: Context, dims) -> Case:
 
     def setup(i):
         weight.grad = None
-        return (_Source.apply(hidden, anchor),)
+        return (Source.apply(hidden, anchor),)
 
     return fns, step, setup
 

@@ -10,7 +10,7 @@ The GB/s column counts the minimum traffic: a forward reads q and k and writes t
 gradients; fwd+bwd is their sum. Targets, as ratios to the device copy of q and k timed in the same run (its GB/s
 count one read and one write): >= 90% forward and fwd+bwd.
 
-Every fwd+bwd row gets q and k from `_Source`, an autograd node whose backward is free (non-leaf activations, so
+Every fwd+bwd row gets q and k from `Source`, an autograd node whose backward is free (non-leaf activations, so
 the in-place rotation is allowed as in a model), so only the rotation's own backward is timed. Peers that rotate in
 the inputs' storage (Liger, logitless with inplace=True) get fresh copies from their setup (untimed).
 
@@ -23,7 +23,7 @@ from typing import List
 
 import torch
 
-from common import Context, Impl, Row, release, run_impls
+from common import Context, Impl, Row, Source, release, run_impls
 from suites.rms_norm import _retime_with_graphs
 
 QUICK_SHAPES = ["2x64x8x2x64", "1x128x4x4x128"]
@@ -35,19 +35,6 @@ DTYPE = torch.bfloat16
 def parse_shape(text: str):
     b, t, hq, hk, d = (int(v) for v in text.lower().split("x"))
     return b, t, hq, hk, d
-
-
-class _Source(torch.autograd.Function):
-    """Hands `t` on as a non-leaf activation that requires grad (through `anchor`), without a copy; its backward
-    drops the gradient."""
-
-    @staticmethod
-    def forward(ctx, t, anchor):
-        return torch.ops.aten._unsafe_view(t, t.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None
 
 
 def rotate_half(x):
@@ -111,7 +98,7 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
             if fresh:  # for the callers that rotate in the inputs' storage
                 q, kk = q.clone(), kk.clone()
             if source:
-                q, kk = _Source.apply(q, anchor), _Source.apply(kk, anchor)
+                q, kk = Source.apply(q, anchor), Source.apply(kk, anchor)
             return q.transpose(1, 2), kk.transpose(1, 2)
 
         def plain(i):
