@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._autograd import enum, no_double_backward
+from ._autograd import eager_ok, enum, no_double_backward
 from .glu import ACTIVATIONS, ALGOS, _run_backward, _run_forward, glu
 
 __all__ = ["gated_mlp"]
@@ -92,10 +92,6 @@ def _composed(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation):
     return F.linear(glu(gate, up, activation=activation), w_down, b_down)
 
 
-def _plain(t: Optional[Tensor]) -> bool:
-    return t is None or type(t) in (Tensor, torch.nn.Parameter)
-
-
 def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Optional[Tensor], down_weight: Tensor,
               gate_bias: Optional[Tensor] = None, up_bias: Optional[Tensor] = None,
               down_bias: Optional[Tensor] = None, *, activation: str = "silu") -> Tensor:
@@ -132,7 +128,7 @@ def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Optional[Tensor], down_
                          f"down_weight [H_out, I], got {list(x.shape)}, {list(gate_weight.shape)}, "
                          f"{list(down_weight.shape)}")
     operands = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    if torch.compiler.is_compiling() or not all(map(_plain, operands)):
+    if not eager_ok(operands):  # compiling, a mode, a tensor subclass or a meta tensor: the traceable composition
         return _composed(*operands, activation)
     device = x.device.type
     if torch.is_autocast_enabled(device):
