@@ -58,23 +58,32 @@ def _dataset(args, vocab):
 
 
 class _Clock:
-    """A TrainerCallback that times each optimizer step between CUDA synchronizations."""
+    """A TrainerCallback that times each optimizer step between CUDA synchronizations, and runs step
+    ``profile_step`` (if any) under torch.profiler, keeping its table of kernels by device time."""
 
-    def __init__(self):
+    def __init__(self, profile_step=None):
         import torch
         from transformers import TrainerCallback
 
         outer = self
         self.times = []
+        self.kernels = None
 
         class Callback(TrainerCallback):
             def on_step_begin(self, *a, **k):
                 torch.cuda.synchronize()
+                if len(outer.times) == profile_step:
+                    outer.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                    outer.prof.__enter__()
                 outer.t0 = time.perf_counter()
 
             def on_step_end(self, *a, **k):
                 torch.cuda.synchronize()
                 outer.times.append(time.perf_counter() - outer.t0)
+                if len(outer.times) == (profile_step or 0) + 1 and profile_step is not None:
+                    outer.prof.__exit__(None, None, None)
+                    outer.kernels = outer.prof.key_averages().table(sort_by="self_device_time_total", row_limit=30,
+                                                                    max_name_column_width=90)
 
         self.callback = Callback()
 
@@ -94,15 +103,15 @@ def worker(args) -> dict:
         from logitless.integrations import use_logitless
 
         use_logitless(trainer)
-    clock = _Clock()
+    clock = _Clock(args.profile_step)
     trainer.add_callback(clock.callback)
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    steady = clock.times[args.skip:]
+    steady = [t for i, t in enumerate(clock.times[args.skip:], args.skip) if i != args.profile_step]
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return dict(mode=args.worker, tokens_per_s=args.batch * args.seq * len(steady) / sum(steady),
                 step_ms=1e3 * sum(steady) / len(steady), peak_gib=torch.cuda.max_memory_allocated() / GIB,
-                first_loss=losses[0], last_loss=losses[-1], gpu=torch.cuda.get_device_name())
+                first_loss=losses[0], last_loss=losses[-1], gpu=torch.cuda.get_device_name(), kernels=clock.kernels)
 
 
 def main(argv=None) -> int:
@@ -116,6 +125,8 @@ def main(argv=None) -> int:
                    help="weights in bf16, or float32 master weights under the trainer's bf16 autocast")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the table here")
+    p.add_argument("--profile-step", type=int, default=None,
+                   help="run this step under torch.profiler (left out of the timing) and print its kernels")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -145,6 +156,9 @@ def main(argv=None) -> int:
                      f"{r['peak_gib']:.1f} | {rel[1]} | {r['first_loss']:.3f} → {r['last_loss']:.3f} |")
     if rows and "gpu" in rows[0]:
         lines.append(f"\nGPU: {rows[0]['gpu']}")
+    for r in rows:
+        if r.get("kernels"):
+            lines += ["", f"Kernels of step {args.profile_step}, {r['mode']}:", "```", r["kernels"], "```"]
     text = "\n".join(lines)
     print(text)
     if args.out:
