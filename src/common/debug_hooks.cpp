@@ -10,7 +10,7 @@ struct Entry {
   const char* name;
   int64_t initial;
 };
-constexpr Entry kEntries[] = {{"lce_fused_kernels", 1}, {"lce_exp_form", 0}, {"lce_exp_fixup_all", 0}};
+constexpr Entry kEntries[] = {{"lce_fused_kernels", 1}, {"lce_exp_form", 1}, {"lce_exp_fixup_all", 0}};
 constexpr int kHooks = static_cast<int>(Hook::kCount);
 static_assert(sizeof(kEntries) / sizeof(kEntries[0]) == kHooks, "one entry per hook");
 

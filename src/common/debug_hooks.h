@@ -12,8 +12,7 @@ enum class Hook : int {
   // Linear cross-entropy: the fused Hopper kernels where they apply (1, the default) or the generic cuBLAS path.
   kLceFusedKernels,
   // Linear cross-entropy: the gradient in forward's exponential form (linear_cross_entropy/cuda/params.h,
-  // ExpGradParams). Off by default: the fastest bfloat16 plan, but its grad_weight error exceeds the library's
-  // bound relative to torch's own bfloat16 error (bench/RESULTS.md, "Accuracy against float64").
+  // ExpGradParams) where it applies (1, the default), or the generic gradient in forward (tests, benchmarks).
   kLceExpForm,
   // Linear cross-entropy: every valid row through the exponential form's rewrite, a path real inputs seldom reach.
   kLceExpFixupAll,

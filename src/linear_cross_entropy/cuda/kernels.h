@@ -26,4 +26,22 @@ void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, cons
 void launch_target_shift(const ExpGradParams& p, int sm_count, cudaStream_t stream);
 void launch_exp_rows(const ExpGradParams& p, int sm_count, cudaStream_t stream);
 
+// The rows' target terms of grad_weight (after the grad_weight GEMM of E and the scaled hidden rows): the rows
+// sorted by target (p.class_keys / class_rows into `sort`), then each class's sum added to its grad_weight row, in
+// float32 or, for a 16-bit grad_weight written by the GEMM, rounded once more. exp_target_sort_bytes: the sort's
+// temporary storage for up to `rows` rows.
+struct TargetSort {
+  int* keys = nullptr;  // [rows] each
+  int* rows = nullptr;
+  void* temp = nullptr;
+  size_t temp_bytes = 0;
+};
+size_t exp_target_sort_bytes(int64_t rows);
+void launch_grad_weight_targets(const ExpGradParams& p, const TargetSort& sort, void* dw, DType dw_dtype, int64_t ld_dw,
+                                cudaStream_t stream);
+// grad_hidden's rows from y = E W (float32 [rows, ldy]): scale ⊙ y + target_coef ⊙ W[t], in dx_dtype (in place
+// when dx is y).
+void launch_grad_hidden_rows(const ExpGradParams& p, const float* y, int64_t ldy, void* dx, DType dx_dtype,
+                             int64_t ld_dx, int sm_count, cudaStream_t stream);
+
 }  // namespace logitless::lce

@@ -1,10 +1,11 @@
 // The row kernels of the gradient in forward on the fused Hopper path (params.h, ExpGradParams): the shift
-// before the logits GEMM, the per-row scale and the target's element after it, and the rewrite of the rows the
-// scaled form does not suit. All per row: none touches more than one element of a [rows, V] row, except
-// exp_fixup on the rows it rewrites.
+// before the logits GEMM; the per-row scale and target term after it, and the rewrite of the rows the scaled form
+// does not suit; after the grad_weight and grad_hidden GEMMs, their target terms in float32. None touches more than
+// one element of a [rows, V] row, except exp_fixup on the rows it rewrites.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cub/device/device_radix_sort.cuh>
 
 #include "common/cuda/check.cuh"
 #include "cross_entropy/cuda/device.cuh"
@@ -63,6 +64,13 @@ __device__ __forceinline__ void write_scaled_row(const ExpGradParams& p, int64_t
   for (int64_t i = lane; i < p.h; i += step) out[i] = __float2bfloat16_rn(s * __bfloat162float(xr[i]));
 }
 
+// The sort's key and value of row r: its target's column (v: no target term to add to grad_weight).
+__device__ __forceinline__ void set_class_key(const ExpGradParams& p, int64_t r, int64_t column) {
+  if (!p.class_keys) return;
+  p.class_keys[r] = static_cast<int>(column);
+  p.class_rows[r] = static_cast<int>(r);
+}
+
 __global__ void __launch_bounds__(kRowThreads) target_shift_kernel(const ExpGradParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kRowThreads / 32);
@@ -86,12 +94,17 @@ __global__ void __launch_bounds__(kRowThreads) exp_rows_kernel(const ExpGradPara
     const int64_t t = p.target[r];
     const ce::RowKind kind = ce::classify(p.ce, t);
     if (kind != ce::RowKind::kValid) {  // no gradient (ignored) or NaN (a bad target; its E row is NaN)
-      if (lane == 0) p.scale[r] = kind == ce::RowKind::kBad ? NAN : 0.f;
+      if (lane == 0) {
+        p.scale[r] = p.target_coef[r] = kind == ce::RowKind::kBad ? NAN : 0.f;
+        set_class_key(p, r, p.v);
+      }
       write_scaled_row(p, r, 0.f, lane, 32);
       continue;
     }
     const float lse = p.lse[r], c = p.shift[r];
     const ce::GradCoeffs g = coeffs_of(p, r, t, lse);
+    const int64_t j = ce::target_column(p.ce, t);
+    if (lane == 0) set_class_key(p, r, j);
     // Rewritten by exp_fixup: E may exceed e^kExpRange (lse, at least the row's maximum logit, is that far above
     // shift), or a is so small beside b (a z-loss cancelling the target's weight) that the target's element,
     // (a p_t - b) / (a exp(c - lse)), would lose its precision.
@@ -101,9 +114,8 @@ __global__ void __launch_bounds__(kRowThreads) exp_rows_kernel(const ExpGradPara
     }
     const float s = g.a * expf(c - lse);
     if (lane == 0) {
-      const int64_t j = ce::target_column(p.ce, t);
-      const float d = s - g.b;  // a p_t - b, with p_t = exp(c - lse): c is the target's logit
-      static_cast<__nv_bfloat16*>(p.e)[r * p.ld_e + j] = __float2bfloat16_rn(s != 0.f ? d / s : 0.f);
+      static_cast<__nv_bfloat16*>(p.e)[r * p.ld_e + j] = __float2bfloat16_rn(0.f);
+      p.target_coef[r] = s - g.b;  // a p_t - b, with p_t = exp(c - lse): c is the target's logit
       p.scale[r] = s;
     }
     write_scaled_row(p, r, s, lane, 32);
@@ -160,9 +172,10 @@ __global__ void __launch_bounds__(kFixThreads) exp_fixup_kernel(const ExpGradPar
         const int64_t j = col0 + c;
         if (lane != 0 || j >= p.v) continue;
         const float z = p.bias ? dot + load_as_float(p.bias, p.bias_dtype, j * p.bias_stride) : dot;
-        float d = g.a * expf(z - lse);
-        if (j == tc) d -= g.b;
-        static_cast<__nv_bfloat16*>(p.e)[r * p.ld_e + j] = __float2bfloat16_rn(s != 0.f ? d / s : 0.f);
+        const float d = g.a * expf(z - lse);
+        float e = s != 0.f ? d / s : 0.f;
+        if (j == tc) p.target_coef[r] = d - g.b, e = 0.f;  // kept out of E in float32, as exp_rows does
+        static_cast<__nv_bfloat16*>(p.e)[r * p.ld_e + j] = __float2bfloat16_rn(e);
       }
       if (blockIdx.x == 0) {
         if (threadIdx.x == 0) p.scale[r] = s;
@@ -172,12 +185,97 @@ __global__ void __launch_bounds__(kFixThreads) exp_fixup_kernel(const ExpGradPar
   }
 }
 
+constexpr int kTermThreads = 256;
+constexpr int kTermColsPerThread = 4;
+constexpr int kTermCols = kTermThreads * kTermColsPerThread;  // columns of grad_weight per CTA
+
+// grad_weight[j] += Σ target_coef[r] x[r] over the rows r whose target is class j, in float32, rounded once into
+// grad_weight. keys / rows: every row's target column (v: none) and index, sorted by column, so that position i
+// starts class keys[i]'s run where keys[i - 1] differs; that CTA sums the whole run (in row order: deterministic)
+// and is the only writer of the class's row, so no atomics are needed. Grid: positions × column slices.
+__global__ void __launch_bounds__(kTermThreads)
+    grad_weight_targets_kernel(const ExpGradParams p, const int* keys, const int* rows, void* dw, DType dw_dtype,
+                               int64_t ld_dw) {
+  const int64_t i = blockIdx.x;
+  const int key = keys[i];
+  if (key >= p.v || (i > 0 && keys[i - 1] == key)) return;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTermCols + threadIdx.x;
+  float acc[kTermColsPerThread] = {};
+  for (int64_t k = i; k < p.rows && keys[k] == key; ++k) {
+    const int64_t r = rows[k];
+    const float coef = p.target_coef[r];
+    const __nv_bfloat16* xr = bf16_row(p.x, p.ldx, r);
+#pragma unroll
+    for (int q = 0; q < kTermColsPerThread; ++q) {
+      const int64_t c = c0 + q * kTermThreads;
+      if (c < p.h) acc[q] = fmaf(coef, __bfloat162float(xr[c]), acc[q]);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kTermColsPerThread; ++q) {
+    const int64_t c = c0 + q * kTermThreads, at = key * ld_dw + c;
+    if (c < p.h) store_as(dw, dw_dtype, at, load_as_float(dw, dw_dtype, at) + acc[q]);
+  }
+}
+
+// grad_hidden[r] = scale[r] y[r] + target_coef[r] W[t_r] (y = E W, float32), in grad_hidden's dtype: a CTA per
+// row, in place when grad_hidden is y itself.
+__global__ void __launch_bounds__(kTermThreads)
+    grad_hidden_rows_kernel(const ExpGradParams p, const float* y, int64_t ldy, void* dx, DType dx_dtype,
+                            int64_t ld_dx) {
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+    const int64_t t = p.target[r];
+    const bool valid = ce::classify(p.ce, t) == ce::RowKind::kValid;
+    const __nv_bfloat16* wt = valid ? bf16_row(p.w, p.ldw, ce::target_column(p.ce, t)) : nullptr;
+    const float s = p.scale[r], coef = p.target_coef[r];
+    for (int64_t c = threadIdx.x; c < p.h; c += kTermThreads) {
+      float v = s * y[r * ldy + c];
+      if (valid) v = fmaf(coef, __bfloat162float(wt[c]), v);
+      store_as(dx, dx_dtype, r * ld_dx + c, v);
+    }
+  }
+}
+
 int row_blocks(int64_t rows, int sm_count) {
   return static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>((rows + kRowThreads / 32 - 1) / (kRowThreads / 32), int64_t{sm_count} * 8)));
 }
 
+// The radix sort's key bits: keys run from 0 to v.
+int key_bits(int64_t v) {
+  int bits = 1;
+  while ((int64_t{1} << bits) <= v) ++bits;
+  return bits;
+}
+
 }  // namespace
+
+size_t exp_target_sort_bytes(int64_t rows) {
+  size_t bytes = 0;
+  LOGITLESS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int*>(nullptr),
+                                                       static_cast<int*>(nullptr), static_cast<const int*>(nullptr),
+                                                       static_cast<int*>(nullptr), static_cast<int>(rows)));
+  return bytes;
+}
+
+void launch_grad_weight_targets(const ExpGradParams& p, const TargetSort& sort, void* dw, DType dw_dtype, int64_t ld_dw,
+                                cudaStream_t stream) {
+  if (p.rows <= 0) return;
+  size_t bytes = sort.temp_bytes;
+  LOGITLESS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort.temp, bytes, p.class_keys, sort.keys, p.class_rows,
+                                                       sort.rows, static_cast<int>(p.rows), 0, key_bits(p.v), stream));
+  const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>((p.h + kTermCols - 1) / kTermCols));
+  grad_weight_targets_kernel<<<grid, kTermThreads, 0, stream>>>(p, sort.keys, sort.rows, dw, dw_dtype, ld_dw);
+  LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy grad_weight target terms");
+}
+
+void launch_grad_hidden_rows(const ExpGradParams& p, const float* y, int64_t ldy, void* dx, DType dx_dtype,
+                             int64_t ld_dx, int sm_count, cudaStream_t stream) {
+  if (p.rows <= 0) return;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(p.rows, int64_t{sm_count} * 8));
+  grad_hidden_rows_kernel<<<blocks, kTermThreads, 0, stream>>>(p, y, ldy, dx, dx_dtype, ld_dx);
+  LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy grad_hidden rows");
+}
 
 void launch_target_shift(const ExpGradParams& p, int sm_count, cudaStream_t stream) {
   if (p.rows <= 0) return;

@@ -68,8 +68,7 @@ void set_fused_kernels(bool enabled);
 // The gradient in forward's fused path sends every valid row through its rewrite (params.h, ExpGradParams), the
 // path of rows the scaled form does not suit, which real inputs seldom reach.
 void set_exp_fixup_all(bool enabled);
-// The gradient in forward's exponential form on or off for later calls (off by default: its grad_weight error is
-// above the library's bound; see common/debug_hooks.h).
+// The gradient in forward's exponential form on (the default) or off for later calls (common/debug_hooks.h).
 void set_exp_form(bool enabled);
 bool fused_kernels_enabled();
 Kernel last_kernel();

@@ -33,10 +33,14 @@ struct GradParams {
 // The gradient in forward on the fused Hopper path, one token group at a time. The logits GEMM (kernels_hopper.h, exp
 // epilogue) writes E[r, j] = exp(z[r, j] - shift[r]) in bfloat16 next to the tile statistics, with shift[r] the
 // target's logit (a dot product before the GEMM), so that d(loss)/dZ[r, j] = scale[r] * E[r, j] for every j but the
-// target; exp_rows puts (a p_t - b) / scale[r] in the target's place. Then grad_hidden = scale ⊙ (E W) and grad_weight
-// = Eᵀ (scale ⊙ X): the three GEMMs with no pass over the [rows, V] matrix between them. Rows where that form loses
-// range or precision (lse more than kExpRange above shift, or a row scale near 0 beside its target term) go to
-// exp_fixup, which recomputes their logits and writes their gradient over a scale of its own.
+// target. The target's element, a p_t - b, stays out of the 16-bit products: exp_rows zeroes it in E and keeps it in
+// float32 as target_coef[r], so that
+//   grad_hidden = scale ⊙ (E W) + target_coef ⊙ W[t]            (both terms in float32, one kernel after the GEMM)
+//   grad_weight = Eᵀ (scale ⊙ X), then W[t] rows += target_coef ⊙ X  (float32 sums per class, rows sorted by target)
+// The target terms dominate both gradients' norms; in 16-bit they would be rounded twice (once in E, once in
+// scale ⊙ X), where torch's bfloat16 product rounds them once. Rows where the scaled form loses range or precision
+// (lse more than kExpRange above shift, or a row scale near 0 beside its target term) go to exp_fixup, which
+// recomputes their logits and writes their gradient over a scale of its own.
 struct ExpGradParams {
   int64_t rows = 0, h = 0, v = 0;
   const void* x = nullptr;  // bfloat16 hidden rows [rows, h], row stride ldx
@@ -56,9 +60,12 @@ struct ExpGradParams {
   float* scale = nullptr;      // [rows]: 0 for ignored rows, NaN for bad ones
   void* e = nullptr;           // bfloat16 [rows, ld_e]
   int64_t ld_e = 0;
-  void* xs = nullptr;     // bfloat16 [rows, h]: scale[r] * x[r]; nullptr when no grad_weight is asked for
-  int* fixups = nullptr;  // [1 + rows]: the count, then the rows exp_fixup rewrites
-  int force_fixups = 0;   // tests: every valid row goes through exp_fixup
+  float* target_coef = nullptr;  // [rows]: a p_t - b (0 for ignored rows, NaN for bad ones)
+  int* class_keys = nullptr;     // [rows]: the target's column, v for rows without a target term; nullptr when no
+  int* class_rows = nullptr;     // grad_weight is asked for. With class_rows (0 .. rows - 1): what the sort takes.
+  void* xs = nullptr;            // bfloat16 [rows, h]: scale[r] * x[r]; nullptr when no grad_weight is asked for
+  int* fixups = nullptr;         // [1 + rows]: the count, then the rows exp_fixup rewrites
+  int force_fixups = 0;          // tests: every valid row goes through exp_fixup
 };
 
 // Rows whose lse exceeds shift by more than this many nats are rewritten by exp_fixup: below it E stays under e^40

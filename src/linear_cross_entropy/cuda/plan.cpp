@@ -38,14 +38,15 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   const bool fused = p.kernel == Kernel::kHopperFused;
   // The fused forward's statistics: 16 bytes per token and 256-column tile.
   const int64_t stats_row = fused && in.pass != Pass::kBackward ? 16 * ceil_div(V, kFusedTileCols) : 0;
-  // The exponential form's other per-token bytes: shift, scale and a rewrite slot, and one region that serves,
+  // The exponential form's other per-token bytes: shift, scale, the target term, a rewrite slot and (for grad_weight)
+  // the sort's keys and rows in and out, and one region that serves,
   // one after the other, the tile statistics (read by finish_rows), hidden scaled by row (written by exp_rows,
   // read by the grad_weight GEMM) and the unscaled float32 grad_hidden row (written by the grad_hidden GEMM,
   // which runs after the grad_weight one).
   const bool exp_form = fused && in.pass == Pass::kForwardBackward;
   const int64_t xs_row = in.need_dw ? es * H : 0, dx_row = in.need_dx && !in.grad_hidden_f32 ? 4 * H : 0;
   const int64_t exp_shared_row = exp_form ? std::max({stats_row, xs_row, dx_row}) : 0;
-  const int64_t exp_row = exp_form ? 12 + exp_shared_row : 0;
+  const int64_t exp_row = exp_form ? 16 + (in.need_dw ? 16 : 0) + exp_shared_row : 0;
 
   if (in.steps) {
     // Chunks of exactly chunk_tokens (every rank's exchange pairs them up). float32 inputs form the gradient in
@@ -125,6 +126,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
 
   p.stats_row = stats_row;
   p.exp_shared_row = exp_shared_row;
+  p.sort_bytes = exp_form && in.need_dw ? in.target_sort_bytes : 0;
   if (in.steps && !fused) p.slot_bytes = round_up(static_cast<int64_t>(p.chunk_rows * p.ld_logits * 4), 256);
   Buffers b;
   head::WorkspaceLayout L;
@@ -169,7 +171,12 @@ void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayou
   const auto G = static_cast<size_t>(p.group_rows);
   L.add(&f.shift, G * 4);
   L.add(&f.row_scale, G * 4);
+  L.add(&f.target_coef, G * 4);
   L.add(&f.fixups, (G + 1) * 4);
+  if (in.need_dw) {
+    for (int k = 0; k < 2; ++k) L.add(&f.class_keys[k], G * 4), L.add(&f.class_rows[k], G * 4);
+    L.add(&f.sort_temp, p.sort_bytes);
+  }
   const size_t shared = L.add(&f.partials, G * static_cast<size_t>(p.exp_shared_row));
   if (in.need_dw) L.alias(&f.scaled_hidden, shared);
   if (in.need_dx && !in.grad_hidden_f32) L.alias(&f.dx_rows, shared);

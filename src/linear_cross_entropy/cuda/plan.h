@@ -51,6 +51,7 @@ struct PlanInputs {
   int64_t chunk_vocab = 0;
   size_t memory_budget = size_t{512} << 20;
   size_t cublas_workspace_bytes = size_t{32} << 20;
+  size_t target_sort_bytes = 0;  // the exponential form's sort of the rows by target (kernels.h), for up to n rows
 };
 
 struct Plan {
@@ -73,6 +74,7 @@ struct Plan {
   int64_t exp_shared_row = 0;  // exponential form: bytes per token of the region that the statistics, the scaled
                                // hidden row and the float32 grad_hidden row take in turn
   size_t slot_bytes = 0;       // the steps' logits slot (two, one after the other)
+  size_t sort_bytes = 0;       // exponential form with grad_weight: the sort's temporary storage
   size_t bytes = 0;            // the workspace: every stage of declare_workspace
 };
 
@@ -96,6 +98,10 @@ struct FusedBuffers {
   float* shift = nullptr;
   float* row_scale = nullptr;
   int* fixups = nullptr;
+  float* target_coef = nullptr;
+  int* class_keys[2] = {};  // the sort's input and output
+  int* class_rows[2] = {};
+  void* sort_temp = nullptr;
   void* scaled_hidden = nullptr;
   float* dx_rows = nullptr;
 };

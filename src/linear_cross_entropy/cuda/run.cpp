@@ -93,6 +93,8 @@ PlanInputs plan_inputs(const Problem& p) {
   in.chunk_vocab = p.options.chunk_vocab;
   in.memory_budget = p.options.memory_budget;
   in.cublas_workspace_bytes = head::cublas_workspace_for(device_info(p.device.index).sm_major);
+  if (in.fused && in.fused_exp && in.pass == Pass::kForwardBackward && in.need_dw)
+    in.target_sort_bytes = exp_target_sort_bytes(p.n_tokens);
   return in;
 }
 
@@ -218,6 +220,9 @@ struct Run {
     x.lse = lse + g0;
     x.shift = b.fused.shift;
     x.scale = b.fused.row_scale;
+    x.target_coef = b.fused.target_coef;
+    x.class_keys = b.fused.class_keys[0];
+    x.class_rows = b.fused.class_rows[0];
     x.e = b.head.dlogits;
     x.ld_e = plan.ld_dlogits;
     x.xs = b.fused.scaled_hidden;
@@ -248,16 +253,18 @@ struct Run {
       launch_exp_rows(x, sm_count(), stream());
       // grad_weight first: the scaled hidden rows it reads share their region with the float32 grad_hidden
       // rows (plan.cpp), which the grad_hidden GEMM then writes.
-      if (p.grad_weight.data) {  // dW (+)= E_gᵀ (s ⊙ X_g)
+      if (p.grad_weight.data) {  // dW (+)= E_gᵀ (s ⊙ X_g), then the target terms
         const head::Matrix dw = dw_acc ? head::Matrix{dw_acc, DType::kFloat32, H} : p.grad_weight;
         e.grad_weight_gemm(x.e, x.ld_e, rows, V, x.xs, H, dw, /*accumulate=*/g0 > 0);
+        const TargetSort sort{b.fused.class_keys[1], b.fused.class_rows[1], b.fused.sort_temp, plan.sort_bytes};
+        launch_grad_weight_targets(x, sort, dw.data, dw.dtype, dw.ld, stream());
       }
-      if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W): float32 rows, scaled on the way out (in place if float32)
+      if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W) + target terms: float32 rows (in place if float32)
         const head::Matrix dx = p.grad_hidden.rows_from(g0);
         const head::Matrix y = dx.dtype == DType::kFloat32 ? dx : head::Matrix{b.fused.dx_rows, DType::kFloat32, H};
         e.grad_hidden_gemm(x.e, x.ld_e, rows, 0, V, y, false);
-        head::launch_cast(static_cast<const float*>(y.data), y.ld, rows, H, dx.data, dx.dtype, dx.ld, 1, sm_count(),
-                          stream(), x.scale);
+        launch_grad_hidden_rows(x, static_cast<const float*>(y.data), y.ld, dx.data, dx.dtype, dx.ld, sm_count(),
+                                stream());
       }
     }
     e.finish(dw_acc, nullptr);
