@@ -80,6 +80,25 @@ def _torch_loss(h, w, t):
     return F.cross_entropy((h @ w.t()).float(), t)
 
 
+def _auto_schedule(hidden, weight) -> str:
+    """The schedule linear_cross_entropy(hidden, weight, t) takes under "auto" (default options, mean, gradients)."""
+    import importlib
+
+    mod = importlib.import_module("logitless.linear_cross_entropy")
+    scalars = (-100, mod.REDUCTIONS["mean"], 0.0, 0.0, 0.0, True, 0, 0, mod.DEFAULT_MEMORY_BUDGET)
+    return "recompute" if mod._recompute_is_faster(hidden, weight, None, scalars) else "gradient_in_forward"
+
+
+def _under_autocast(fn):
+    """fn on float32 copies of hidden and weight under torch.autocast(bfloat16), as the Hugging Face Trainer's bf16=True
+    runs a model with float32 master weights."""
+    def call(h, w, t):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn(h, w, t)
+
+    return call
+
+
 def run(ctx: Context, shapes: List[str]) -> List[Row]:
     import logitless
 
@@ -109,6 +128,13 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
         def fresh(i):
             return _Source.apply(hidden.requires_grad_(True)), _Source.apply(weight.requires_grad_(True)), target
 
+        hidden32 = weight32 = None
+        if ctx.is_cuda:
+            hidden32, weight32 = hidden.float(), weight.float()
+
+        def fresh32(i):
+            return _Source.apply(hidden32.requires_grad_(True)), _Source.apply(weight32.requires_grad_(True)), target
+
         # The yardstick: the three products, as torch.matmul runs them (cuBLAS), with a bf16 dZ of the logits'
         # shape standing in for the gradient of the logits.
         dz = torch.randn(N, V, device=ctx.device, dtype=DTYPE, generator=gen)
@@ -131,26 +157,31 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
         lce = logitless.linear_cross_entropy
         impls = [
             ("logitless gradient-in-forward", fwd_bwd(lambda h, w, t: lce(h, w, t, schedule="gradient_in_forward")),
-             1e-4, 6),
-            ("logitless recompute", fwd_bwd(lambda h, w, t: lce(h, w, t, schedule="recompute")), 1e-4, 8),
-            ("torch eager (fp32 upcast)", fwd_bwd(_torch_loss), 1e-2, 6),
+             1e-4, 6, fresh),
+            ("logitless recompute", fwd_bwd(lambda h, w, t: lce(h, w, t, schedule="recompute")), 1e-4, 8, fresh),
+            (f"logitless auto (took {_auto_schedule(hidden, weight)})", fwd_bwd(lce), 1e-4, 6, fresh),
+            ("torch eager (fp32 upcast)", fwd_bwd(_torch_loss), 1e-2, 6, fresh),
         ]
+        if ctx.is_cuda:
+            # Peak extra memory of this row includes its float32 gradients (4 (N + V) H bytes).
+            impls.append(("logitless, float32 inputs under autocast(bf16)", fwd_bwd(_under_autocast(lce)), 1e-4, 6,
+                          fresh32))
         notes: List[Row] = []
         if ctx.is_cuda:
             compiled = torch.compile(_torch_loss, fullgraph=True, dynamic=False)
-            impls.append(("torch.compile", fwd_bwd(compiled), 1e-2, 6))
+            impls.append(("torch.compile", fwd_bwd(compiled), 1e-2, 6, fresh))
             for name, (fn, why) in (("Liger FLCE", _liger()), ("Apple CCE", _cce())):
                 if fn is not None:
-                    impls.append((name, fwd_bwd(fn), 1e-2, 6))
+                    impls.append((name, fwd_bwd(fn), 1e-2, 6, fresh))
                 else:
                     notes.append(Row(op="linear_cross_entropy", shape=shape, impl=name, note=why))
         timed = []  # (row, its note without the ratio)
-        for name, fn, tol, flops_per in impls:
+        for name, fn, tol, flops_per, inputs in impls:
             row = Row(op="linear_cross_entropy", shape=shape, impl=name)
             try:
-                note = check(fn(*fresh(0)), tol)
-                row.ms = time_call(ctx, fn, fresh)
-                row.peak_extra_mib = peak_extra_mib(ctx, fn, fresh)
+                note = check(fn(*inputs(0)), tol)
+                row.ms = time_call(ctx, fn, inputs)
+                row.peak_extra_mib = peak_extra_mib(ctx, fn, inputs)
                 tf = f"{flop / (row.ms * 1e-3) / 1e12:.3g} TFLOP/s at 6NHV"
                 if flops_per == 8:
                     tf += f", {8.0 * N * H * V / (row.ms * 1e-3) / 1e12:.3g} at 8NHV"
@@ -160,6 +191,7 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
             release(ctx)
             rows.append(row)
         gemm_last = sum(time_call(ctx, fn, lambda i: ()) for _, fn, _ in gemms)
+        del hidden32, weight32
         gemm_ms = 0.5 * (gemm_first + gemm_last)
         rows.insert(len(rows) - len(impls), Row(
             op="linear_cross_entropy", shape=shape, impl="3 cuBLAS GEMMs (yardstick)", ms=gemm_ms,
