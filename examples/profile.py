@@ -88,11 +88,14 @@ CATEGORIES = (
 
 
 def by_category(events):
-    """{category: device ms} over the kernels (events without CPU self time but with device self time)."""
+    """{category: device ms} over the kernels: device events that are not user annotations (the device-side ranges
+    of custom ops and record_function blocks, whose time is their kernels' again)."""
     totals = {}
     for e in events:
         us = getattr(e, "self_device_time_total", 0)
         if us <= 0 or getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        if getattr(e, "is_user_annotation", False):
             continue
         name = e.key.lower()
         cat = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other (elementwise, reductions)")
