@@ -6,6 +6,10 @@ keeps. `gated_mlp` recomputes h in the backward from the saved gate and up (one 
 writes the gradients of gate and up over the saved gate and up, which belong to it alone. That recompute is the
 whole cost: a read of gate and up and a write of h, beside the MLP's three GEMMs.
 
+When x is the unchanged output of an eager `logitless.rms_norm` call (a decoder layer's post-attention norm), x is
+not saved either: the norm's backward already keeps what it normalized, and the MLP's backward recomputes x from
+that with one more norm forward (`_norm_recipes`): one [tokens, hidden] tensor less per layer.
+
 Eager calls run `_GatedMLP` (an autograd.Function over F.linear and the gated unit's C++ entry points). Under
 torch.compile the composition of F.linear and `logitless.glu` is traced instead: the compiler plans its own
 buffers and decides itself what to recompute.
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _norm_recipes
 from ._autograd import eager_ok, enum, no_double_backward
 from .glu import ACTIVATIONS, ALGOS, _run_backward, _run_forward, glu
 
@@ -44,7 +49,10 @@ class _GatedMLP(torch.autograd.Function):
         gate = F.linear(x, w_gate, b_gate)
         up = None if w_up is None else F.linear(x, w_up, b_up)
         y = F.linear(_unit(gate, up, act), w_down, b_down)
-        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
+        # x straight from an eager rms_norm: keep what the norm's backward keeps anyway and recompute x from it.
+        made = _norm_recipes.recipe(x)
+        ctx.x_inputs, ctx.recompute_x = (len(made[0]), made[1]) if made else (1, None)
+        ctx.save_for_backward(*(made[0] if made else (x,)), gate, up, w_gate, w_up, w_down)
         ctx.act, ctx.has_bias = act, (b_gate is not None, b_up is not None, b_down is not None)
         ctx.consumed = False
         ctx.set_materialize_grads(False)
@@ -58,7 +66,10 @@ class _GatedMLP(torch.autograd.Function):
                                "is not supported: the first one wrote its gradients over the saved activations")
         if grad_y is None:
             return (None,) * 8
-        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        k = ctx.x_inputs
+        x = ctx.recompute_x(*saved[:k]) if ctx.recompute_x else saved[0]
+        gate, up, w_gate, w_up, w_down = saved[k:]
         need = ctx.needs_input_grad
         dy2 = grad_y.reshape(-1, grad_y.shape[-1])
         h = _unit(gate, up, ctx.act)

@@ -25,7 +25,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, _norm_recipes
 from ._autograd import cached, custom_op, enum, no_double_backward
 from ._checks import check_float, check_int64, check_rows, check_tensors, register_fake, rows_collapse
 from ._tensor import descriptor, rows_ready, stream, workspace
@@ -239,5 +239,9 @@ def rms_norm(
     if x.dim() > 4:  # (rows of fewer dimensions always collapse) judged as the C++ side will see them
         res = None if residual is None else rows_ready(residual)
         check_rows(x.dim() - 1, (("x", rows_ready(x)), ("residual", res)))
-    y, s, _ = _forward(x, weight, residual, *scalars)
+    y, s, rstd = _forward(x, weight, residual, *scalars)
+    if y.requires_grad and not torch.compiler.is_compiling():
+        # What the backward keeps (what was normalized, the weight) recomputes y for an op that would save it.
+        _norm_recipes.remember(y, (x if residual is None else s, weight),
+                               lambda n, w: _forward(n, w, None, *scalars)[0])
     return y if residual is None else (y, s)

@@ -74,6 +74,71 @@ def test_saves_x_gate_and_up_only():
     assert saved_elements(lambda *t: F.linear(glu(F.linear(t[0], t[1]), F.linear(t[0], t[2])), t[3])) > x_gate_up
 
 
+def _norm_then_mlp(residual, dtype, device):
+    """rms_norm (with or without its fused residual add) feeding gated_mlp, as a patched decoder layer runs them."""
+    ops = _operands(n=32, h=8, inter=64, dtype=dtype, device=device)
+    norm_w = torch.rand(8, dtype=torch.float64).add(0.5).to(device, dtype).requires_grad_()
+    base = (torch.randn(3, 32, 8, dtype=torch.float64) * 0.5).to(device, dtype).requires_grad_()
+    res = (torch.randn(3, 32, 8, dtype=torch.float64) * 0.5).to(device, dtype).requires_grad_() if residual else None
+
+    def run(detach_x):
+        y = logitless.rms_norm(base, norm_w, residual=res)
+        y = y[0] if residual else y
+        # detach_x: the MLP gets a copy that is no norm output (it must save it), with the gradient routed back.
+        x = y.clone() if detach_x else y
+        return logitless.gated_mlp(x, *ops[1:])
+
+    return run, [base, norm_w, res] + [t for t in ops[1:] if t is not None]
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_norms_output_is_recomputed_not_saved(residual):
+    """Fed by rms_norm, gated_mlp saves the norm's input instead of its output, and its gradients are the same."""
+    run, leaves = _norm_then_mlp(residual, torch.float32, "cpu")
+    leaves = [t for t in leaves if t is not None]
+    dy = torch.randn(3, 32, 8, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for detach_x in (True, False):
+        for t in leaves:
+            t.grad = None
+        outputs = []
+
+        def pack(t):
+            outputs.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = run(detach_x)
+        y.backward(dy)
+        grads.append([t.grad.clone() for t in leaves])
+        # Distinct storages saved for the backward: with the norm's output recomputed, one [3, 32, 8] less.
+        ptrs = {t.data_ptr(): t.numel() for t in outputs if t.numel() == 3 * 32 * 8}
+        if detach_x:
+            saved_with_copy = len(ptrs)
+        else:
+            assert len(ptrs) == saved_with_copy - 1
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_norm_output_changed_in_place_is_saved_as_it_is():
+    run_ops = _operands(n=4, h=8, inter=16, dtype=torch.float32)
+    norm_w = torch.ones(8, requires_grad=True)
+    base = torch.randn(3, 4, 8, requires_grad=True)
+    y = logitless.rms_norm(base, norm_w).mul(1.0)  # not the norm's output: no recipe
+    z = logitless.rms_norm(base, norm_w)
+    z.mul_(2.0)  # the norm's output, changed after the norm: its recipe no longer holds
+    for x in (y, z):
+        # The weights' gradients depend on the x the backward uses: the changed one, as the forward saw it.
+        w_gate = run_ops[1]
+        w_gate.grad = None
+        logitless.gated_mlp(x, *run_ops[1:]).sum().backward(retain_graph=True)
+        got = w_gate.grad.clone()
+        w_gate.grad = None
+        _reference(x.detach(), *run_ops[1:]).sum().backward()
+        torch.testing.assert_close(got, w_gate.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_only_the_needed_gradients():
     x, w_gate, w_up, w_down, *_ = _operands()
     w_gate.requires_grad_(False)
