@@ -6,7 +6,9 @@ the three cuBLAS GEMMs a fused linear cross-entropy replaces, timed in the same 
 X·Wᵀ [N, V], dZ·W [N, H] and dZᵀ·X [V, H]; each row's note gives its time over theirs and its TFLOP/s
 counted as 6·N·H·V (the three products: what a step needs) and, for the recompute schedule, 8·N·H·V (what it
 executes). "peak extra MiB" is the memory a call allocates beyond its inputs, gradients included (dX + dW
-alone are 2·(N + V)·H bytes).
+alone are 2·(N + V)·H bytes). "logitless wdtype-acc" is the gradient in forward with
+grad_weight_accumulation="weight_dtype": grad_weight summed over token groups in bf16, no float32 accumulator, so
+its extra memory is the gradients plus the budget.
 
 Inputs come through `_Source`, an autograd node whose backward drops the gradient: no gradient accumulation
 into .grad is timed, and every implementation gets fresh non-leaf tensors as a model would hand them over.
@@ -158,6 +160,9 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
         impls = [
             ("logitless gradient-in-forward", fwd_bwd(lambda h, w, t: lce(h, w, t, schedule="gradient_in_forward")),
              1e-4, 6, fresh),
+            ("logitless wdtype-acc", fwd_bwd(lambda h, w, t: lce(h, w, t, schedule="gradient_in_forward",
+                                                                   grad_weight_accumulation="weight_dtype")), 1e-4, 6,
+             fresh),
             ("logitless recompute", fwd_bwd(lambda h, w, t: lce(h, w, t, schedule="recompute")), 1e-4, 8, fresh),
             (f"logitless auto (took {_auto_schedule(hidden, weight)})", fwd_bwd(lce), 1e-4, 6, fresh),
             ("torch eager (fp32 upcast)", fwd_bwd(_torch_loss), 1e-2, 6, fresh),

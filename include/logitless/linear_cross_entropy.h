@@ -44,18 +44,18 @@
 // as exact as a float32 computation from the same inputs (a bf16 chunk would round every logit by up to
 // 2^-9 relative, about 1e-3 of a typical loss); the gradient of the logits is rounded to the inputs' dtype
 // (the GEMMs that consume it need it there, as torch's own bf16 backward does); grad_weight sums over token
-// chunks in float32 and is rounded once at the end.
+// chunks in float32 and is rounded once at the end (options.grad_weight_accumulation trades that for memory).
 //
 // CUDA scratch (*_workspace_bytes; the caller allocates it, e.g. from PyTorch's caching allocator):
 // a chunk of float32 logits and the gradient of the chunk's logits in the inputs' dtype, sized from
 // options.memory_budget; plus, where grad_weight is 16-bit and the tokens do not fit one chunk, a float32
-// grad_weight accumulator (4·V·H bytes); the gradient-in-forward schedule holds the logits' gradient of
-// every token at once instead whenever that takes no more than the budget plus that accumulator (one
-// weight-gradient GEMM, no accumulation), and its float32 chunk then grows into the rest of that allowance (up
-// to 1024 tokens: each chunk's logits GEMM re-reads the weight). The recompute backward's float32 grad_hidden
-// accumulator (4·N·H bytes, when grad_hidden is 16-bit and the vocabulary takes more than one chunk) comes on top of
-// the budget likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB before), so the GEMMs allocate
-// nothing and the calls can be captured in a CUDA graph. cuBLAS runs through one handle per device and host
+// grad_weight accumulator (4·V·H bytes; none with GradWeightAccumulation::kWeightDtype); the gradient-in-forward
+// schedule holds the logits' gradient of every token at once instead whenever that takes no more than the budget
+// plus that accumulator (one weight-gradient GEMM, no accumulation), and its float32 chunk then grows into the rest
+// of that allowance (up to 1024 tokens: each chunk's logits GEMM re-reads the weight). The recompute backward's float32
+// grad_hidden accumulator (4·N·H bytes, when grad_hidden is 16-bit and the vocabulary takes more than one chunk) comes
+// on top of the budget likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB before), so the GEMMs
+// allocate nothing and the calls can be captured in a CUDA graph. cuBLAS runs through one handle per device and host
 // thread, created by the first call (make that call before any graph capture, as a warm-up does).
 #pragma once
 
@@ -66,6 +66,22 @@
 #include "logitless/tensor.h"
 
 namespace logitless {
+
+// Where the gradient-in-forward schedule sums a 16-bit grad_weight over token groups (it has several when the
+// tokens' gradient of the logits does not fit the budget at once):
+//  * kFloat32 (default): in a float32 accumulator of 4·V·H bytes in the workspace, rounded to grad_weight's dtype
+//    once at the end; the accumulator counts in the planner's trade, so the plan may hold every token's gradient
+//    instead (one group) where that costs no more.
+//  * kWeightDtype: in grad_weight itself, each group's GEMM adding its float32 product to the 16-bit running sum
+//    (beta = 1) and rounding the result: no accumulator, so the workspace stays within the budget (groups from the
+//    budget alone), at the price of one rounding of the running sum per token group (its error grows with the
+//    number of groups). The CPU backend rounds its running sum after each token group of the CUDA generic plan
+//    for the same options (chunk_tokens, memory_budget), so it shows the same loss of precision.
+// A no-op where nothing sums over token groups in float32: a float32 grad_weight (the inputs' dtype float32, or
+// float32 gradients of 16-bit inputs: already their own accumulator), no grad_weight, and the recompute schedule
+// (each vocabulary chunk of grad_weight rows is final when written). Loss, lse, grad_hidden and grad_bias are the
+// same either way.
+enum class GradWeightAccumulation : int32_t { kFloat32 = 0, kWeightDtype = 1 };
 
 struct LinearCrossEntropyOptions {
   int64_t ignore_index = -100;
@@ -81,6 +97,7 @@ struct LinearCrossEntropyOptions {
   int64_t chunk_tokens = 0;
   int64_t chunk_vocab = 0;
   size_t memory_budget = size_t{512} << 20;  // bytes of chunk scratch (see above); >= 1
+  GradWeightAccumulation grad_weight_accumulation = GradWeightAccumulation::kFloat32;  // see the enum
 };
 
 // Bytes of scratch each CUDA entry point needs for these arguments (0 on the CPU). Pass the tensors the call
@@ -100,7 +117,8 @@ size_t linear_cross_entropy_backward_workspace_bytes(const TensorView& hidden, c
 // than the gradient-in-forward schedule, for N tokens of hidden size H over V classes on `device`, with the
 // gradient outputs in the inputs' dtype and hidden rows a GEMM can read in place. A cost model of the two CUDA
 // plans (src/linear_cross_entropy/cuda/plan.cpp): the recompute schedule's fourth GEMM against the
-// gradient-in-forward schedule's float32 grad_weight accumulation over token groups, which the budget forces at
+// gradient-in-forward schedule's grad_weight accumulation over token groups (float32, or 16-bit at half the bytes
+// with GradWeightAccumulation::kWeightDtype), which the budget forces at
 // large V·H (e.g. 8192 x 2304 x 256000 with 512 MiB, where recompute is faster on H100; bench/RESULTS.md). False on
 // the CPU and for float32 inputs. The Python package's schedule="auto" asks it for bfloat16.
 bool linear_cross_entropy_recompute_is_faster(int64_t n_tokens, int64_t hidden, int64_t vocab, DType dtype,

@@ -116,8 +116,8 @@ SUPPORTED_ARCHITECTURES: Tuple[str, ...] = (
 )
 
 # Options of linear_cross_entropy that patch() passes through; the others are fixed by the model's loss.
-_LOSS_OPTIONS = ("z_loss", "schedule", "chunk_tokens", "chunk_vocab", "memory_budget", "check_targets",
-                 "vocab_parallel")
+_LOSS_OPTIONS = ("z_loss", "schedule", "chunk_tokens", "chunk_vocab", "memory_budget", "grad_weight_accumulation",
+                 "check_targets", "vocab_parallel")
 
 _STATE = "_logitless_patch"
 
@@ -658,7 +658,7 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
             ``rms_norm(..., residual=)``, forward and backward). Needs rms_norm=True (only replaced norms are
             fused); layers of another form are left as they are and noted in `describe`.
         **loss_options: passed on to ``linear_cross_entropy``: z_loss, schedule, chunk_tokens, chunk_vocab,
-            memory_budget, check_targets, vocab_parallel (z_loss adds a term the original loss does not have;
+            memory_budget, grad_weight_accumulation, check_targets, vocab_parallel (z_loss adds a term the original loss does not have;
             vocab_parallel=True for an lm_head whose weight is a tensor-parallel DTensor sharded along the
             vocabulary).
 

@@ -44,7 +44,10 @@ from ._checks import check_bias, check_float, check_int64, check_process_group, 
 from ._tensor import DEVICE_CODES, DTYPE_CODES, descriptor, rows_ready, stream, workspace
 from .heads import refuse_sharded_weight
 
-__all__ = ["linear_cross_entropy", "SCHEDULES", "DEFAULT_MEMORY_BUDGET"]
+__all__ = ["linear_cross_entropy", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "GRAD_WEIGHT_ACCUMULATIONS"]
+
+# Must match logitless::GradWeightAccumulation (include/logitless/linear_cross_entropy.h).
+GRAD_WEIGHT_ACCUMULATIONS = {"float32": 0, "weight_dtype": 1}
 
 # ----------------------------------------------------------------------------------------------------
 # Calls into C++. Every op takes, after its tensors, the arguments of `_options` in its order (custom ops take
@@ -52,14 +55,15 @@ __all__ = ["linear_cross_entropy", "SCHEDULES", "DEFAULT_MEMORY_BUDGET"]
 
 
 def _options(ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
-             check_targets: bool, chunk_tokens: int, chunk_vocab: int,
-             memory_budget: int) -> _C.LinearCrossEntropyOptions:
-    """The ops' option arguments (reduction as the C++ enum value) as the binding's LinearCrossEntropyOptions,
-    field by field by name."""
+             check_targets: bool, chunk_tokens: int, chunk_vocab: int, memory_budget: int,
+             grad_weight_accumulation: int) -> _C.LinearCrossEntropyOptions:
+    """The ops' option arguments (reduction and grad_weight_accumulation as the C++ enum values) as the binding's
+    LinearCrossEntropyOptions, field by field by name."""
     return _C.LinearCrossEntropyOptions(ignore_index=ignore_index, reduction=reduction,
                                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                                         check_targets=check_targets, chunk_tokens=chunk_tokens,
-                                        chunk_vocab=chunk_vocab, memory_budget=memory_budget)
+                                        chunk_vocab=chunk_vocab, memory_budget=memory_budget,
+                                        grad_weight_accumulation=grad_weight_accumulation)
 
 
 _cached_options = cached(_options)
@@ -144,10 +148,11 @@ def _cast(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dtype: Optiona
 @custom_op("logitless::linear_cross_entropy_forward")
 def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
              ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
-             check_targets: bool, chunk_tokens: int, chunk_vocab: int, memory_budget: int) -> Tuple[Tensor, Tensor]:
+             check_targets: bool, chunk_tokens: int, chunk_vocab: int, memory_budget: int,
+             grad_weight_accumulation: int) -> Tuple[Tensor, Tensor]:
     """(loss, lse): one GEMM over token chunks; lse is what the backward needs."""
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
-                       chunk_vocab, memory_budget)
+                              chunk_vocab, memory_budget, grad_weight_accumulation)
     loss, lse = _new_outputs(hidden, target, reduction)
     h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
     owner, ws = workspace(_C.linear_cross_entropy_forward_workspace_bytes(h, w, t, options), hidden.device)
@@ -168,12 +173,12 @@ def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *opti
 def _forward_backward_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                           class_weight: Optional[Tensor], ignore_index: int, reduction: int, label_smoothing: float,
                           z_loss: float, softcap: float, check_targets: bool, chunk_tokens: int, chunk_vocab: int,
-                          memory_budget: int, grad_hidden: Optional[Tensor], grad_weight: Optional[Tensor],
-                          grad_bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                          memory_budget: int, grad_weight_accumulation: int, grad_hidden: Optional[Tensor],
+                          grad_weight: Optional[Tensor], grad_bias: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """(loss, lse), and the gradients of the reduced loss (upstream gradient 1) written into the given buffers
     (None: not computed) in the same pass."""
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
-                       chunk_vocab, memory_budget)
+                              chunk_vocab, memory_budget, grad_weight_accumulation)
     return _run_forward_backward(hidden, weight, bias, target, class_weight, options, grad_hidden, grad_weight,
                                  grad_bias)
 
@@ -187,13 +192,13 @@ def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest
 def _backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, class_weight: Optional[Tensor],
               lse: Tensor, grad_loss: Tensor, ignore_index: int, reduction: int, label_smoothing: float,
               z_loss: float, softcap: float, check_targets: bool, chunk_tokens: int, chunk_vocab: int,
-              memory_budget: int, need_hidden: bool, need_weight: bool, need_bias: bool,
-              grads_float32: bool) -> Tuple[Tensor, Tensor, Tensor]:
+              memory_budget: int, grad_weight_accumulation: int, need_hidden: bool, need_weight: bool,
+              need_bias: bool, grads_float32: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) from the forward's lse, times grad_loss (float32: [] for sum/mean,
     [*] contiguous for none), in the operands' dtypes or (grads_float32) in float32; a gradient not needed comes
     back empty."""
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
-                       chunk_vocab, memory_budget)
+                              chunk_vocab, memory_budget, grad_weight_accumulation)
     gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias, grads_float32)
     d = lambda t, need, name: descriptor(t, name) if need else None  # noqa: E731
     h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
@@ -230,12 +235,12 @@ def _forward_grad(ctx, grad_loss, grad_lse):
     hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     if not any(need):
-        return (None,) * 14
+        return (None,) * 15
     # An upstream gradient may be expanded (loss.sum() gives a stride-0 one); C++ wants it contiguous.
     g = grad_loss.to(torch.float32).contiguous()
     gh, gw, gb = _backward(hidden, weight, bias, target, class_weight, lse, g, *ctx.options, need[0], need[1],
                            need[2] and bias is not None, False)
-    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 11
+    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 12
 
 
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
@@ -328,6 +333,7 @@ def linear_cross_entropy(
     chunk_tokens: Optional[int] = None,
     chunk_vocab: Optional[int] = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    grad_weight_accumulation: str = "float32",
     check_targets: bool = True,
     process_group=None,
     vocab_parallel: bool = False,
@@ -365,6 +371,14 @@ def linear_cross_entropy(
             recompute backward). None: from `memory_budget`.
         memory_budget: bytes of chunk scratch on CUDA (default 512 MiB); see linear_cross_entropy.h for what
             comes on top (a float32 grad_weight accumulator where needed, cuBLAS's workspace).
+        grad_weight_accumulation: where gradient_in_forward sums a 16-bit grad_weight over token groups (it has
+            several where the budget does not hold every token's gradient of the logits): "float32" (default) in a
+            float32 accumulator of 4·V·H bytes on top of the budget, rounded once at the end; "weight_dtype" in the
+            16-bit grad_weight itself, each group's GEMM adding to it and rounding the running sum (as Liger
+            does): no accumulator, so the extra memory stays within the budget, at the price of one rounding per
+            token group (the error grows with their number). The CPU backend rounds alike after each group of the
+            CUDA plan for the same options. No effect on the loss, on the other gradients, on a float32 weight or
+            gradient, or on the recompute schedule (its grad_weight rows are final when written).
         check_targets: raise on a target outside [0, V) that is not ignore_index (on CUDA this reads one number
             back, a host synchronization per call; skipped while a CUDA graph is captured, where such a
             token's loss is NaN instead).
@@ -412,6 +426,7 @@ def linear_cross_entropy(
             raise ValueError(f"{name}: expected a count >= 1 (or None: from memory_budget), got {value!r}")
     if not isinstance(memory_budget, int) or memory_budget < 1:
         raise ValueError(f"memory_budget: expected a number of bytes >= 1, got {memory_budget!r}")
+    accumulation = enum(GRAD_WEIGHT_ACCUMULATIONS, grad_weight_accumulation, "grad_weight_accumulation")
     check_process_group(process_group)
     # DTensors are sorted out below (vocabulary parallelism, or refused on the local path).
     check_tensors((("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias),
@@ -424,7 +439,7 @@ def linear_cross_entropy(
     scalars = (check_int64(ignore_index, "ignore_index"), red, check_float(label_smoothing, "label_smoothing"),
                check_float(z_loss, "z_loss"), check_float(softcap or 0.0, "softcap"), bool(check_targets),
                check_int64(chunk_tokens or 0, "chunk_tokens"), check_int64(chunk_vocab or 0, "chunk_vocab"),
-               check_int64(memory_budget, "memory_budget"))
+               check_int64(memory_budget, "memory_budget"), accumulation)
 
     recompute = schedule == "recompute" or (schedule == "auto" and
                                             (red == REDUCTION_NONE or hidden.dtype == torch.float16))

@@ -71,10 +71,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     ``LinearCrossEntropyLoss(ignore_index=-100, reduction="mean", label_smoothing=0.0, *, z_loss=0.0,
     softcap=None, class_weight=None, schedule="auto", chunk_tokens=None, chunk_vocab=None,
-    memory_budget=512 MiB)``; ``forward(hidden, weight, target, bias=None)`` with hidden [*, H], weight [V, H]
-    (e.g. ``model.lm_head.weight``), target [*], and returns the float32 loss. ``class_weight`` (torch's
-    cross-entropy ``weight``) is a buffer, so ``.to(device)`` moves it. The argument order of ``forward`` is
-    the function's (hidden first; Liger's module takes the weight first).
+    memory_budget=512 MiB, grad_weight_accumulation="float32")``; ``forward(hidden, weight, target, bias=None)``
+    with hidden [*, H], weight [V, H] (e.g. ``model.lm_head.weight``), target [*], and returns the float32 loss.
+    ``class_weight`` (torch's cross-entropy ``weight``) is a buffer, so ``.to(device)`` moves it. The argument order
+    of ``forward`` is the function's (hidden first; Liger's module takes the weight first).
     """
 
     def __init__(
@@ -90,6 +90,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         chunk_tokens: Optional[int] = None,
         chunk_vocab: Optional[int] = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        grad_weight_accumulation: str = "float32",
     ) -> None:
         super().__init__()
         self.register_buffer("class_weight", class_weight)
@@ -102,18 +103,21 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.chunk_tokens = chunk_tokens
         self.chunk_vocab = chunk_vocab
         self.memory_budget = memory_budget
+        self.grad_weight_accumulation = grad_weight_accumulation
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return linear_cross_entropy(hidden, weight, target, bias, ignore_index=self.ignore_index,
                                     reduction=self.reduction, label_smoothing=self.label_smoothing,
                                     z_loss=self.z_loss, softcap=self.softcap, class_weight=self.class_weight,
                                     schedule=self.schedule, chunk_tokens=self.chunk_tokens,
-                                    chunk_vocab=self.chunk_vocab, memory_budget=self.memory_budget)
+                                    chunk_vocab=self.chunk_vocab, memory_budget=self.memory_budget,
+                                    grad_weight_accumulation=self.grad_weight_accumulation)
 
     def extra_repr(self) -> str:
         parts = [f"ignore_index={self.ignore_index}", f"reduction={self.reduction!r}"]
         for name, off in (("label_smoothing", 0.0), ("z_loss", 0.0), ("softcap", None), ("schedule", "auto"),
-                          ("chunk_tokens", None), ("chunk_vocab", None), ("memory_budget", DEFAULT_MEMORY_BUDGET)):
+                          ("chunk_tokens", None), ("chunk_vocab", None), ("memory_budget", DEFAULT_MEMORY_BUDGET),
+                          ("grad_weight_accumulation", "float32")):
             if getattr(self, name) != off:
                 parts.append(f"{name}={getattr(self, name)!r}")
         return ", ".join(parts)

@@ -14,7 +14,8 @@ void bind_linear_cross_entropy(nb::module_& m) {
       .field("check_targets", &O::check_targets)
       .field("chunk_tokens", &O::chunk_tokens)
       .field("chunk_vocab", &O::chunk_vocab)
-      .field("memory_budget", &O::memory_budget);
+      .field("memory_budget", &O::memory_budget)
+      .enum_field("grad_weight_accumulation", &O::grad_weight_accumulation);
 
   m.def(
       "linear_cross_entropy_recompute_is_faster",

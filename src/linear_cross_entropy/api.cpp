@@ -32,6 +32,10 @@ void check_options(const LinearCrossEntropyOptions& o) {
   LOGITLESS_CHECK_ARG(o.chunk_tokens >= 0, "chunk_tokens", "a count >= 1 (or 0: from memory_budget)", o.chunk_tokens);
   LOGITLESS_CHECK_ARG(o.chunk_vocab >= 0, "chunk_vocab", "a count >= 1 (or 0: from memory_budget)", o.chunk_vocab);
   LOGITLESS_CHECK_ARG(o.memory_budget >= 1, "memory_budget", "at least 1 byte", o.memory_budget);
+  LOGITLESS_CHECK_ARG(o.grad_weight_accumulation == GradWeightAccumulation::kFloat32 ||
+                          o.grad_weight_accumulation == GradWeightAccumulation::kWeightDtype,
+                      "grad_weight_accumulation", "float32 or weight_dtype",
+                      static_cast<int>(o.grad_weight_accumulation));
 }
 
 // hidden, weight and target, and the options: what every entry point (and every workspace query) takes.

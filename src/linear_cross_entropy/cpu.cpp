@@ -6,6 +6,10 @@
 // numbers here; only the CUDA path's memory and time differ between them. A vocabulary shard's calls
 // (include/logitless/vocab_parallel.h) run the same chunks over the shard's rows of the weight; the steps of
 // its gradient-in-forward sequence keep their float64 accumulators in the caller's (host) workspace.
+//
+// GradWeightAccumulation::kWeightDtype: a 16-bit grad_weight sums over the token groups of the CUDA generic plan
+// for the same options (plan.cpp, a pure function) in its own dtype, so the running sum is rounded to that dtype
+// after each group, where the GPU's accumulating GEMM rounds it: this oracle shows that loss of precision.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -14,6 +18,7 @@
 #include "common/check.h"
 #include "common/host_float.h"
 #include "cross_entropy/problem.h"
+#include "linear_cross_entropy/cuda/plan.h"
 #include "linear_cross_entropy/problem.h"
 
 namespace logitless::lce {
@@ -174,6 +179,16 @@ class Cpu {
     }
   }
 
+  // The running grad_weight sum rounded as a 16-bit grad_weight that sums in itself holds it between groups (via
+  // float32, as the GEMM's float32 result is rounded).
+  void round_weight_grad(double* dw) const {
+    const bool bf16 = p_.grad_weight.dtype == DType::kBFloat16;
+    for (int64_t e = 0; e < V_ * H_; ++e) {
+      const float f = static_cast<float>(dw[e]);
+      dw[e] = bf16 ? bf16_bits_to_float(float_to_bf16_bits(f)) : half_bits_to_float(float_to_half_bits(f));
+    }
+  }
+
   // The accumulated grad_weight and grad_bias to their outputs.
   void store_weight_grads(const double* dw, const double* db) const {
     if (p_.grad_weight.data)
@@ -194,6 +209,33 @@ class Cpu {
   std::vector<float> w_;
   std::vector<double> bias_;
 };
+
+// Rows per token group after which the running grad_weight sum is rounded to grad_weight's 16-bit dtype: the CUDA
+// generic plan's groups for these options (the vocabulary-parallel steps': whole chunks); 0 where nothing is rounded
+// between groups (float32 accumulation, a float32 or no grad_weight, the recompute backward).
+int64_t dw_rounding_rows(const Problem& p) {
+  const bool gradient_in_forward = p.mode == Mode::kForwardBackward || p.mode == Mode::kStepGradient;
+  if (!gradient_in_forward || !p.grad_weight.data || p.grad_weight.dtype == DType::kFloat32 ||
+      p.options.grad_weight_accumulation != GradWeightAccumulation::kWeightDtype)
+    return 0;
+  PlanInputs in;
+  in.pass = Pass::kForwardBackward;
+  in.n = p.n_tokens;
+  in.h = p.hidden;
+  in.v = p.vocab;
+  in.elem_bytes = static_cast<int>(dtype_size(p.dtype));
+  in.need_dx = p.grad_hidden.data != nullptr;
+  in.need_dw = true;
+  in.need_db = p.grad_bias != nullptr;
+  in.grad_hidden_f32 = in.need_dx && p.grad_hidden.dtype == DType::kFloat32;
+  in.dw_weight_dtype = true;
+  in.copy_hidden = !p.hidden_uniform;
+  in.reduction_none = p.options.reduction == Reduction::kNone;
+  in.steps = p.mode == Mode::kStepGradient;
+  in.chunk_tokens = p.options.chunk_tokens;
+  in.memory_budget = p.options.memory_budget;
+  return std::max<int64_t>(plan_linear_cross_entropy(in).group_rows, 1);
+}
 
 }  // namespace
 
@@ -224,10 +266,12 @@ void run_cpu(const Problem& p) {
   std::vector<double> dw(p.grad_weight.data ? static_cast<size_t>(V * H) : 0, 0.0);
   std::vector<double> db(p.grad_bias ? static_cast<size_t>(V) : 0, 0.0);
 
-  const int64_t chunk = cpu.chunk_rows();
+  const int64_t chunk = cpu.chunk_rows(), rounding = dw_rounding_rows(p);
   std::vector<float> x, z;
-  for (int64_t c0 = 0; c0 < N; c0 += chunk) {
-    const int64_t rows = std::min(chunk, N - c0);
+  for (int64_t c0 = 0; c0 < N;) {
+    // Chunks end at the rounding groups' ends.
+    const int64_t group_end = rounding ? std::min(N, (c0 / rounding + 1) * rounding) : N;
+    const int64_t rows = std::min(chunk, group_end - c0);
     cpu.logits(c0, rows, x, z);
     const ce::Mode mode = p.mode == Mode::kForward    ? ce::Mode::kForward
                           : p.mode == Mode::kPartials ? ce::Mode::kPartials
@@ -250,6 +294,8 @@ void run_cpu(const Problem& p) {
     }
     ce::run_cpu(q);
     if (grads) cpu.grads(c0, rows, x, z, dw.empty() ? nullptr : dw.data(), db.empty() ? nullptr : db.data());
+    c0 += rows;
+    if (rounding && c0 == group_end) cpu.round_weight_grad(dw.data());
   }
 
   if ((p.mode == Mode::kForward || p.mode == Mode::kForwardBackward) && o.reduction != Reduction::kNone)
@@ -332,6 +378,8 @@ void run_cpu_step(const Problem& p, Workspace ws) {
   b.grad_scale_per_row = false;
   ce::run_cpu(b);
   cpu.grads(c0, rows, x, z, st.dw, st.db);
+  const int64_t rounding = dw_rounding_rows(p);  // groups of whole chunks
+  if (rounding && ((c0 + rows) % rounding == 0 || c0 + rows == N)) cpu.round_weight_grad(st.dw);
 
   if (c0 + rows == N) {  // the last chunk: the loss and the weight's gradients are complete
     double total = 0;

@@ -211,7 +211,16 @@ struct Outputs {
   std::vector<double> dx, dw, db;  // logical (flat) order
 };
 
-Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1] or [N] */) {
+// v rounded to a 16-bit dtype through float32, as a 16-bit tensor holds it.
+double rounded_to(DType dt, double v) {
+  const float f = static_cast<float>(v);
+  return dt == DType::kBFloat16 ? bf16_bits_to_float(float_to_bf16_bits(f)) : half_bits_to_float(float_to_half_bits(f));
+}
+
+// dw_round_rows > 0: grad_weight's running sum is rounded to the inputs' (16-bit) dtype after every that many tokens
+// and after the last, as GradWeightAccumulation::kWeightDtype sums it over token groups.
+Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1] or [N] */,
+                  int64_t dw_round_rows = 0) {
   const int64_t N = in.c.n, H = in.c.h, V = in.c.v;
   const auto& o = in.opt;
   auto w = [&](int64_t j) { return in.has_class_weight() ? static_cast<double>(in.class_weight.get(j)) : 1.0; };
@@ -289,7 +298,7 @@ Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1
   r.dx.assign(N * H, 0.0);
   r.dw.assign(V * H, 0.0);
   r.db.assign(V, 0.0);
-  for (int64_t i = 0; i < N; ++i)
+  for (int64_t i = 0; i < N; ++i) {
     for (int64_t j = 0; j < V; ++j) {
       const double gij = g[i * V + j];
       for (int64_t k = 0; k < H; ++k) {
@@ -298,6 +307,9 @@ Outputs reference(const LceInputs& in, const std::vector<double>& upstream /* [1
       }
       r.db[j] += gij;
     }
+    if (dw_round_rows > 0 && ((i + 1) % dw_round_rows == 0 || i + 1 == N))
+      for (double& d : r.dw) d = rounded_to(in.c.dtype, d);
+  }
   return r;
 }
 
@@ -624,6 +636,38 @@ TEST(LinearCrossEntropyCudaFused, RewrittenRowsMatchCpuBackend) {
     lce::debug::set_exp_fixup_all(false);
   }
 }
+
+// GradWeightAccumulation::kWeightDtype on the GPU (several token groups summing in the 16-bit grad_weight: explicit
+// chunks, a small budget; one group by default) against the CPU backend, which rounds its running sum at the same
+// groups: the generic path, the fused exponential form where the device has it, and the recompute backward (where
+// the option does nothing).
+TEST(LinearCrossEntropyCuda, WeightDtypeAccumulationMatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const LceCase cases[] = {
+      {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
+      {256, 128, 4099, DType::kFloat16, Layout::kPadded, Preset::kIgnore, Reduction::kSum, true},
+      {1024, 256, 4099, DType::kBFloat16, Layout::kShifted, Preset::kZLoss, Reduction::kMean, false},
+      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kNone, true}};
+  for (const LceCase& c : cases) {
+    SCOPED_TRACE(case_name(c));
+    LceInputs in(c, seed_of(c));
+    in.opt.grad_weight_accumulation = GradWeightAccumulation::kWeightDtype;
+    const auto up = upstream_for(in, seed_of(c) + 1);
+    for (Chunking ch : {Chunking::kDefault, Chunking::kSmall, Chunking::kBudget}) {
+      SCOPED_TRACE(chunking_name(ch));
+      const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr, ch);
+      for (bool exp_form : {false, true}) {
+        lce::debug::set_exp_form(exp_form);
+        const Outputs got = run_backend(in, Entry::kForwardBackward, /*dev=*/true, up, &want.lse, ch);
+        expect_outputs(in, Entry::kForwardBackward, got, want, exp_form ? "cuda exponential form" : "cuda", c.dtype);
+        lce::debug::set_exp_form(false);
+      }
+      const Outputs back = run_backend(in, Entry::kBackward, /*dev=*/true, up, &want.lse, ch);
+      expect_outputs(in, Entry::kBackward, back, run_backend(in, Entry::kBackward, false, up, &want.lse, ch), "cuda",
+                     c.dtype);
+    }
+  }
+}
 #endif
 
 INSTANTIATE_TEST_SUITE_P(Shapes, LinearCrossEntropyCpu, ::testing::ValuesIn(make_cpu_cases()), param_name);
@@ -644,6 +688,77 @@ TEST(LinearCrossEntropy, Float32GradientsOf16BitInputs) {
         // The CUDA path still rounds the logits' gradient to bf16 before the GEMMs.
         expect_outputs(in, e, got, want, dev ? "cuda" : "cpu", dev ? DType::kBFloat16 : DType::kFloat32);
       }
+    }
+  }
+}
+
+// The token groups of the CUDA generic plan for these options: where GradWeightAccumulation::kWeightDtype rounds
+// grad_weight's running sum (the CPU backend rounds at the same rows).
+int64_t planned_group_rows(const LceInputs& in, const LinearCrossEntropyOptions& o) {
+  lce::PlanInputs p;
+  p.pass = lce::Pass::kForwardBackward;
+  p.n = in.c.n;
+  p.h = in.c.h;
+  p.v = in.c.v;
+  p.elem_bytes = static_cast<int>(dtype_size(in.c.dtype));
+  p.need_dx = p.need_dw = true;
+  p.need_db = in.has_bias();
+  p.dw_weight_dtype = true;
+  p.chunk_tokens = o.chunk_tokens;
+  p.memory_budget = o.memory_budget;
+  return lce::plan_linear_cross_entropy(p).group_rows;
+}
+
+// grad_weight summed in its own 16-bit dtype against the float64 reference that rounds its running sum after each
+// token group: the CPU's float32 gradient of the logits (the reference's is float64) may flip a rounding now and
+// then, never by more than one unit in the last place of the largest element.
+void expect_rounded_per_group(const std::vector<double>& got, const std::vector<double>& want, DType dt,
+                              const std::string& what) {
+  const double ulp = std::ldexp(1.0, std::ilogb(max_abs(want)) - (dt == DType::kBFloat16 ? 7 : 10));
+  size_t same = 0;
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    same += got[i] == want[i];
+    worst = std::max(worst, std::abs(got[i] - want[i]));
+  }
+  EXPECT_GE(same, want.size() * 99 / 100) << what << ": elements equal to the per-group rounding";
+  EXPECT_LE(worst, ulp) << what;
+}
+
+// GradWeightAccumulation::kWeightDtype on the CPU: with several token groups (explicit chunks, a small budget)
+// grad_weight is the per-group rounding of its running sum, visibly not the float32 accumulation's; with one group
+// it is that accumulation's result. Loss, lse, grad_hidden and grad_bias are bit-identical either way, and the
+// recompute backward, float32 inputs and float32 gradient outputs are untouched.
+TEST(LinearCrossEntropy, WeightDtypeAccumulationRoundsPerTokenGroup) {
+  const auto with = [](LceInputs& in, GradWeightAccumulation a) { in.opt.grad_weight_accumulation = a; };
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    LceInputs in(LceCase{200, 40, 301, dt, Layout::kPadded, Preset::kAll, Reduction::kMean, true}, 23);
+    const auto up = upstream_for(in, 24);
+    for (Chunking ch : {Chunking::kDefault, Chunking::kSmall, Chunking::kBudget}) {
+      const std::string tag = std::string(dtype_tag(dt)) + " " + chunking_name(ch);
+      SCOPED_TRACE(tag);
+      with(in, GradWeightAccumulation::kFloat32);
+      const Outputs f32 = run_backend(in, Entry::kForwardBackward, false, up, nullptr, ch);
+      const Outputs f32_back = run_backend(in, Entry::kBackward, false, up, &f32.lse, ch);
+      const Outputs f32_out = run_backend(in, Entry::kForwardBackward, false, up, nullptr, ch, GradDtypes{true});
+      with(in, GradWeightAccumulation::kWeightDtype);
+      const Outputs wd = run_backend(in, Entry::kForwardBackward, false, up, nullptr, ch);
+      EXPECT_EQ(wd.loss, f32.loss);
+      EXPECT_EQ(wd.lse, f32.lse);
+      EXPECT_EQ(wd.dx, f32.dx);
+      EXPECT_EQ(wd.db, f32.db);
+      EXPECT_EQ(run_backend(in, Entry::kBackward, false, up, &f32.lse, ch).dw, f32_back.dw);
+      EXPECT_EQ(run_backend(in, Entry::kForwardBackward, false, up, nullptr, ch, GradDtypes{true}).dw, f32_out.dw);
+      const int64_t G = planned_group_rows(in, chunked(in, ch));
+      EXPECT_EQ(G < in.c.n, ch != Chunking::kDefault);
+      if (dt == DType::kFloat32 || G >= in.c.n) {
+        EXPECT_EQ(wd.dw, f32.dw);
+        continue;
+      }
+      expect_rounded_per_group(wd.dw, reference(in, up, G).dw, dt, tag);
+      size_t changed = 0;
+      for (size_t i = 0; i < wd.dw.size(); ++i) changed += wd.dw[i] != f32.dw[i];
+      EXPECT_GE(changed, wd.dw.size() / 20) << "elements the per-group rounding changed";
     }
   }
 }
@@ -1225,6 +1340,72 @@ TEST(LinearCrossEntropyPlan, ExplicitChunksAndTinyBudgets) {
   p = lay(in);
   EXPECT_EQ(off(p.b.head.logits), kNone);
   EXPECT_EQ(off(p.b.head.cublas), kNone);
+}
+
+// GradWeightAccumulation::kWeightDtype: no float32 grad_weight accumulator, so nothing to trade against holding every
+// token's gradient: groups from the budget alone, the workspace within it.
+TEST(LinearCrossEntropyPlan, WeightDtypeAccumulationPlansNoAccumulator) {
+  const auto weight_dtype = [](lce::PlanInputs in) {
+    in.dw_weight_dtype = true;
+    return in;
+  };
+  // Gemma-2-like (groups of 640 either way): the workspace shrinks by exactly the accumulator, 4 V H bytes.
+  lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000);
+  Laid f32 = lay(in), wd = lay(weight_dtype(in));
+  EXPECT_TRUE(f32.dw_accumulator);
+  EXPECT_FALSE(wd.dw_accumulator);
+  EXPECT_EQ(off(wd.b.head.dw_acc), kNone);
+  EXPECT_EQ(wd.chunk_rows, f32.chunk_rows);
+  EXPECT_EQ(wd.group_rows, f32.group_rows);
+  EXPECT_EQ(f32.bytes - wd.bytes, size_t{4} * 256000 * 2304);
+  expect_layout_sound(wd);
+  // Llama-like: the float32 plan holds every token's gradient (one group, 2.1 GB, no accumulator); this one takes
+  // groups from the 512 MiB budget (7 of 1280 tokens) and stays within it (plus cuBLAS's and the per-token scratch).
+  in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
+  f32 = lay(in);
+  wd = lay(weight_dtype(in));
+  EXPECT_EQ(f32.group_rows, 8192);
+  EXPECT_EQ(wd.chunk_rows, 384);
+  EXPECT_EQ(wd.group_rows, 1280);
+  EXPECT_FALSE(wd.dw_accumulator);
+  EXPECT_LE(wd.bytes, (size_t{512} << 20) + in.cublas_workspace_bytes + (size_t{1} << 20));
+  expect_layout_sound(wd);
+  // The vocabulary-parallel steps: the same trade (groups of whole chunks).
+  lce::PlanInputs st = llama_inputs(lce::Pass::kForwardBackward, 16384, 4096, 64128);
+  st.steps = true;
+  st.chunk_tokens = 512;
+  f32 = lay(st);
+  wd = lay(weight_dtype(st));
+  EXPECT_TRUE(f32.dw_accumulator);
+  EXPECT_FALSE(wd.dw_accumulator);
+  EXPECT_EQ(wd.group_rows, f32.group_rows);
+  EXPECT_EQ(f32.bytes - wd.bytes, size_t{4} * 64128 * 4096);
+  // The fused exponential form sums in grad_weight too.
+  lce::PlanInputs fx = llama_inputs(lce::Pass::kForwardBackward, 16384, 2048, 128256);
+  fx.fused = fx.fused_exp = true;
+  wd = lay(weight_dtype(fx));
+  EXPECT_EQ(wd.kernel, lce::Kernel::kHopperFused);
+  EXPECT_FALSE(wd.dw_accumulator);
+  EXPECT_EQ(off(wd.b.head.dw_acc), kNone);
+  expect_layout_sound(wd);
+  // Where there is no float32 accumulation to replace, the plan is unchanged: a float32 grad_weight, no
+  // grad_weight, the recompute backward.
+  lce::PlanInputs g32 = in;
+  g32.grad_weight_f32 = true;
+  EXPECT_EQ(lay(weight_dtype(g32)).bytes, lay(g32).bytes);
+  lce::PlanInputs frozen = in;
+  frozen.need_dw = false;
+  EXPECT_EQ(lay(weight_dtype(frozen)).bytes, lay(frozen).bytes);
+  const lce::PlanInputs back = llama_inputs(lce::Pass::kBackward, 8192, 4096, 128256);
+  EXPECT_EQ(lay(weight_dtype(back)).bytes, lay(back).bytes);
+  EXPECT_EQ(lay(weight_dtype(back)).vocab_cols, lay(back).vocab_cols);
+  // The cost model counts the 16-bit sums at half the float32 accumulator's bytes: never more reason to recompute.
+  for (const auto& [n, h, v] :
+       {std::tuple{8192, 2304, 256000}, std::tuple{16384, 2048, 128256}, std::tuple{8192, 4096, 128256}}) {
+    const lce::PlanInputs gif = llama_inputs(lce::Pass::kForwardBackward, n, h, v);
+    if (lce::recompute_is_faster(weight_dtype(gif))) EXPECT_TRUE(lce::recompute_is_faster(gif)) << n << "x" << h;
+  }
+  EXPECT_FALSE(lce::recompute_is_faster(weight_dtype(llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256))));
 }
 
 // ---- bad input ----------------------------------------------------------------------------------------------

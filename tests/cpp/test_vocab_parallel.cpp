@@ -912,6 +912,31 @@ TEST(VocabParallelLinearCrossEntropy, SixteenBitGradients) {
   }
 }
 
+// GradWeightAccumulation::kWeightDtype in the steps: a budget too small for more than one chunk per token group makes
+// each 7-token chunk a group, after which every rank rounds the running sum of its 16-bit grad_weight rows. The loss
+// and the other gradients are bit-identical to the float32 accumulation's (on the CPU); grad_weight differs by those
+// roundings and stays within the 16-bit tolerance of the unsharded result; the GPU matches the CPU.
+TEST(VocabParallelLinearCrossEntropy, WeightDtypeAccumulationInTheSteps) {
+  LceInputs in(LceCase{24, 32, 97, DType::kBFloat16, Preset::kAll, true}, 92);
+  LinearCrossEntropyOptions o = lce_options_for(Preset::kAll, Reduction::kMean);
+  o.memory_budget = 1;
+  const LceOut want = lce_unsharded(in, o, {1.0});
+  const std::vector<int64_t> split{40, 0, 57};
+  const LceOut f32 = lce_steps(in, o, 7, split, DType::kBFloat16, false, true);
+  o.grad_weight_accumulation = GradWeightAccumulation::kWeightDtype;
+  const LceOut cpu = lce_steps(in, o, 7, split, DType::kBFloat16, false, true);
+  EXPECT_EQ(cpu.loss, f32.loss);
+  EXPECT_EQ(cpu.lse, f32.lse);
+  EXPECT_EQ(cpu.dx, f32.dx);
+  EXPECT_EQ(cpu.db, f32.db);
+  size_t changed = 0;
+  for (size_t i = 0; i < cpu.dw.size(); ++i) changed += cpu.dw[i] != f32.dw[i];
+  EXPECT_GE(changed, cpu.dw.size() / 20) << "elements the per-group rounding changed";
+  expect_lce(in, o, cpu, want, DType::kBFloat16, "cpu steps");
+  if (!has_gpu()) return;
+  expect_lce(in, o, lce_steps(in, o, 7, split, DType::kBFloat16, true, true), cpu, DType::kBFloat16, "cuda steps");
+}
+
 // GPU shapes past the chunking thresholds: several token groups (a float32 grad_weight accumulator), several
 // vocabulary chunks in the recompute backward, bf16, every option.
 TEST(VocabParallelLinearCrossEntropyCuda, ChunkedShapes) {

@@ -307,6 +307,57 @@ def test_double_backward_raises():
 
 
 # ----------------------------------------------------------------------------------------------------
+# grad_weight_accumulation="weight_dtype": a 16-bit grad_weight summed over token groups in itself.
+
+
+def _grads_with(accumulation, hidden, weight, target, **opts):
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss = linear_cross_entropy(h, w, target, schedule="gradient_in_forward", grad_weight_accumulation=accumulation,
+                                **opts)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_weight_dtype_accumulation_rounds_grad_weight_per_token_group(dtype):
+    # Groups of 16 tokens (chunk_tokens): the CPU backend rounds grad_weight's running sum after each, as the GPU's
+    # accumulating GEMM does. Loss and grad_hidden are bit-identical; grad_weight is the per-group rounding of the
+    # float64 sums, within a unit in the last place of its largest element.
+    N, H, V, G = 96, 24, 80, 16
+    hidden, weight, _, target = make_inputs((N,), H, V, dtype, ignore_frac=0.0)
+    f32 = _grads_with("float32", hidden, weight, target, reduction="sum", chunk_tokens=G)
+    wd = _grads_with("weight_dtype", hidden, weight, target, reduction="sum", chunk_tokens=G)
+    assert torch.equal(wd[0], f32[0]) and torch.equal(wd[1], f32[1])
+    assert wd[2].dtype == dtype and not torch.equal(wd[2], f32[2])
+    running = torch.zeros(V, H, dtype=torch.float64)
+    for g0 in range(0, N, G):
+        w = weight.double().requires_grad_(True)
+        reference(hidden[g0:g0 + G].double(), w, target[g0:g0 + G], reduction="sum")[0].backward()
+        running = (running + w.grad).float().to(dtype).double()
+    ulp = 2.0 ** (torch.frexp(running.abs().max()).exponent.item() - 1 - (7 if dtype == torch.bfloat16 else 10))
+    diff = (wd[2].double() - running).abs()
+    assert diff.max().item() <= ulp and (diff == 0).double().mean().item() >= 0.99
+    # One group (the default budget holds every token): the float32 accumulation's result exactly.
+    assert torch.equal(_grads_with("weight_dtype", hidden, weight, target)[2],
+                       _grads_with("float32", hidden, weight, target)[2])
+
+
+def test_weight_dtype_accumulation_is_a_no_op_for_float32_and_recompute():
+    hidden, weight, _, target = make_inputs((40,), 16, 50, torch.float32)
+    for schedule in ("gradient_in_forward", "recompute"):
+        got = _grads_with("weight_dtype", hidden, weight, target, chunk_tokens=8)
+        want = _grads_with("float32", hidden, weight, target, chunk_tokens=8)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), schedule
+    hidden, weight, _, target = make_inputs((40,), 16, 50, torch.bfloat16)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    linear_cross_entropy(h, w, target, schedule="recompute", chunk_tokens=8,
+                         grad_weight_accumulation="weight_dtype").backward()
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    linear_cross_entropy(h2, w2, target, schedule="recompute", chunk_tokens=8).backward()
+    assert torch.equal(w.grad, w2.grad) and torch.equal(h.grad, h2.grad)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Errors
 
 
@@ -322,6 +373,8 @@ def test_double_backward_raises():
         (dict(label_smoothing=1.5), "label_smoothing"),
         (dict(z_loss=-1.0), "z_loss"),
         (dict(softcap=-2.0), "softcap"),
+        (dict(grad_weight_accumulation="bf16"), "grad_weight_accumulation"),
+        (dict(grad_weight_accumulation=None), "grad_weight_accumulation"),
         (dict(weight=torch.randn(7, 5)), "weight"),                       # H mismatch
         (dict(weight=torch.randn(7, 6, dtype=torch.float64)), "weight"),  # dtype
         (dict(weight=torch.randn(7, 6).bfloat16()), "weight"),            # mixed dtypes
@@ -366,8 +419,9 @@ def test_unchecked_bad_target_gives_nan_row():
 def _op_samples(device="cpu"):
     hidden, weight, bias, target = make_inputs((4,), 6, 9, torch.float32, device=device, bias=True)
     cw = torch.rand(9, device=device) + 0.5
-    options = (-100, 2, 0.1, 1e-2, 0.0, True, 0, 0, 1 << 20)
-    none_options = (-100, 0, 0.0, 0.0, 2.0, True, 2, 4, 1 << 20)
+    options = (-100, 2, 0.1, 1e-2, 0.0, True, 0, 0, 1 << 20, 0)
+    none_options = (-100, 0, 0.0, 0.0, 2.0, True, 2, 4, 1 << 20, 0)
+    weight_dtype = (-100, 1, 0.0, 0.0, 0.0, True, 2, 0, 1 << 20, 1)  # grad_weight summed in its dtype
     lse = torch.logsumexp(F.linear(hidden, weight, bias), -1)
     ops = torch.ops.logitless
     req = lambda t: t.clone().requires_grad_(True)  # noqa: E731
@@ -379,7 +433,7 @@ def _op_samples(device="cpu"):
          (hidden, weight, bias, target, cw) + options + (torch.empty_like(hidden), torch.empty_like(weight),
                                                          torch.empty_like(bias))),
         (ops.linear_cross_entropy_forward_backward_out,
-         (hidden, weight, None, target, None) + options + (None, torch.empty_like(weight), None)),
+         (hidden, weight, None, target, None) + weight_dtype + (None, torch.empty_like(weight), None)),
         (ops.linear_cross_entropy_backward,
          (hidden, weight, bias, target, cw, lse, torch.tensor(1.5, device=device)) + options
          + (True, True, True, False)),
@@ -445,10 +499,12 @@ def test_nn_module_matches_function_and_torch(kwargs):
 def test_nn_module_state_and_repr():
     cw = torch.rand(8) + 0.5
     m = logitless.nn.LinearCrossEntropyLoss(class_weight=cw, z_loss=1e-2, softcap=4.0, schedule="recompute",
-                                            chunk_tokens=64)
+                                            chunk_tokens=64, grad_weight_accumulation="weight_dtype")
     assert "class_weight" in dict(m.named_buffers())
     r = repr(m)
     assert "z_loss=0.01" in r and "schedule='recompute'" in r and "chunk_tokens=64" in r
+    assert "grad_weight_accumulation='weight_dtype'" in r
+    assert "grad_weight_accumulation" not in repr(logitless.nn.LinearCrossEntropyLoss())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -625,7 +681,7 @@ def _shape_only(n, h, v, device):
 
 
 def _default_options():
-    return (-100, 2, 0.0, 0.0, 0.0, True, 0, 0, 512 << 20)  # see linear_cross_entropy.py for the order
+    return (-100, 2, 0.0, 0.0, 0.0, True, 0, 0, 512 << 20, 0)  # see linear_cross_entropy.py for the order
 
 
 def test_auto_schedule_cost_model_is_off_on_the_cpu():

@@ -64,11 +64,11 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       const int64_t all = ceil_div(max_rows, p.chunk_rows) * p.chunk_rows;
       const int64_t fitted = fit_rows(budget > slots ? budget - slots : 0, grad_row) / p.chunk_rows * p.chunk_rows;
       p.group_rows = std::min(std::max(fitted, p.chunk_rows), all);
-      const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
+      const size_t acc = dw_accumulator_bytes(in);
       if (p.group_rows < N && acc > 0 && slots + static_cast<size_t>(all * grad_row) <= budget + acc)
         p.group_rows = all;
     }
-    p.dw_accumulator = in.need_dw && !in.grad_weight_f32 && p.group_rows < N;
+    p.dw_accumulator = dw_accumulator_bytes(in) > 0 && p.group_rows < N;
     if (in.need_db) p.db_partial_rows = ceil_div(p.chunk_rows, kGradRowsPerBlock);
   } else if (in.pass != Pass::kBackward) {
     // Token chunks of whole rows: the statistics of a row need all of its V logits.
@@ -82,7 +82,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       const int64_t row = es * p.ld_logits + exp_row;
       const int64_t max_rows = std::max<int64_t>(N, 1);
       p.group_rows = std::min(in.chunk_tokens > 0 ? in.chunk_tokens : fit_rows(budget, row), max_rows);
-      const size_t acc = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
+      const size_t acc = dw_accumulator_bytes(in);
       if (in.chunk_tokens <= 0 && p.group_rows < N && acc > 0 && static_cast<size_t>(N * row) <= budget + acc)
         p.group_rows = N;
       p.chunk_rows = p.group_rows;
@@ -93,13 +93,13 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       c.memory_budget = budget;
       // 16-bit inputs: the float32 logits are narrowed into a group buffer of the GEMMs' dtype.
       c.group_row_bytes = grads && !p.dlogits_in_place ? es * p.ld_logits : 0;
-      c.dw_accumulator_bytes = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * V * H) : 0;
+      c.dw_accumulator_bytes = dw_accumulator_bytes(in);
       const head::ChunkPlan cp = head::plan_token_chunks(c, logits_row);
       p.chunk_rows = cp.chunk_rows;
       p.group_rows = cp.group_rows;
     }
     p.ld_dlogits = p.ld_logits;  // in place (float32) or a 16-bit buffer of the same row length
-    p.dw_accumulator = grads && in.need_dw && !in.grad_weight_f32 && p.group_rows < N;
+    p.dw_accumulator = grads && dw_accumulator_bytes(in) > 0 && p.group_rows < N;
     if (grads && in.need_db) p.db_partial_rows = ceil_div(p.chunk_rows, kGradRowsPerBlock);
   } else {
     // Vocabulary chunks over every token: each chunk of grad_weight rows is complete when written (no
@@ -187,8 +187,9 @@ void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayou
 //    18 against 14 per logit), plus its float32 grad_hidden accumulator, read and written by every vocabulary
 //    chunk's GEMM after the first (8 N H bytes each);
 //  * gradient in forward: its float32 grad_weight accumulator, read and written by every token group's GEMM
-//    (counted at 10 V H bytes a group, below), and each chunk's re-read of the weight where a chunk is too short for
-//    its logits GEMM to be compute-bound (2 V H (1 - chunk / kFlopsPerByte) bytes a chunk).
+//    (counted at 10 V H bytes a group, below; 5 where a 16-bit grad_weight sums in itself: dw_weight_dtype), and
+//    each chunk's re-read of the weight where a chunk is too short for its logits GEMM to be compute-bound
+//    (2 V H (1 - chunk / kFlopsPerByte) bytes a chunk).
 // The model orders the two schedules as they were measured on H100, with the generic kernels and with the fused
 // ones, at the three shapes of bench/RESULTS.md's "which schedule "auto" takes for bf16".
 bool recompute_is_faster(const PlanInputs& gif) {
@@ -200,9 +201,10 @@ bool recompute_is_faster(const PlanInputs& gif) {
   const double N = static_cast<double>(gif.n), H = static_cast<double>(gif.h), V = static_cast<double>(gif.v);
   // An accumulating grad_weight GEMM reads and writes its float32 output in its epilogue, which does not overlap
   // its math: it takes longer than its 8 V H bytes at copy bandwidth (bench/RESULTS.md), so 10 bytes per element
-  // here.
-  double gif_cost = 0.0;
-  if (fb.dw_accumulator) gif_cost += static_cast<double>(ceil_div(gif.n, fb.group_rows)) * 10.0 * V * H;
+  // here, and in proportion 5 for a 16-bit output (4 bytes moved).
+  const bool sums_16bit = gif.need_dw && gif.dw_weight_dtype && !gif.grad_weight_f32 && fb.group_rows < gif.n;
+  const double dw_bytes = fb.dw_accumulator ? 10.0 : sums_16bit ? 5.0 : 0.0;
+  double gif_cost = static_cast<double>(ceil_div(gif.n, fb.group_rows)) * dw_bytes * V * H;
   const double chunk = static_cast<double>(fb.chunk_rows);
   if (chunk < kFlopsPerByte)
     gif_cost += static_cast<double>(ceil_div(gif.n, fb.chunk_rows)) * 2.0 * V * H * (1.0 - chunk / kFlopsPerByte);

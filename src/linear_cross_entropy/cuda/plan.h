@@ -52,7 +52,18 @@ struct PlanInputs {
   size_t memory_budget = size_t{512} << 20;
   size_t cublas_workspace_bytes = size_t{32} << 20;
   size_t target_sort_bytes = 0;  // the exponential form's sort of the rows by target (kernels.h), for up to n rows
+  // A 16-bit grad_weight sums over token groups in itself, not in a float32 accumulator (the options'
+  // GradWeightAccumulation::kWeightDtype).
+  bool dw_weight_dtype = false;
 };
+
+// The float32 grad_weight accumulator that several token groups of the gradient in forward would need, in bytes:
+// 4·V·H, or 0 where grad_weight takes the sums itself (float32, or dw_weight_dtype) or is not wanted. The planner
+// weighs it against holding every token's gradient (one group).
+inline size_t dw_accumulator_bytes(const PlanInputs& in) {
+  const bool acc = in.need_dw && !in.grad_weight_f32 && !in.dw_weight_dtype;
+  return acc ? static_cast<size_t>(in.v) * static_cast<size_t>(in.h) * 4 : 0;
+}
 
 struct Plan {
   Kernel kernel = Kernel::kCublasChunked;
@@ -67,6 +78,7 @@ struct Plan {
   int64_t ld_dlogits = 0;         // elements per row of the logits' gradient (its own buffer, or the logits' rows)
   bool dlogits_in_place = false;  // float32 inputs: the gradient overwrites its float32 logits
   bool dw_accumulator = false;    // grad_weight sums over token groups in a float32 buffer, cast at the end
+                                  // (without it, several groups sum in grad_weight itself)
   bool dx_accumulator = false;    // (backward) grad_hidden sums over vocabulary chunks in a float32 buffer
   int64_t db_partial_rows = 0;    // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
 

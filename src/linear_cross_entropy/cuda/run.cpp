@@ -7,7 +7,8 @@
 // Per call: prepass (targets to contiguous int64, the mean's denominator, the first bad target), then
 //   forward:             per token chunk: Z = X_c Wᵀ (+b) in float32; cross-entropy forward -> loss rows, lse
 //   gradient in forward: per token chunk as above, then dZ = d(loss)/dZ in the inputs' dtype into the group's
-//                        buffer; per group: dX_g = dZ_g W, dW (+)= dZ_gᵀ X_g (float32 accumulation), db += Σ dZ
+//                        buffer; per group: dX_g = dZ_g W, dW (+)= dZ_gᵀ X_g (float32 accumulation, or in a 16-bit
+//                        grad_weight itself: GradWeightAccumulation::kWeightDtype), db += Σ dZ
 //                        (fused, params.h's ExpGradParams: per token group the GEMM writes E = exp(Z - shift) and
 //                        the statistics; per row the scale s and E's target element; dX_g = s ⊙ (E_g W),
 //                        dW (+)= E_gᵀ (s ⊙ X_g))
@@ -80,6 +81,7 @@ PlanInputs plan_inputs(const Problem& p) {
   in.need_db = p.grad_bias != nullptr;
   in.grad_hidden_f32 = in.need_dx && p.grad_hidden.dtype == DType::kFloat32;
   in.grad_weight_f32 = in.need_dw && p.grad_weight.dtype == DType::kFloat32;
+  in.dw_weight_dtype = p.options.grad_weight_accumulation == GradWeightAccumulation::kWeightDtype;
   in.copy_hidden = !p.hidden_uniform;
   // The partials go to the caller; no per-token loss is reduced here.
   in.reduction_none = p.options.reduction == Reduction::kNone || p.mode == Mode::kPartials;

@@ -75,7 +75,8 @@ struct SweepBuffers {
   int64_t ld_logits = 0;
   void* dlogits = nullptr;  // [group_rows, ld_dlogits] in the GEMMs' dtype; nullptr: in place over the logits
   int64_t ld_dlogits = 0;
-  float* dw_acc = nullptr;      // float32 [v, h] when grad_weight sums over several groups
+  float* dw_acc = nullptr;      // float32 [v, h] when grad_weight sums over several groups; nullptr: the group
+                                // GEMMs sum in grad_weight itself (beta = 1 from the second group on)
   float* db = nullptr;          // float32 [v] with a bias gradient
   float* db_partial = nullptr;  // float32 [ceil(chunk_rows / kGradRowsPerBlock), ld_logits]
 };
