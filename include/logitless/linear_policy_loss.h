@@ -120,6 +120,12 @@ void linear_policy_loss_backward(const LinearPolicyLossInputs& inputs, const Lin
 //   logp    [*]     float32, contiguous: log_softmax((hidden · weightᵀ + bias) / temperature)[id]
 //   entropy [*]     float32, contiguous, optional (not differentiated)
 //   lse     [*]     float32, contiguous; optional in the forward, required by the backward
+//   is_top1 [*]     bool or uint8, contiguous, optional (not differentiated): 1 where ids[i] is the first maximum of
+//                   row i's logits hidden · weightᵀ + bias (torch.argmax's answer, the lowest index among equal
+//                   maxima; a positive temperature does not reorder them), tracked in the same pass over the row as
+//                   lse. A row with a NaN logit gives 0; a row of -inf only, ids[i] == 0 (torch.argmax: index 0);
+//                   an unchecked bad id, 0. On CUDA the comparison is between the float32 logits the GEMM produced,
+//                   so two classes within float32 rounding of each other may rank otherwise than in exact arithmetic.
 // Backward (recompute): the gradients of sum_i grad_logp[i] logp[i] (grad_logp float32 [*], contiguous), one
 // GEMM to recompute each chunk's logits and the two gradient GEMMs.
 struct LinearSelectiveLogSoftmaxOptions {
@@ -140,7 +146,7 @@ size_t linear_selective_log_softmax_backward_workspace_bytes(const TensorView& h
 void linear_selective_log_softmax_forward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
                                           const TensorView& ids, const LinearSelectiveLogSoftmaxOptions& options,
                                           const TensorView& logp, const TensorView& entropy, const TensorView& lse,
-                                          Workspace workspace, StreamHandle stream);
+                                          const TensorView& is_top1, Workspace workspace, StreamHandle stream);
 
 void linear_selective_log_softmax_backward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
                                            const TensorView& ids, const TensorView& lse, const TensorView& grad_logp,

@@ -8,8 +8,8 @@
   "fused LM head": TRL replaces the forward of the model it trains (and of the reference model) by one that, called
   with ``fused_lm_head=True``, runs the decoder and returns per-token ``log_probs`` (and ``entropy``, ``is_top1``, ``label_mask``) instead of logits.
   `use_logitless` replaces that forward in turn by one that computes the same fields with
-  ``logitless.linear_selective_log_softmax`` (log-probs with their gradient, entropy) and a chunked argmax under
-  ``no_grad`` (``is_top1``, for SFT's ``mean_token_accuracy``), inside a call of the LM head
+  ``logitless.linear_selective_log_softmax`` (log-probs with their gradient, entropy, and ``is_top1`` for SFT's
+  ``mean_token_accuracy``, all from one pass over each chunk's logits), inside a call of the LM head
   (`logitless.linear_head_loss`, so FSDP2 and ZeRO-3 gather its weight). That covers SFT's loss, its
   ``mean_token_accuracy`` and ``entropy``, and GRPO's old-policy and reference log-probs.
 * ``GRPOTrainer``: additionally its loss is computed by ``logitless.linear_grpo_loss`` from the policy's hidden
@@ -26,8 +26,9 @@ Call it after constructing the trainer and before ``train()``::
     trainer.train()
 
 Differences to what the trainers compute themselves, all within float32 rounding: the logits are never rounded to the
-model's dtype before the softmax (TRL's chunks are, under bf16 autocast); the ``entropy`` field is not differentiable
-(the trainers only log it; GRPO's entropy bonus, the one use of its gradient, is refused).
+model's dtype before the softmax or the argmax (TRL's chunks are, under bf16 autocast, so its ``is_top1`` sees more
+ties, each won by the lower index); the ``entropy`` field is not differentiable (the trainers only log it; GRPO's
+entropy bonus, the one use of its gradient, is refused).
 """
 from __future__ import annotations
 
@@ -66,8 +67,6 @@ UNSUPPORTED_GRPO_OPTIONS = {
 }
 
 _STATE = "_logitless_trl"
-# Rows of logits (float32 plus the compute dtype) held at once by the chunked argmax of `is_top1`.
-_TOP1_BUDGET = 256 << 20
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -566,28 +565,12 @@ def _score(h: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None
            want_entropy: bool, want_top1: bool):
     """(log_probs, entropy or None, is_top1 or None) of the rows `h` at `ids`; run as the head's forward."""
     h, weight, bias = _operands(h, weight, bias, state)
-    # The operands are in the compute dtype now; autocast off so that the argmax's matmul stays in it (TRL turns it
-    # off for a head cast to float32).
+    # The operands are in the compute dtype now (TRL turns autocast off for a head cast to float32). is_top1 comes
+    # from the same pass over the logits as the log-probs: a positive scale or temperature does not move the argmax.
     with torch.autocast(h.device.type, enabled=False):
-        logp, entropy = linear_selective_log_softmax(h, weight, ids, bias, temperature=state.temperature,
-                                                     return_entropy=True)
-        top1 = _is_top1(h, weight, bias, ids) if want_top1 else None
-    return logp, (entropy if want_entropy else None), top1
-
-
-@torch.no_grad()
-def _is_top1(h: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor) -> Tensor:
-    """Whether ``ids`` is the argmax of the logits ``h @ weight.T + bias`` (the first maximum, as torch.argmax and
-    TRL count a tie), a chunk of rows at a time. A positive scale or temperature does not move the argmax."""
-    out = torch.empty(ids.shape, dtype=torch.bool, device=h.device)
-    vocab = weight.shape[0]
-    rows = max(1, _TOP1_BUDGET // max(1, vocab * (4 + h.element_size())))
-    for start in range(0, h.shape[0], rows):
-        z = h[start:start + rows] @ weight.t()
-        if bias is not None:
-            z = z + bias.to(z.dtype)
-        out[start:start + rows] = z.argmax(dim=-1) == ids[start:start + rows]
-    return out
+        logp, entropy, *top1 = linear_selective_log_softmax(h, weight, ids, bias, temperature=state.temperature,
+                                                            return_entropy=True, return_top1=want_top1)
+    return logp, (entropy if want_entropy else None), (top1[0] if top1 else None)
 
 
 def _grpo_forward(head, state: _TrlHead, hidden: Tensor, request: _GRPORequest):

@@ -360,33 +360,35 @@ def linear_grpo_loss(
 # Selective log-softmax
 
 
-def _sel_outputs(hidden: Tensor, ids: Tensor, want_entropy: bool):
+def _sel_outputs(hidden: Tensor, ids: Tensor, want_entropy: bool, want_top1: bool):
     f32 = dict(dtype=torch.float32, device=hidden.device)
     return (torch.empty(ids.shape, **f32), torch.empty(ids.shape if want_entropy else (0,), **f32),
-            torch.empty(ids.shape, **f32))
+            torch.empty(ids.shape, **f32),
+            torch.empty(ids.shape if want_top1 else (0,), dtype=torch.bool, device=hidden.device))
 
 
 @custom_op("logitless::linear_selective_log_softmax_forward")
 def _sel_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
-                 check_ids: bool, chunk_tokens: int, memory_budget: int,
-                 want_entropy: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, lse) of the logits hidden [*, H] · weightᵀ (+ bias) at ids [*]; entropy is empty unless
-    asked for."""
-    logp, entropy, lse = _sel_outputs(hidden, ids, want_entropy)
+                 check_ids: bool, chunk_tokens: int, memory_budget: int, want_entropy: bool,
+                 want_top1: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logp, entropy, lse, is_top1) of the logits hidden [*, H] · weightᵀ (+ bias) at ids [*]; entropy and is_top1
+    are empty unless asked for."""
+    logp, entropy, lse, top1 = _sel_outputs(hidden, ids, want_entropy, want_top1)
     options = _selective_options(temperature, check_ids, chunk_tokens, memory_budget)
     h, w, i = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(ids, "ids")
     owner, ws = workspace(_C.linear_selective_log_softmax_workspace_bytes(_PASS_FORWARD, h, w, i, options, None, None,
                                                                           None), hidden.device)
     _C.linear_selective_log_softmax_forward(h, w, descriptor(bias, "bias"), i, options, descriptor(logp, "logp"),
                                             descriptor(entropy, "entropy") if want_entropy else None,
-                                            descriptor(lse, "lse"), ws, stream(hidden.device))
+                                            descriptor(lse, "lse"), descriptor(top1, "is_top1") if want_top1 else None,
+                                            ws, stream(hidden.device))
     del owner
-    return logp, entropy, lse
+    return logp, entropy, lse, top1
 
 
 @register_fake(_sel_forward)
-def _(hidden, weight, bias, ids, temperature, check_ids, chunk_tokens, memory_budget, want_entropy):
-    return _sel_outputs(hidden, ids, want_entropy)
+def _(hidden, weight, bias, ids, temperature, check_ids, chunk_tokens, memory_budget, want_entropy, want_top1):
+    return _sel_outputs(hidden, ids, want_entropy, want_top1)
 
 
 @custom_op("logitless::linear_selective_log_softmax_backward")
@@ -415,31 +417,31 @@ def _(hidden, weight, bias, *rest):
 
 
 def _sel_setup(ctx, inputs, output):
-    hidden, weight, bias, ids, temperature, check_ids, chunk_tokens, memory_budget, want_entropy = inputs
-    _, entropy, lse = output
-    ctx.mark_non_differentiable(entropy, lse)
+    hidden, weight, bias, ids, temperature, check_ids, chunk_tokens, memory_budget, want_entropy, want_top1 = inputs
+    _, entropy, lse, top1 = output
+    ctx.mark_non_differentiable(entropy, lse, top1)
     ctx.save_for_backward(hidden, weight, bias, ids, lse)
     ctx.options = (temperature, chunk_tokens, memory_budget)
 
 
-def _sel_grad(ctx, grad_logp, grad_entropy, grad_lse):
+def _sel_grad(ctx, grad_logp, grad_entropy, grad_lse, grad_top1):
     no_double_backward("linear_selective_log_softmax")
     hidden, weight, bias, ids, lse = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     if not any(need):
-        return (None,) * 9
+        return (None,) * 10
     gh, gw, gb = _sel_backward(hidden, weight, bias, ids, lse, grad_logp.to(torch.float32).contiguous(),
                                *ctx.options, need[0], need[1], need[2] and bias is not None)
-    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 6
+    return (gh if need[0] else None, gw if need[1] else None, gb if need[2] else None) + (None,) * 7
 
 
 _sel_forward.register_autograd(_sel_grad, setup_context=_sel_setup)
 
 
 def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None,
-                                 temperature: float = 1.0, return_entropy: bool = False, *, check_ids: bool = True,
-                                 chunk_tokens: Optional[int] = None,
-                                 memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                                 temperature: float = 1.0, return_entropy: bool = False, *, return_top1: bool = False,
+                                 check_ids: bool = True, chunk_tokens: Optional[int] = None,
+                                 memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Union[Tensor, Tuple[Tensor, ...]]:
     """``log_softmax((hidden @ weight.T + bias) / temperature, -1).gather(-1, ids[..., None])[..., 0]`` without the
     [*, V] logits in memory (a chunk of tokens at a time): the old-policy and reference log-probs of GRPO from
     hidden states.
@@ -452,11 +454,15 @@ def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, ids: Tensor, bi
         weight: [V, H], hidden's dtype. bias: optional [V], hidden's dtype or float32.
         ids: [*] int32/int64, hidden's leading shape, every id in [0, V) (a ValueError names the first bad row).
         temperature: > 0. return_entropy: also return the entropy per row (not differentiated).
+        return_top1: also return whether each id is the top-1 class, ``(hidden @ weight.T + bias).argmax(-1) == ids``
+            (the first maximum wins a tie, as torch.argmax), computed in the same pass over the logits as logp: a
+            bool tensor, not differentiated. A row with a NaN logit gives False. On CUDA two classes whose float32
+            logits are equal count as a tie even where exact arithmetic would separate them.
         chunk_tokens, memory_budget: CUDA chunking, as in `linear_grpo_loss`.
 
     Returns:
-        logp [*] float32, differentiable w.r.t. hidden, weight and bias (the backward recomputes the logits), or
-        ``(logp, entropy)``.
+        logp [*] float32, differentiable w.r.t. hidden, weight and bias (the backward recomputes the logits); with
+        return_entropy and/or return_top1, ``(logp, entropy)``, ``(logp, is_top1)`` or ``(logp, entropy, is_top1)``.
     """
     refuse_sharded_weight(weight, bias, vocab_parallel_remedy=False)
     _check_chunking(chunk_tokens, memory_budget)
@@ -467,6 +473,8 @@ def linear_selective_log_softmax(hidden: Tensor, weight: Tensor, ids: Tensor, bi
         ids = ids.long()
     hidden, weight = rows_ready(hidden), rows_ready(weight)
     check_rows(hidden.dim() - 1, (("hidden", hidden), ("ids", ids)), jointly=False)
-    logp, entropy, _ = _sel_forward(hidden, weight, bias, ids, check_float(temperature, "temperature"), bool(check_ids),
-                                    int(chunk_tokens or 0), int(memory_budget), bool(return_entropy))
-    return (logp, entropy) if return_entropy else logp
+    logp, entropy, _, top1 = _sel_forward(hidden, weight, bias, ids, check_float(temperature, "temperature"),
+                                          bool(check_ids), int(chunk_tokens or 0), int(memory_budget),
+                                          bool(return_entropy), bool(return_top1))
+    outs = (logp,) + ((entropy,) if return_entropy else ()) + ((top1,) if return_top1 else ())
+    return outs if len(outs) > 1 else logp

@@ -132,16 +132,16 @@ void bind_linear_policy_loss(nb::module_& m) {
       "linear_selective_log_softmax_forward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids,
          const LinearSelectiveLogSoftmaxOptions& options, nb::handle logp, nb::handle entropy, nb::handle lse,
-         nb::handle workspace, uintptr_t stream) {
+         nb::handle is_top1, nb::handle workspace, uintptr_t stream) {
         const LinearSelectiveLogSoftmaxOptions o = options;
         const TensorView h = to_view(hidden), w = to_view(weight), b = to_view(bias), i = to_view(ids),
-                         lp = to_view(logp), e = to_view(entropy), s = to_view(lse);
+                         lp = to_view(logp), e = to_view(entropy), s = to_view(lse), t1 = to_view(is_top1);
         const Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
-        linear_selective_log_softmax_forward(h, w, b, i, o, lp, e, s, ws, to_stream(stream));
+        linear_selective_log_softmax_forward(h, w, b, i, o, lp, e, s, t1, ws, to_stream(stream));
       },
       "hidden"_a.none(), "weight"_a.none(), "bias"_a.none(), "ids"_a.none(), "options"_a, "logp"_a.none(),
-      "entropy"_a.none(), "lse"_a.none(), "workspace"_a.none(), "stream"_a);
+      "entropy"_a.none(), "lse"_a.none(), "is_top1"_a.none(), "workspace"_a.none(), "stream"_a);
   m.def(
       "linear_selective_log_softmax_backward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle ids, nb::handle lse, nb::handle grad_logp,

@@ -97,6 +97,18 @@ const float* check_token_vector(const TensorView& t, const char* name, int64_t n
   return static_cast<const float*>(t.data);
 }
 
+// A bool or uint8 tensor of `n` elements, contiguous: a per-row flag output.
+uint8_t* check_flag_vector(const TensorView& t, const char* name, int64_t n, const Device& dev) {
+  check_view(t, name);
+  LOGITLESS_CHECK_ARG(t.dtype == DType::kBool || t.dtype == DType::kUInt8, name, "dtype bool or uint8",
+                      dtype_name(t.dtype));
+  check_device(t, name, dev);
+  check_numel(t, name, n, "one per row");
+  check_contiguous(t, name);
+  check_nonnull(t, name);
+  return static_cast<uint8_t*>(t.data);
+}
+
 // ---- the policy loss ---------------------------------------------------------------------------------------------
 
 PolicyLossInputs token_inputs(const LinearPolicyLossInputs& in) {
@@ -294,7 +306,7 @@ size_t linear_selective_log_softmax_backward_workspace_bytes(const TensorView& h
 void linear_selective_log_softmax_forward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
                                           const TensorView& ids, const LinearSelectiveLogSoftmaxOptions& options,
                                           const TensorView& logp, const TensorView& entropy, const TensorView& lse,
-                                          Workspace workspace, StreamHandle stream) {
+                                          const TensorView& is_top1, Workspace workspace, StreamHandle stream) {
   Problem p = selective_problem(Mode::kForward, hidden, weight, ids, options);
   add_bias(p, bias);
   const int64_t n = p.n_tokens();
@@ -302,7 +314,8 @@ void linear_selective_log_softmax_forward(const TensorView& hidden, const Tensor
   if (entropy.defined())
     p.tokens.entropy = const_cast<float*>(check_token_vector(entropy, "entropy", n, p.device, "one per row"));
   if (lse.defined()) p.tokens.lse = const_cast<float*>(check_token_vector(lse, "lse", n, p.device, "one per row"));
-  check_outputs_apart({{logp, "logp"}, {entropy, "entropy"}, {lse, "lse"}},
+  if (is_top1.defined()) p.tokens.is_top1 = check_flag_vector(is_top1, "is_top1", n, p.device);
+  check_outputs_apart({{logp, "logp"}, {entropy, "entropy"}, {lse, "lse"}, {is_top1, "is_top1"}},
                       {{hidden, "hidden"}, {weight, "weight"}, {bias, "bias"}, {ids, "ids"}});
   dispatch(p, workspace, stream, "linear_selective_log_softmax");
 }

@@ -3,10 +3,10 @@
 //
 // Two passes over chunks of the tokens that are read (masked tokens and the unused position are not: no logits
 // are computed for them). Pass 1: the logits of a chunk in double (products of the inputs' values summed in
-// double), each token's log-sum-exp, logp and entropy. Between the passes, per sequence and per token, the policy
-// terms of policy_loss/math.h evaluated in double, as the logits backend (policy_loss/cpu.cpp) evaluates them:
-// outputs, the loss, and c = d(loss)/d(logp). Pass 2: the logits again, the gradient of each row
-// c ([j == id] - p_j) / temperature, and the three products in double.
+// double), each token's log-sum-exp, logp, entropy and (selective) whether its id is the first maximum. Between
+// the passes, per sequence and per token, the policy terms of policy_loss/math.h evaluated in double, as the logits
+// backend (policy_loss/cpu.cpp) evaluates them: outputs, the loss, and c = d(loss)/d(logp). Pass 2: the logits
+// again, the gradient of each row c ([j == id] - p_j) / temperature, and the three products in double.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -27,6 +27,7 @@ constexpr int64_t kParallelMacs = int64_t{1} << 20;
 
 struct Stats {
   double lse = 0, logp = 0, entropy = 0;
+  bool top1 = false;  // the id is the row's first maximum
 };
 
 [[noreturn]] void throw_bad_id(const pl::Problem& t, int64_t r, int64_t id) {
@@ -115,6 +116,17 @@ Stats row_stats(const double* z, int64_t V, double inv_t, int64_t id, bool entro
   return s;
 }
 
+// Whether `id` is the first maximum of the logits z (torch.argmax's answer: the lowest index among equal maxima), on
+// z itself: a positive temperature does not reorder it. A row with a NaN logit: false.
+bool first_max_is(const double* z, int64_t V, int64_t id) {
+  int64_t first = 0;
+  for (int64_t j = 0; j < V; ++j) {
+    if (std::isnan(z[j])) return false;
+    if (z[j] > z[first]) first = j;
+  }
+  return first == id;
+}
+
 }  // namespace
 
 void run_cpu(const Problem& p) {
@@ -157,13 +169,17 @@ void run_cpu(const Problem& p) {
       const std::vector<int64_t> toks(active.begin() + a0,
                                       active.begin() + std::min(active.size(), a0 + static_cast<size_t>(C)));
       logits.compute(toks, x, z);
-      for (size_t i = 0; i < toks.size(); ++i)
-        st[toks[i]] = row_stats(&z[i * V], V, inv_t, ids[toks[i]], t.entropy != nullptr);
+      for (size_t i = 0; i < toks.size(); ++i) {
+        const int64_t r = toks[i];
+        st[r] = row_stats(&z[i * V], V, inv_t, ids[r], t.entropy != nullptr);
+        if (t.is_top1) st[r].top1 = first_max_is(&z[i * V], V, ids[r]);
+      }
     }
     for (int64_t r = 0; r < N; ++r) {
       if (t.logp) t.logp[r] = static_cast<float>(st[r].logp);
       if (t.lse) t.lse[r] = static_cast<float>(st[r].lse);
       if (t.entropy) t.entropy[r] = static_cast<float>(st[r].entropy);
+      if (t.is_top1) t.is_top1[r] = st[r].top1 ? 1 : 0;
     }
   }
 

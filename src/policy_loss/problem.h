@@ -53,6 +53,7 @@ struct Problem {
   float* logp = nullptr;
   float* entropy = nullptr;
   float* lse = nullptr;
+  uint8_t* is_top1 = nullptr;  // selective forward only: the id is the row's first maximum
 
   void* grad = nullptr;  // token rows of grad_logits
   RowLayout grad_rows;

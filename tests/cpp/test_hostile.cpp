@@ -604,6 +604,9 @@ Call lsls_call(const std::string& which, Draw& d) {
   c.add("ids", d.indices(DType::kInt64, {kN}, kV), false, true);
   if (which == "forward") {
     for (const char* n : {"logp", "entropy", "lse"}) c.out(n, poisoned(DType::kFloat32, {kN}));
+    TestTensor top1(DType::kBool, {kN});
+    top1.fill_storage_bytes(0xA5);
+    c.out("is_top1", std::move(top1));
   } else {
     c.add("lse", d.normal(DType::kFloat32, {kN}));
     c.add("grad_logp", d.normal(DType::kFloat32, {kN}));
@@ -615,7 +618,7 @@ Call lsls_call(const std::string& which, Draw& d) {
   c.fn = [which, o](const Views& v, Workspace ws, StreamHandle stream) {
     if (which == "forward") {
       linear_selective_log_softmax_forward(at(v, "hidden"), at(v, "weight"), at(v, "bias"), at(v, "ids"), o,
-                                           at(v, "logp"), at(v, "entropy"), at(v, "lse"), ws, stream);
+                                           at(v, "logp"), at(v, "entropy"), at(v, "lse"), at(v, "is_top1"), ws, stream);
     } else {
       LinearPolicyLossGrads g{at(v, "grad_hidden"), at(v, "grad_weight"), at(v, "grad_bias")};
       linear_selective_log_softmax_backward(at(v, "hidden"), at(v, "weight"), at(v, "bias"), at(v, "ids"), at(v, "lse"),

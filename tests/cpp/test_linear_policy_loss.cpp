@@ -684,6 +684,26 @@ std::string sel_name(const SelCase& c) {
   return os.str();
 }
 
+// The logits of row i (without the temperature), in double: products of the inputs' values, summed in order.
+std::vector<double> logits_row(const TestTensor& hidden, const TestTensor& weight, const TestTensor* bias, int64_t i) {
+  const int64_t H = weight.sizes()[1], V = weight.sizes()[0];
+  std::vector<double> z(V);
+  for (int64_t j = 0; j < V; ++j) {
+    double acc = bias ? bias->get(j) : 0.0;
+    for (int64_t k = 0; k < H; ++k) acc += static_cast<double>(hidden.get(i * H + k)) * weight.get(j * H + k);
+    z[j] = acc;
+  }
+  return z;
+}
+
+// torch.argmax's answer: the first maximum (z holds no NaN here). `last`: the last one instead (a tie's partner).
+int64_t max_index(const std::vector<double>& z, bool last) {
+  int64_t m = 0;
+  for (int64_t j = 1; j < static_cast<int64_t>(z.size()); ++j)
+    if (z[j] > z[m] || (last && z[j] == z[m])) m = j;
+  return m;
+}
+
 struct SelInputs {
   SelCase c;
   TestTensor hidden, weight, bias, ids, grad_logp;
@@ -701,17 +721,41 @@ struct SelInputs {
       bias.fill_normal(seed + 2, 0.5f);
     }
     std::mt19937_64 rng(seed);
-    std::uniform_int_distribution<int64_t> idd(0, V - 1);
-    for (int64_t i = 0; i < N; ++i) ids.set_index(i, idd(rng));
+    add_top_tie();
+    pick_ids(rng);
     grad_logp = TestTensor(DType::kFloat32, {N});
     std::uniform_real_distribution<float> u(-1.5f, 1.5f);
     for (int64_t i = 0; i < N; ++i) grad_logp.set(i, u(rng));
   }
   TensorView bv(bool dev) const { return c.bias ? bias.view(dev) : TensorView{}; }
+  std::vector<double> logits(int64_t i) const { return logits_row(hidden, weight, c.bias ? &bias : nullptr, i); }
+
+ private:
+  // An exact tie at the top of every third row from row 1: class V-1 a copy of class V/3 (weight row and bias), and
+  // those rows' hidden states close to 3x that weight row, so that both classes' logits are the row's maximum, bit for
+  // bit in any arithmetic that treats two equal columns alike.
+  void add_top_tie() {
+    const int64_t H = c.H, V = c.V, a = V / 3, b = V - 1;
+    if (b <= a) return;
+    for (int64_t k = 0; k < H; ++k) weight.set(b * H + k, weight.get(a * H + k));
+    if (c.bias) bias.set(b, bias.get(a));
+    for (int64_t i = 1; i < c.N; i += 3)
+      for (int64_t k = 0; k < H; ++k) hidden.set(i * H + k, 3.f * weight.get(a * H + k) + 0.1f * hidden.get(i * H + k));
+  }
+  // Ids that make is_top1 answer both ways: the first maximum, the last one (the tie's partner where there is a
+  // tie), or a random class.
+  void pick_ids(std::mt19937_64& rng) {
+    std::uniform_int_distribution<int64_t> idd(0, c.V - 1);
+    for (int64_t i = 0; i < c.N; ++i) {
+      const int64_t kind = i % 4;
+      ids.set_index(i, kind < 2 ? max_index(logits(i), kind == 1) : idd(rng));
+    }
+  }
 };
 
 struct SelOut : SelectiveForwardOut {
   std::vector<double> dx, dw, db;
+  std::vector<uint8_t> top1;
 };
 
 SelOut run_selective(SelInputs& in, bool dev, Chunking ch = Chunking::kDefault) {
@@ -722,9 +766,11 @@ SelOut run_selective(SelInputs& in, bool dev, Chunking ch = Chunking::kDefault) 
   if (ch == Chunking::kBudget) o.memory_budget = static_cast<size_t>(4 * ((V + 7) / 8 * 8) * 12);
   TestTensor logp(DType::kFloat32, {N}), ent(DType::kFloat32, {N}), lse(DType::kFloat32, {N});
   TestTensor gx(in.c.dtype, {N, H}), gw(in.c.dtype, {V, H}), gb(DType::kFloat32, {V});
+  TestTensor top1(in.c.padded ? DType::kUInt8 : DType::kBool, {N});
   for (TestTensor* t : {&logp, &ent, &lse, &gx, &gw, &gb}) t->fill_storage_nan();
+  top1.fill_storage_bytes(0xA5);
   if (dev) {
-    for (TestTensor* t : {&in.hidden, &in.weight, &in.ids, &in.grad_logp, &logp, &ent, &lse, &gx, &gw, &gb})
+    for (TestTensor* t : {&in.hidden, &in.weight, &in.ids, &in.grad_logp, &logp, &ent, &lse, &gx, &gw, &gb, &top1})
       t->to_device();
     if (in.c.bias) in.bias.to_device();
   }
@@ -735,8 +781,8 @@ SelOut run_selective(SelInputs& in, bool dev, Chunking ch = Chunking::kDefault) 
   const TensorView h = in.hidden.view(dev), w = in.weight.view(dev), i = in.ids.view(dev);
   {
     DeviceScratch ws(dev ? linear_selective_log_softmax_forward_workspace_bytes(h, w, i, o) : 0);
-    linear_selective_log_softmax_forward(h, w, in.bv(dev), i, o, logp.view(dev), ent.view(dev), lse.view(dev), ws.ws(),
-                                         nullptr);
+    linear_selective_log_softmax_forward(h, w, in.bv(dev), i, o, logp.view(dev), ent.view(dev), lse.view(dev),
+                                         top1.view(dev), ws.ws(), nullptr);
   }
   {
     DeviceScratch ws(dev ? linear_selective_log_softmax_backward_workspace_bytes(h, w, i, o, g) : 0);
@@ -745,10 +791,12 @@ SelOut run_selective(SelInputs& in, bool dev, Chunking ch = Chunking::kDefault) 
   }
   if (dev) {
     device_synchronize();
-    for (TestTensor* t : {&logp, &ent, &lse, &gx, &gw, &gb}) t->to_host();
+    for (TestTensor* t : {&logp, &ent, &lse, &gx, &gw, &gb, &top1}) t->to_host();
   }
-  SelOut r{{as_doubles(logp), as_doubles(ent), as_doubles(lse)}, as_doubles(gx), as_doubles(gw), {}};
+  SelOut r{{as_doubles(logp), as_doubles(ent), as_doubles(lse)}, as_doubles(gx), as_doubles(gw), {}, {}};
   if (in.c.bias) r.db = as_doubles(gb);
+  const uint8_t* flags = static_cast<const uint8_t*>(top1.host_view().data);
+  r.top1.assign(flags, flags + N);
   return r;
 }
 
@@ -760,13 +808,10 @@ SelOut selective_reference(const SelInputs& in) {
   r.dw.assign(V * H, 0.0);
   r.db.assign(V, 0.0);
   for (int64_t i = 0; i < N; ++i) {
-    std::vector<double> x(V);
-    for (int64_t j = 0; j < V; ++j) {
-      double acc = in.c.bias ? in.bias.get(j) : 0.0;
-      for (int64_t k = 0; k < H; ++k) acc += static_cast<double>(in.hidden.get(i * H + k)) * in.weight.get(j * H + k);
-      x[j] = acc / T;
-    }
+    std::vector<double> x = in.logits(i);
     const int64_t t = in.ids.get_index(i);
+    r.top1.push_back(max_index(x, false) == t ? 1 : 0);  // on the logits themselves, before the temperature
+    for (double& v : x) v /= T;
     const double lse = push_selective_row(x, t, r);
     for (int64_t j = 0; j < V; ++j) {
       const double g = in.grad_logp.get(i) * ((j == t) - std::exp(x[j] - lse)) / T;
@@ -781,9 +826,37 @@ SelOut selective_reference(const SelInputs& in) {
   return r;
 }
 
+// Whether the first-maximum question of row z at `id` depends on roundings: id's logit is within `eps` of the max,
+// and so is a logit of another value (classes whose logits are exactly equal are copies, and rank by index in any
+// arithmetic).
+bool top1_fragile(const std::vector<double>& z, int64_t id, double eps) {
+  const double m = *std::max_element(z.begin(), z.end());
+  if (z[id] < m - eps) return false;
+  for (double v : z)
+    if (v >= m - eps && v != z[id]) return true;
+  return false;
+}
+
+// is_top1 row by row: every flag written (0 or 1), and equal to the reference's except where float32 logits may
+// rank two near-equal classes otherwise than double ones.
+void expect_top1(const SelInputs& in, const SelOut& got, const SelOut& want, const std::string& who) {
+  ASSERT_EQ(got.top1.size(), want.top1.size());
+  int bad = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(got.top1.size()) && bad < 3; ++i) {
+    if (got.top1[i] == want.top1[i]) continue;
+    const std::vector<double> z = in.logits(i);
+    const double eps = 1e-4 * std::max(1.0, std::abs(*std::max_element(z.begin(), z.end())));
+    if (got.top1[i] <= 1 && top1_fragile(z, in.ids.get_index(i), eps)) continue;
+    ++bad;
+    ADD_FAILURE() << who << " is_top1[" << i << "] = " << int{got.top1[i]} << ", expected " << int{want.top1[i]}
+                  << " (id " << in.ids.get_index(i) << ")";
+  }
+}
+
 void expect_selective(const SelInputs& in, const SelOut& got, const SelOut& want, const std::string& who) {
   const DType dt = in.c.dtype;
   expect_selective_forward_close(got, want, dt, who);
+  expect_top1(in, got, want, who);
   const Tol tol = tolerance(dt, Quantity::kLceGrad);
   // The natural size of a gradient element: every term is g_i ([j == id] - p_j) / T times a weight (grad_hidden)
   // or a hidden value (grad_weight), and the p_j of a row sum to 1. Errors are roundings of such terms also where
@@ -818,7 +891,14 @@ class LinearSelectiveLogSoftmaxCuda : public ::testing::TestWithParam<SelCase> {
 
 TEST_P(LinearSelectiveLogSoftmaxCpu, MatchesFloat64Reference) {
   SelInputs in(GetParam(), std::hash<std::string>{}(sel_name(GetParam())));
-  expect_selective(in, run_selective(in, false), selective_reference(in), "cpu");
+  const SelOut want = selective_reference(in);
+  expect_selective(in, run_selective(in, false), want, "cpu");
+  // The inputs hold a tie lost on the index (id at the row's maximum, yet not the first) wherever they can.
+  if (in.c.N >= 2 && in.c.V >= 3) {
+    const std::vector<double> z = in.logits(1);
+    const int64_t id = in.ids.get_index(1);
+    EXPECT_TRUE(z[id] == *std::max_element(z.begin(), z.end()) && want.top1[1] == 0) << "row 1 is no lost tie";
+  }
 }
 
 TEST_P(LinearSelectiveLogSoftmaxCuda, MatchesCpuBackend) {
@@ -834,6 +914,68 @@ TEST_P(LinearSelectiveLogSoftmaxCuda, MatchesCpuBackend) {
 std::string sel_param_name(const ::testing::TestParamInfo<SelCase>& info) { return sel_name(info.param); }
 INSTANTIATE_TEST_SUITE_P(Shapes, LinearSelectiveLogSoftmaxCpu, ::testing::ValuesIn(sel_cases(false)), sel_param_name);
 INSTANTIATE_TEST_SUITE_P(Shapes, LinearSelectiveLogSoftmaxCuda, ::testing::ValuesIn(sel_cases(true)), sel_param_name);
+
+// is_top1 on exact logits (H = 2): classes 2 and 4 copy classes 0 and 1, class 5 ties with four others in row 3,
+// row 4's hidden state has a NaN, and a bias can add +inf or -inf to classes.
+struct Top1Logits {
+  static constexpr int64_t kN = 5, kV = 6;
+  TestTensor hidden{DType::kFloat32, {kN, 2}}, weight{DType::kFloat32, {kV, 2}}, bias{DType::kFloat32, {kV}};
+  Top1Logits() {
+    const float w[kV][2] = {{1, 0}, {0, 1}, {1, 0}, {-1, 0}, {0, 1}, {0.5f, 0.5f}};
+    const float h[kN][2] = {{1, 0}, {0, 1}, {-1, 0}, {1, 1}, {NAN, 0}};
+    for (int64_t j = 0; j < kV; ++j) weight.set(2 * j, w[j][0]), weight.set(2 * j + 1, w[j][1]);
+    for (int64_t i = 0; i < kN; ++i) hidden.set(2 * i, h[i][0]), hidden.set(2 * i + 1, h[i][1]);
+  }
+  // The flags for `ids`, with the bias `b` (empty: none), at temperature 0.7, two rows per chunk on CUDA.
+  std::vector<int> run(const std::vector<int64_t>& id, const std::vector<float>& b, bool dev) {
+    TestTensor ids(DType::kInt64, {kN}), logp(DType::kFloat32, {kN}), top1(DType::kBool, {kN});
+    for (int64_t i = 0; i < kN; ++i) ids.set_index(i, id[i]);
+    for (int64_t j = 0; j < static_cast<int64_t>(b.size()); ++j) bias.set(j, b[j]);
+    top1.fill_storage_bytes(0xA5);
+    if (dev)
+      for (TestTensor* t : {&hidden, &weight, &bias, &ids, &logp, &top1}) t->to_device();
+    LinearSelectiveLogSoftmaxOptions o;
+    o.temperature = 0.7;
+    o.chunk_tokens = 2;
+    const TensorView bv = b.empty() ? TensorView{} : bias.view(dev);
+    {
+      DeviceScratch ws(dev ? linear_selective_log_softmax_forward_workspace_bytes(hidden.view(dev), weight.view(dev),
+                                                                                  ids.view(dev), o)
+                           : 0);
+      linear_selective_log_softmax_forward(hidden.view(dev), weight.view(dev), bv, ids.view(dev), o, logp.view(dev), {},
+                                           {}, top1.view(dev), ws.ws(), nullptr);
+    }
+    if (dev) {
+      device_synchronize();
+      top1.to_host();
+    }
+    const uint8_t* f = static_cast<const uint8_t*>(top1.host_view().data);
+    return std::vector<int>(f, f + kN);
+  }
+};
+
+void expect_top1_exact(bool dev) {
+  Top1Logits t;
+  const float inf = INFINITY;
+  // First maxima without a bias: 0 (tied with 2), 1 (tied with 4), 3, 0 (tied with 1, 2, 4, 5); row 4 has a NaN.
+  EXPECT_EQ(t.run({0, 1, 3, 0, 0}, {}, dev), (std::vector<int>{1, 1, 1, 1, 0}));
+  EXPECT_EQ(t.run({2, 4, 0, 5, 1}, {}, dev), (std::vector<int>{0, 0, 0, 0, 0}));
+  // +inf at classes 3 and 5: the first is 3 in every row without a NaN.
+  const std::vector<float> two_inf = {0, 0, 0, inf, 0, inf};
+  EXPECT_EQ(t.run({3, 3, 3, 3, 3}, two_inf, dev), (std::vector<int>{1, 1, 1, 1, 0}));
+  EXPECT_EQ(t.run({5, 5, 5, 5, 3}, two_inf, dev), (std::vector<int>{0, 0, 0, 0, 0}));
+  // Every logit -inf: torch.argmax answers 0.
+  const std::vector<float> all_ninf(Top1Logits::kV, -inf);
+  EXPECT_EQ(t.run({0, 0, 0, 0, 0}, all_ninf, dev), (std::vector<int>{1, 1, 1, 1, 0}));
+  EXPECT_EQ(t.run({1, 2, 3, 5, 0}, all_ninf, dev), (std::vector<int>{0, 0, 0, 0, 0}));
+}
+
+TEST(LinearSelectiveLogSoftmaxTop1, TiesNaNAndInfCpu) { expect_top1_exact(false); }
+
+TEST(LinearSelectiveLogSoftmaxTop1, TiesNaNAndInfCuda) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  expect_top1_exact(true);
+}
 
 // ---- bad input ----------------------------------------------------------------------------------------------------
 struct Small {
@@ -964,18 +1106,22 @@ TEST(LinearPolicyLossErrors, OptionsIdsAndBackwardInputs) {
 
 TEST(LinearPolicyLossErrors, Selective) {
   TestTensor hidden(DType::kFloat32, {4, 3}), weight(DType::kFloat32, {5, 3}), ids(DType::kInt64, {4}),
-      ids3(DType::kInt64, {3}), logp(DType::kFloat32, {4});
+      ids3(DType::kInt64, {3}), logp(DType::kFloat32, {4}), top1(DType::kUInt8, {4}), top1_3(DType::kBool, {3});
   hidden.fill_normal(1, 1.f);
   weight.fill_normal(2, 1.f);
   for (int64_t i = 0; i < 4; ++i) ids.set_index(i, i);
   LinearSelectiveLogSoftmaxOptions o;
-  auto fwd = [&](const TensorView& i) {
+  auto fwd = [&](const TensorView& i, const TensorView& t1 = {}) {
     return error_of([&] {
       linear_selective_log_softmax_forward(hidden.host_view(), weight.host_view(), {}, i, o, logp.host_view(), {}, {},
-                                           {}, nullptr);
+                                           t1, {}, nullptr);
     });
   };
   EXPECT_EQ(fwd(ids.host_view()), "");
+  EXPECT_EQ(fwd(ids.host_view(), top1.host_view()), "");
+  EXPECT_NE(fwd(ids.host_view(), logp.host_view()).find("is_top1: expected dtype bool or uint8"), std::string::npos);
+  EXPECT_NE(fwd(ids.host_view(), top1_3.host_view()).find("is_top1: expected 4 elements"), std::string::npos);
+  EXPECT_NE(fwd(ids.host_view(), ids.host_view()).find("is_top1"), std::string::npos);
   EXPECT_NE(fwd(ids3.host_view()).find("ids: expected shape [4]"), std::string::npos);
   ids.set_index(2, 5);
   EXPECT_NE(fwd(ids.host_view()).find("ids: expected values in [0, 5), got 5 at row 2"), std::string::npos);

@@ -431,6 +431,54 @@ def test_selective_matches_reference(shape, H, V, dtype, temperature):
     assert_grad_close(b.grad, rb.grad, 2e-5, unit)
 
 
+def _top1_operands(dtype, device="cpu"):
+    """Integer-valued operands, so that every logit is exact in any order of summation (ties are ties everywhere):
+    class 3 has copies at 7 and 30, and an indicator column lifts the three to the top of every fourth row; row 5's
+    hidden state has a NaN."""
+    g = torch.Generator().manual_seed(9)
+    N, H, V = 64, 7, 40
+    weight = torch.randint(-3, 4, (V, H), generator=g).float()
+    weight[:, -1] = 0
+    weight[3, -1] = 40
+    weight[[7, 30]] = weight[3].clone()
+    hidden = torch.randint(-2, 3, (N, H), generator=g).float()
+    hidden[:, -1] = (torch.arange(N) % 4 == 0).float()
+    hidden[5, 0] = float("nan")
+    bias = torch.randint(-2, 3, (V,), generator=g).float()
+    bias[[7, 30]] = bias[3].item()
+    first = logits_of(hidden, weight, bias).argmax(-1)
+    # Ids that answer both ways: the first maximum, a tie's later copy, or any class.
+    ids = torch.where(torch.arange(N) % 3 == 0, first, torch.randint(0, V, (N,), generator=g))
+    ids[::8] = 30
+    return [t.to(device) for t in (hidden.to(dtype), weight.to(dtype), bias, ids)]
+
+
+def _top1_reference(hidden, weight, bias, ids):
+    z = logits_of(hidden, weight, bias)
+    return (z.argmax(-1) == ids) & ~z.isnan().any(-1)  # torch.argmax takes a NaN for the max: documented False
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_selective_top1_is_the_first_argmax(dtype, device):
+    hidden, weight, bias, ids = _top1_operands(dtype, device)
+    want = _top1_reference(hidden, weight, bias, ids)
+    assert want.any() and (~want & (ids == 30) & (hidden[:, -1] == 1)).any()  # both answers, and a tie lost
+    h = hidden.clone().requires_grad_(True)
+    logp, ent, top1 = linear_selective_log_softmax(h, weight, ids, bias, 0.6, return_entropy=True, return_top1=True)
+    assert top1.dtype == torch.bool and top1.shape == ids.shape and not top1.requires_grad
+    assert torch.equal(top1, want)
+    lp_only, top1_only = linear_selective_log_softmax(hidden, weight, ids, bias, 0.6, return_top1=True,
+                                                      chunk_tokens=5 if device == "cuda" else None)
+    assert torch.equal(top1_only, want)
+    torch.testing.assert_close(lp_only, logp.detach(), equal_nan=True, rtol=0, atol=0)
+    logp.nan_to_num().sum().backward()  # the flag changes nothing about the gradient's path
+    assert h.grad is not None
+    compiled = torch.compile(lambda x: linear_selective_log_softmax(x, weight, ids, bias, return_top1=True)[1],
+                             fullgraph=True)
+    assert torch.equal(compiled(hidden), want)
+
+
 def test_selective_matches_old_policy_logp():
     # What a trainer computes for old_logp / ref_logp: the policy loss's own logp of the same tokens.
     inputs = make_inputs(3, 6, 8, 23, torch.float32, "plain", seed=12)
@@ -455,7 +503,8 @@ def _op_samples(device="cpu"):
     tensors = (hidden, weight, bias, ids, adv, mask, old, ref)
     logp, lse = ops.linear_policy_loss_forward(*tensors, *opts(0, 1, False))[4::2]
     flat_h, flat_ids = hidden[:, :-1].reshape(-1, 6), ids.clamp(min=0).reshape(-1)
-    sel_lse = ops.linear_selective_log_softmax_forward(flat_h, weight, bias, flat_ids, 0.7, True, 0, 1 << 20, False)[2]
+    sel_lse = ops.linear_selective_log_softmax_forward(flat_h, weight, bias, flat_ids, 0.7, True, 0, 1 << 20, False,
+                                                       False)[2]
     return [
         (ops.linear_policy_loss_forward, tensors + opts(0, 0, True)),
         (ops.linear_policy_loss_forward, (hidden.clone().requires_grad_(True), weight, None, ids.clamp(min=0), adv,
@@ -466,15 +515,18 @@ def _op_samples(device="cpu"):
          tensors + opts(3, 0, False) + (None, torch.empty_like(weight), None)),
         (ops.linear_policy_loss_backward,
          tensors + (logp, lse, torch.tensor(1.5, device=device)) + bopts(0, 1) + (True, True, True)),
-        (ops.linear_selective_log_softmax_forward, (flat_h, weight, bias, flat_ids, 0.7, True, 0, 1 << 20, True)),
         (ops.linear_selective_log_softmax_forward,
-         (flat_h.clone().requires_grad_(True), weight, None, flat_ids, 1.0, True, 0, 1 << 20, False)),
+         (flat_h, weight, bias, flat_ids, 0.7, True, 0, 1 << 20, True, True)),
+        (ops.linear_selective_log_softmax_forward,
+         (flat_h.clone().requires_grad_(True), weight, None, flat_ids, 1.0, True, 0, 1 << 20, False, False)),
+        (ops.linear_selective_log_softmax_forward,
+         (flat_h.clone().requires_grad_(True), weight, bias, flat_ids, 0.7, True, 0, 1 << 20, False, True)),
         (ops.linear_selective_log_softmax_backward,
          (flat_h, weight, bias, flat_ids, sel_lse, torch.rand(6, device=device), 0.7, 0, 1 << 20, True, False, True)),
     ]
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(9))
 def test_opcheck(index):
     op, args = _op_samples()[index]
     torch.library.opcheck(op, args)
@@ -550,13 +602,18 @@ def test_cuda_selective_matches_cpu(dtype):
     hidden = torch.randn(300, 96, generator=g).to(dtype)
     weight = (torch.randn(32003, 96, generator=g) * 0.2).to(dtype)
     ids = torch.randint(0, 32003, (300,), generator=g)
+    ids[::2] = logits_of(hidden, weight, None).argmax(-1)[::2]  # is_top1 answers both ways
     res = []
     for device in ("cpu", "cuda"):
         h, w = hidden.detach().to(device).requires_grad_(True), weight.detach().to(device).requires_grad_(True)
-        logp, ent = linear_selective_log_softmax(h, w, ids.to(device), temperature=0.7, return_entropy=True,
-                                                 chunk_tokens=100 if device == "cuda" else None)
+        logp, ent, top1 = linear_selective_log_softmax(h, w, ids.to(device), temperature=0.7, return_entropy=True,
+                                                       return_top1=True, chunk_tokens=100 if device == "cuda" else None)
         logp.backward(torch.linspace(-1, 1, 300, device=device))
-        res.append((logp.cpu(), ent.cpu(), h.grad.cpu(), w.grad.cpu()))
+        res.append((logp.cpu(), ent.cpu(), h.grad.cpu(), w.grad.cpu(), top1.cpu()))
+    # float32 logits may rank two classes within rounding of each other otherwise than the CPU's float64 ones.
+    top2 = logits_of(hidden, weight, None).topk(2, -1).values
+    near_tie = (top2[:, 0] - top2[:, 1]) <= 1e-4 * top2[:, 0].abs().clamp(min=1)
+    assert torch.equal(res[1][4] | near_tie, res[0][4] | near_tie) and res[0][4].sum() >= 100
     torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-5, atol=2e-5)
     unit = 1.0 / 0.7  # max |grad_logp| / T

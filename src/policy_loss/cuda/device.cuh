@@ -11,6 +11,7 @@
 
 #include "common/cuda/chunk_loops.cuh"
 #include "common/cuda/cluster_exchange.cuh"
+#include "common/cuda/first_max.cuh"
 #include "common/cuda/online_softmax.cuh"
 #include "logitless/tensor.h"
 #include "policy_loss/cuda/params.h"
@@ -21,17 +22,20 @@ namespace logitless::pl {
 namespace rows_dev {
 
 // The per-element work of the shared loops: the values as they are (the temperature acts through c), the
-// online-softmax state with or without the entropy accumulator, the softmax gradient.
-template <typename T, bool kEntropy>
+// online-softmax state with or without the entropy accumulator (and, kTop1, the first maximum of the logits
+// themselves: a positive temperature does not reorder them), the softmax gradient.
+template <typename T, bool kEntropy, bool kTop1 = false>
 struct PolicyElem {
   static constexpr int kVec = Vec<T>::kN;
   float c;  // log2(e) / temperature
   struct Acc {
     float m = -INFINITY, s = 0.f, u = 0.f;
+    FirstMax top = FirstMax::none();  // kTop1 only
   };
 
-  __device__ void load(const char* src, int q, int64_t, float* x, Acc&) const {
+  __device__ void load(const char* src, int q, int64_t j0, float* x, Acc& a) const {
     Vec<T>::unpack(load16(src + 16 * q), x);
+    if constexpr (kTop1) a.top.template add_later<kVec>(x, j0 + static_cast<int64_t>(q) * kVec);
   }
   template <int kN>
   __device__ void add(Acc& a, const float* x) const {
@@ -127,6 +131,7 @@ __device__ __forceinline__ void write_skipped(const KernelParams& p, int64_t r, 
   if (p.out_logp) p.out_logp[r] = v;
   if (p.out_lse) p.out_lse[r] = v;
   if (p.out_entropy) p.out_entropy[r] = v;
+  if (p.out_top1) p.out_top1[r] = 0;
   if (p.op == static_cast<int>(RowOp::kPolicyToken)) {
     if (p.out_loss) p.out_loss[r] = v;
     if (p.out_kl) p.out_kl[r] = v;

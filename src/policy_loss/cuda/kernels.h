@@ -13,6 +13,7 @@ namespace logitless::pl {
 struct RowsVariant {
   bool with_lse = false;  // the statistics come saved (backward): no statistics pass
   bool entropy = false;   // the statistics pass also accumulates the entropy
+  bool top1 = false;      // ... and the row's first maximum (float32 logits, one CTA per row: the streaming kernel)
 };
 
 // True when this build holds the row kernel for sm_90+ and the device can launch clusters.

@@ -215,6 +215,7 @@ bool launch_rows_resident(DType dtype, RowsVariant v, const KernelParams& p, con
                           cudaStream_t stream) {
   if (v.with_lse)
     throw_invalid("policy_loss: the row-resident kernel runs the fused pass only, not the backward from a saved lse");
+  if (v.top1) throw_invalid("is_top1: computed by the streaming kernel only (a pass that reads each row once)");
   if (plan.threads < 32 || plan.threads > kResidentMaxThreads || plan.threads % 32 != 0)
     throw_invalid(str_cat("policy_loss: row-resident plan needs a whole number of warps up to ", kResidentMaxThreads,
                           " threads, got ", plan.threads));

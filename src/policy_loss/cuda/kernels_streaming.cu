@@ -10,7 +10,8 @@
 //      ahead so that their latency hides behind the previous row;
 //   3. gradient pass: grad_j = c * ([j == id] - p_j) / temperature over the same loops, in place or not.
 // The backward variant (kWithLse) starts at 2 from a saved lse (selective log-softmax's backward, and the
-// sequence-level loss, whose c needs the whole sequence's log-ratio).
+// sequence-level loss, whose c needs the whole sequence's log-ratio). The kTop1 variant also folds the row's first
+// maximum into pass 1 (common/cuda/first_max.cuh) and writes whether the token's id is it.
 //
 // HBM traffic per unmasked row of B bytes, against the 2B (one read, one write) floor:
 //   * streaming (one CTA per row, 256 threads, up to 8 CTAs per SM): the gradient pass re-reads the row. With 8
@@ -42,9 +43,18 @@ using namespace rows_dev;
 
 thread_local RowsPlan t_last_plan;
 
-template <typename T, bool kWithLse, bool kEntropy>
+// The statistics pass's view of the partial first / last chunk of a row (its other slots masked out) in the first
+// maximum: its classes may lie below those of the whole chunks, so it goes through the general merge.
+template <int kVec>
+__device__ __forceinline__ void first_max_partial(FirstMax& top, const float* v, uint32_t mask, int64_t class0) {
+#pragma unroll
+  for (int i = 0; i < kVec; ++i)
+    if ((mask >> i) & 1u) top.merge(v[i], class0 + i);
+}
+
+template <typename T, bool kWithLse, bool kEntropy, bool kTop1>
 __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_constant__ KernelParams p) {
-  using Elem = PolicyElem<T, kEntropy>;
+  using Elem = PolicyElem<T, kEntropy, kTop1>;
   constexpr int kVec = Vec<T>::kN;
   constexpr int64_t kEs = sizeof(T);
   __shared__ float4 red[32];
@@ -106,6 +116,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_const
       if (part >= 0) {
         float v[kVec];
         const uint32_t mask = load_chunk(span, part, nullptr, v);
+        if constexpr (kTop1) first_max_partial<kVec>(acc.top, v, mask, slice_begin + span.elem(part, 0));
 #pragma unroll
         for (int i = 0; i < kVec; ++i) v[i] = (mask >> i) & 1u ? v[i] : -INFINITY;
         loops.elem.template add<kVec>(acc, v);
@@ -115,6 +126,11 @@ __global__ void __launch_bounds__(kMaxThreads, 2) rows_kernel(const __grid_const
       float xt = 0.f;
       if (tid == 0 && owns_t) xt = Vec<T>::load1(src + t_local * kEs);
       block_online_scaled<kEntropy>(acc.m, acc.s, acc.u, xt, p.scale_l2, red);
+      if constexpr (kTop1) {  // one CTA per row (launch_rows refuses a cluster): the block has the whole row
+        __shared__ FirstMax top_red[32];
+        block_first_max(acc.top, top_red);
+        if (rank == 0 && tid == 0) p.out_top1[p.first_token + row] = is_first_max(acc.m, acc.top, tk.id) ? 1 : 0;
+      }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       if (csize > 1) cluster_merge<kEntropy>(xchg, xcur, rank, csize, p.scale_l2, acc.m, acc.s, acc.u, xt);
 #endif
@@ -167,17 +183,24 @@ __global__ void __launch_bounds__(256) zero_rows_kernel(char* base, int64_t stri
 }
 
 // ---- instantiations: the only place that lists them -----------------------------------------------------------
-// 3 dtypes x {statistics (+ fused gradient), statistics with entropy, backward from a saved lse}. The cluster
-// exchange is a runtime branch of the same kernels (compiled for sm_90 only), not another instantiation.
+// 3 dtypes x {statistics (+ fused gradient), statistics with entropy, backward from a saved lse}, and the first
+// maximum with either statistics pass for float32 logits only (its one user is the fused linear head's forward,
+// whose logits chunks are float32). The cluster exchange is a runtime branch of the same kernels (compiled for
+// sm_90 only), not another instantiation.
 using KernelFn = void (*)(KernelParams);
 
 template <typename T>
 KernelFn rows_fn(RowsVariant v) {
-  if (v.with_lse) return rows_kernel<T, true, false>;
-  return v.entropy ? rows_kernel<T, false, true> : rows_kernel<T, false, false>;
+  if (v.with_lse) return rows_kernel<T, true, false, false>;
+  return v.entropy ? rows_kernel<T, false, true, false> : rows_kernel<T, false, false, false>;
 }
 
 KernelFn rows_fn(DType dtype, RowsVariant v) {
+  if (v.top1) {
+    if (dtype != DType::kFloat32 || v.with_lse)
+      throw_invalid("is_top1: computed in the statistics pass over float32 logits only");
+    return v.entropy ? rows_kernel<float, false, true, true> : rows_kernel<float, false, false, true>;
+  }
   switch (dtype) {
     case DType::kFloat32:
       return rows_fn<float>(v);
@@ -196,7 +219,8 @@ bool cluster_launch_available(int device) {
   const DeviceInfo& info = device_info(device);
   if (info.sm_major < 9) return false;
   // The cluster exchange exists only in the sm_90+ binaries of this build.
-  return launch_cache::binary_version(reinterpret_cast<const void*>(rows_kernel<__nv_bfloat16, false, false>)) >= 90;
+  return launch_cache::binary_version(reinterpret_cast<const void*>(rows_kernel<__nv_bfloat16, false, false, false>)) >=
+         90;
 }
 
 int rows_ctas_per_sm(DType dtype, RowsVariant v, int threads) {
@@ -215,6 +239,8 @@ bool launch_rows(DType dtype, RowsVariant v, const KernelParams& p, const RowsPl
   if (plan.threads < 32 || plan.threads > kMaxThreads || plan.cluster < 1 || plan.cluster > kMaxCluster)
     throw_invalid(str_cat("policy_loss: row plan needs 32..", kMaxThreads, " threads and 1..", kMaxCluster,
                           " CTAs per cluster, got ", plan.threads, " and ", plan.cluster));
+  if (v.top1 && plan.algo == PolicyLossAlgo::kCluster)
+    throw_invalid("is_top1: computed by one CTA per row, not by a cluster plan (its exchange carries no argmax)");
   const KernelFn kernel = rows_fn(dtype, v);
   debug::set_last_rows_plan(plan);
   if (plan.algo != PolicyLossAlgo::kCluster) {

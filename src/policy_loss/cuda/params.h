@@ -57,7 +57,8 @@ struct KernelParams {
   float* out_loss = nullptr;  // per_token_loss
   float* out_kl = nullptr;
   uint8_t* out_clipped = nullptr;
-  float* row_loss = nullptr;  // token level: each token's share of the loss (workspace), for a fixed-order sum
+  uint8_t* out_top1 = nullptr;  // selective forward: the id is the row's first maximum (the kTop1 kernels only)
+  float* row_loss = nullptr;    // token level: each token's share of the loss (workspace), for a fixed-order sum
 
   const float* lse_in = nullptr;      // backward from saved statistics: lse per token
   const float* logp_in = nullptr;     // ... and logp per token (sequence level)

@@ -268,6 +268,7 @@ KernelParams make_params(const Problem& pr, char* ws, const WorkspaceLayout& wl)
   k.out_loss = pr.per_token_loss;
   k.out_kl = pr.kl;
   k.out_clipped = pr.is_clipped;
+  k.out_top1 = pr.is_top1;
   k.scalars = reinterpret_cast<Scalars*>(ws);
   k.seq = reinterpret_cast<SeqStats*>(ws + wl.seq);
   if (pr.op == Op::kPolicy) k.row_loss = reinterpret_cast<float*>(ws + wl.row_loss);
@@ -315,7 +316,8 @@ void run_rows(const Problem& pr, const KernelParams& base, RowsVariant v, bool f
   in.elem_bytes = static_cast<int>(dtype_size(pr.dtype));
   in.fused = fused;
   in.cluster_capable = cluster_launch_available(pr.device.index);
-  in.requested = pr.algo;
+  // The first maximum is folded in by one CTA per row; a pass that reads each row once streams anyway.
+  in.requested = v.top1 ? PolicyLossAlgo::kStreaming : pr.algo;
   in.cluster_size = pr.cluster_size;
   in.threads = pr.threads;
   in.ctas_per_sm = rows_ctas_per_sm(pr.dtype, v, plan_threads(in));
@@ -409,7 +411,7 @@ void PolicySteps::rows(const Chunk& c) {
   const bool seq_level = pr_.sequence_level();
   if (seq_level) k.grad = nullptr;  // the sequence level's gradient needs every sequence's ratio first
   // Token level: outputs, the loss's shares and (with a gradient) the gradient, in one pass over each row.
-  run_rows(pr_, k, RowsVariant{false, k.out_entropy != nullptr}, k.grad != nullptr, stream_);
+  run_rows(pr_, k, RowsVariant{false, k.out_entropy != nullptr, k.out_top1 != nullptr}, k.grad != nullptr, stream_);
 }
 
 void PolicySteps::sequence() {
