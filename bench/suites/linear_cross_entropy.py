@@ -87,7 +87,7 @@ def _auto_schedule(hidden, weight) -> str:
     import importlib
 
     mod = importlib.import_module("logitless.linear_cross_entropy")
-    scalars = (-100, mod.REDUCTIONS["mean"], 0.0, 0.0, 0.0, True, 0, 0, mod.DEFAULT_MEMORY_BUDGET)
+    scalars = (-100, mod.REDUCTIONS["mean"], 0.0, 0.0, 0.0, True, 0, 0, mod.DEFAULT_MEMORY_BUDGET, 0)
     return "recompute" if mod._recompute_is_faster(hidden, weight, None, scalars) else "gradient_in_forward"
 
 
