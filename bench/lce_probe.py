@@ -10,9 +10,9 @@ linear_cross_entropy(x, w, t).backward() (bf16, default options), their ratio, a
 inputs (dX and dW included). Medians of 7 rounds after one warm-up, each round timing the GEMMs and every
 schedule once in turn (so that all see the same clocks of a GPU under load). On an H100 the library's fused
 Hopper kernels run where they apply; LOGITLESS_LCE_KERNEL=generic in the environment measures the cuBLAS path
-instead, and LOGITLESS_LCE_EXP_FORM=0 the generic gradient in forward (the exponential form is the default):
-this harness sets the library's debug hooks from them (src/common/debug_hooks.h), through the extension's
-_set_debug_hook.
+instead, LOGITLESS_LCE_EXP_FORM=0 the generic gradient in forward (the exponential form is the default), and
+LOGITLESS_HEAD_ACCUMULATE_GEMM=0 cuBLAS for grad_weight's accumulating products. This harness sets the library's
+debug hooks from them (src/common/debug_hooks.h), through the extension's _set_debug_hook.
 --kernels adds a profile of 3 more rounds (torch.profiler): per function, the host time of a call, the GPU's busy
 time and span, and its largest kernels.
 --inputs bench draws hidden ~ N(0, 1) and weight ~ N(0, 4 / H) as bench.py does (logits of standard deviation 2)
@@ -96,10 +96,11 @@ def profile_rounds(names, fns, rounds=3):
 def set_hooks_from_environment():
     """The library reads no environment: the switches this harness takes from it become the library's hooks."""
     hooks = {"lce_fused_kernels": int(os.environ.get("LOGITLESS_LCE_KERNEL", "") != "generic"),
-             "lce_exp_form": int(os.environ.get("LOGITLESS_LCE_EXP_FORM", "") != "0")}
+             "lce_exp_form": int(os.environ.get("LOGITLESS_LCE_EXP_FORM", "") != "0"),
+             "head_accumulate_gemm": int(os.environ.get("LOGITLESS_HEAD_ACCUMULATE_GEMM", "") != "0")}
     setter = getattr(logitless._C, "_set_debug_hook", None)
     if setter is None:
-        if hooks != {"lce_fused_kernels": 1, "lce_exp_form": 1}:
+        if hooks != {"lce_fused_kernels": 1, "lce_exp_form": 1, "head_accumulate_gemm": 1}:
             raise SystemExit("this build's extension has no _set_debug_hook: LOGITLESS_LCE_* cannot take effect")
         return
     for name, value in hooks.items():

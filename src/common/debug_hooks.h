@@ -16,12 +16,16 @@ enum class Hook : int {
   kLceExpForm,
   // Linear cross-entropy: every valid row through the exponential form's rewrite, a path real inputs seldom reach.
   kLceExpFixupAll,
+  // Linear heads: the Hopper accumulating grad_weight product (linear_head/cuda/accumulate_gemm.h) where it applies
+  // (1, the default), or cuBLAS for every product (tests, benchmarks).
+  kHeadAccumulateGemm,
   kCount
 };
 
 int64_t hook(Hook h);
 void set_hook(Hook h, int64_t value);
-// The hook of that name ("lce_fused_kernels", "lce_exp_form", "lce_exp_fixup_all") set; false if none has it.
+// The hook of that name ("lce_fused_kernels", "lce_exp_form", "lce_exp_fixup_all", "head_accumulate_gemm") set;
+// false if none has it.
 bool set_hook(const char* name, int64_t value);
 
 }  // namespace logitless::debug

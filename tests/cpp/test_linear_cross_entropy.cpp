@@ -16,6 +16,7 @@
 #include "linear_head/cuda/plan.h"
 #if defined(LOGITLESS_WITH_CUDA)
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
+#include "linear_head/cuda/accumulate_gemm.h"
 #endif
 #include "layout_test_util.h"
 #include "test_util.h"
@@ -578,6 +579,48 @@ TEST_P(LinearCrossEntropyCuda, GenericGradientInForwardMatchesCpuBackend) {
     expect_outputs(in, Entry::kForwardBackward, got, want, "cuda generic gradient in forward", in.c.dtype);
   }
   lce::debug::set_exp_form(true);
+}
+
+// The Hopper accumulating grad_weight product (linear_head/cuda/accumulate_gemm.h): d += aᵀ b against float64 sums
+// of the same bf16 values, on row-padded operands whose m is no multiple of the tile; it runs on an sm_90 device
+// of a build with CUTLASS, and declines (leaving d alone) a row stride that is no multiple of 8 elements.
+TEST(LinearHeadAccumulateGemm, AddsTheProductOnHopper) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  const bool runs = major == 9 && minor == 0 && lce::debug::fused_kernels_built();
+  const int64_t M = 1000, N = 264, K = 200, lda = 1008, ldb = 272, ldd = 264;
+  TestTensor a(DType::kBFloat16, {K, M}, {lda, 1}), b(DType::kBFloat16, {K, N}, {ldb, 1}), d(DType::kFloat32, {M, N});
+  a.fill_normal(1, 1.f);
+  b.fill_normal(2, 1.f);
+  d.fill_normal(3, 4.f);
+  std::vector<double> want(static_cast<size_t>(M * N));
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double acc = d.get(i * N + j);
+      for (int64_t k = 0; k < K; ++k) acc += static_cast<double>(a.get(k * M + i)) * b.get(k * N + j);
+      want[static_cast<size_t>(i * N + j)] = acc;
+    }
+  const std::vector<float> before = d.gather_float();
+  a.to_device();
+  b.to_device();
+  d.to_device();
+  const TensorView av = a.view(true), bv = b.view(true), dv = d.view(true);
+  head::AccumulateGemm g{DType::kBFloat16, M, N, K, av.data, lda, bv.data, ldb, static_cast<float*>(dv.data), ldd};
+  head::AccumulateGemm misaligned = g;
+  misaligned.lda = lda - 1;
+  EXPECT_FALSE(head::launch_accumulate_gemm(misaligned, 0, 1, nullptr));
+  ASSERT_EQ(head::launch_accumulate_gemm(g, 0, 132, nullptr), runs);
+  device_synchronize();
+  d.to_host();
+  const std::vector<float> got = d.gather_float();
+  if (!runs) {
+    EXPECT_EQ(got, before);
+    return;
+  }
+  std::vector<double> got64(got.begin(), got.end());
+  EXPECT_TRUE(all_close(got64, want, Tol{1e-5, 1e-5}, 16.0, "d"));
 }
 
 // Which kernel the 16-bit cases ran: the fused one in the forward and the backward on an sm_90 device when the

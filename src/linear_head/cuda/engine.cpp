@@ -2,6 +2,8 @@
 
 #include "common/cuda/check.cuh"
 #include "common/cuda/cublas.h"
+#include "common/debug_hooks.h"
+#include "linear_head/cuda/accumulate_gemm.h"
 #include "linear_head/cuda/kernels.h"
 #include "linear_head/cuda/plan.h"
 
@@ -27,6 +29,11 @@ void Engine::grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
 
 void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
                               const Matrix& dw, bool accumulate) const {
+  // A token group after the first: see accumulate_gemm.h.
+  if (accumulate && dw.dtype == DType::kFloat32 && debug::hook(debug::Hook::kHeadAccumulateGemm)) {
+    const AccumulateGemm g{io_.dtype, cols, io_.h, rows, dz, ld_dz, x, ldx, static_cast<float*>(dw.data), dw.ld};
+    if (launch_accumulate_gemm(g, io_.device, sm_count_, stream_)) return;
+  }
   gemm_row_major(blas_, true, false, cols, io_.h, rows, dz, ld_dz, x, ldx, io_.dtype, dw.data, dw.ld, dw.dtype,
                  accumulate);
 }

@@ -31,6 +31,7 @@ namespace logitless::head {
 
 // One call's operands and gradient outputs.
 struct HeadIO {
+  int device = 0;
   DType dtype = DType::kBFloat16;  // hidden and weight
   int64_t n = 0, h = 0, v = 0;     // rows of hidden, hidden size, rows of the weight
   const void* x = nullptr;         // hidden rows as a GEMM operand [n, h], row stride ldx
@@ -50,6 +51,7 @@ struct HeadIO {
 template <typename Problem>
 HeadIO head_io(const Problem& p, int64_t n, const void* x, int64_t ldx) {
   HeadIO io;
+  io.device = p.device.index;
   io.dtype = p.dtype;
   io.n = n;
   io.h = p.hidden;
