@@ -30,21 +30,23 @@ namespace logitless {
     if (err_ != cudaSuccess) ::logitless::throw_cuda(err_, "launch of " name, __FILE__, __LINE__); \
   } while (0)
 
-// Makes `device` current for the scope of a call and restores the caller's device afterwards.
+// Makes `device` current for the scope of a call and restores the caller's device afterwards. One runtime call where
+// the device is current already (the usual case: torch makes the tensors' device current); the scope never leaves
+// another device current (nested guards restore theirs), so the destructor knows without asking.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
+  explicit DeviceGuard(int device) : device_(device) {
     LOGITLESS_CUDA_CHECK(cudaGetDevice(&prev_));
     if (prev_ != device) LOGITLESS_CUDA_CHECK(cudaSetDevice(device));
   }
   ~DeviceGuard() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
+    if (prev_ != device_) cudaSetDevice(prev_);
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
+  int device_ = 0;
   int prev_ = 0;
 };
 
