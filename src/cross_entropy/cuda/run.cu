@@ -217,7 +217,7 @@ void launch_rows(const Problem& pr, const KernelParams& kp, cudaStream_t stream)
                 pr.vocab, " on sm_", info.sm_major, info.sm_minor));
   int clusters = 0;
   if (plan.algo == CrossEntropyAlgo::kRowResident) {
-    clusters = launch_row_resident(pr.dtype, kp, plan, stream);
+    clusters = launch_row_resident(pr.dtype, kp, plan, pr.device.index, stream);
     if (clusters == 0 && pr.algo == CrossEntropyAlgo::kRowResident)
       throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
   }
