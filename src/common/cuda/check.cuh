@@ -30,6 +30,24 @@ namespace logitless {
     if (err_ != cudaSuccess) ::logitless::throw_cuda(err_, "launch of " name, __FILE__, __LINE__); \
   } while (0)
 
+// Launches `kernel` and checks the launch in one runtime call, where <<<...>>> followed by LOGITLESS_CUDA_CHECK_LAUNCH
+// takes several (the configuration push and pop, the launch, the read-back of the error). `what` names the launch in
+// the error ("launch of ...").
+template <typename... Params, typename... Args>
+void launch_kernel(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw_cuda(err, what, __FILE__, __LINE__);
+  }
+}
+
 // Makes `device` current for the scope of a call and restores the caller's device afterwards. One runtime call where
 // the device is current already (the usual case: torch makes the tensors' device current); the scope never leaves
 // another device current (nested guards restore theirs), so the destructor knows without asking.
