@@ -178,8 +178,7 @@ size_t cuda_workspace_bytes(int64_t n_rows, int64_t vocab, bool has_weight, cons
 }
 
 void launch_prepass(const KernelParams& p, const Prepass& q, cudaStream_t stream) {
-  prepass_kernel<<<1, kReduceThreads, 0, stream>>>(p, q);
-  LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy prepass");
+  launch_kernel("launch of cross-entropy prepass", prepass_kernel, dim3(1), dim3(kReduceThreads), 0, stream, p, q);
 }
 
 void launch_rows(const Problem& pr, const KernelParams& kp, cudaStream_t stream) {
@@ -247,8 +246,8 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
     launch_rows(pr, kp, stream);
   }
   if (loss_out && pr.reduction != Reduction::kNone) {
-    finalize_kernel<<<1, kReduceThreads, 0, stream>>>(partials, pr.n_rows, scalars, pr.loss, kp.abort_on_bad);
-    LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy finalize");
+    launch_kernel("launch of cross-entropy finalize", finalize_kernel, dim3(1), dim3(kReduceThreads), 0, stream,
+                  partials, pr.n_rows, scalars, pr.loss, kp.abort_on_bad);
   }
   if (readback) throw_if_bad_target(pr, *readback);
 }

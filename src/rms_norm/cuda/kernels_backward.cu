@@ -438,9 +438,8 @@ Launch prepare(DType dtype, int64_t hidden, RMSNormAlgo algo, int vpt, bool vect
 template <typename W>
 void launch_reduce(const float* partials, int64_t rows, int64_t stride, int64_t H, void* dw, cudaStream_t stream) {
   const int64_t grid = (H + kReduceCols - 1) / kReduceCols;
-  reduce_dw<W><<<static_cast<unsigned>(grid), dim3(kReduceCols, kReduceGroups), 0, stream>>>(partials, rows, stride, H,
-                                                                                             static_cast<W*>(dw));
-  LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm dW reduction");
+  launch_kernel("launch of rms_norm dW reduction", reduce_dw<W>, dim3(static_cast<unsigned>(grid)),
+                dim3(kReduceCols, kReduceGroups), 0, stream, partials, rows, stride, H, static_cast<W*>(dw));
 }
 
 }  // namespace
@@ -521,9 +520,8 @@ void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream) 
       kp.partial_stride = stride;
     }
     debug::record_launch(true, l.plan, grid.ctas);
-    l.kernel<<<static_cast<unsigned>(grid.ctas), dim3(l.plan.threads_per_row, l.plan.rows_per_cta), l.plan.smem_bytes,
-               s>>>(kp);
-    LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm backward");
+    launch_kernel("launch of rms_norm backward", l.kernel, dim3(static_cast<unsigned>(grid.ctas)),
+                  dim3(l.plan.threads_per_row, l.plan.rows_per_cta), l.plan.smem_bytes, s, kp);
   }
   if (!p.grad_weight) return;
   // With no rows the reduction adds nothing and writes zeros.
