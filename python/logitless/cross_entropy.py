@@ -60,10 +60,16 @@ def _options(ignore_index: int, reduction: int, label_smoothing: float, z_loss: 
 _cached_options = cached(_options)
 
 
-def _scratch(logits: Tensor, target: Tensor, weight: Optional[Tensor], options: _C.CrossEntropyOptions):
-    nbytes = _C.cross_entropy_workspace_bytes(descriptor(logits, "logits"), descriptor(target, "target"),
-                                              descriptor(weight, "weight"), options)
-    return workspace(nbytes, logits.device)
+def _scratch(ld, td, wd, options: _C.CrossEntropyOptions, device: torch.device):
+    """The call's workspace from the descriptors of logits, target and weight (made once per call: the call itself
+    takes the same ones)."""
+    return workspace(_C.cross_entropy_workspace_bytes(ld, td, wd, options), device)
+
+
+def _float32_rows(g: Tensor) -> Tensor:
+    """An upstream gradient as the C++ side takes it: float32 and contiguous (loss.sum() gives an expanded one). The
+    usual one is already, and costs no dispatcher call here."""
+    return g if g.dtype == torch.float32 and g.is_contiguous() else g.to(torch.float32).contiguous()
 
 
 def _new_outputs(logits: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -76,11 +82,11 @@ def _new_outputs(logits: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor
 def _run_forward_backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], options: _C.CrossEntropyOptions,
                           grad: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     loss, lse, z = _new_outputs(logits, target, options.reduction)
-    owner, ws = _scratch(logits, target, weight, options)
-    _C.cross_entropy_forward_backward(descriptor(logits, "logits"), descriptor(target, "target"),
-                                      descriptor(weight, "weight"), options, descriptor(loss, "loss"),
-                                      descriptor(lse, "lse"), descriptor(z, "z_loss"),
-                                      descriptor(grad, "grad_logits"), None, ws, stream(logits.device))
+    ld, td, wd = descriptor(logits, "logits"), descriptor(target, "target"), descriptor(weight, "weight")
+    owner, ws = _scratch(ld, td, wd, options, logits.device)
+    _C.cross_entropy_forward_backward(ld, td, wd, options, descriptor(loss, "loss"), descriptor(lse, "lse"),
+                                      descriptor(z, "z_loss"), descriptor(grad, "grad_logits"), None, ws,
+                                      stream(logits.device))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
     return loss, lse, z
 
@@ -97,10 +103,10 @@ def _forward(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_in
     """(loss, lse, z_loss) with one read of the logits."""
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     loss, lse, z = _new_outputs(logits, target, reduction)
-    owner, ws = _scratch(logits, target, weight, options)
-    _C.cross_entropy_forward(descriptor(logits, "logits"), descriptor(target, "target"),
-                             descriptor(weight, "weight"), options, descriptor(loss, "loss"),
-                             descriptor(lse, "lse"), descriptor(z, "z_loss"), ws, stream(logits.device))
+    ld, td, wd = descriptor(logits, "logits"), descriptor(target, "target"), descriptor(weight, "weight")
+    owner, ws = _scratch(ld, td, wd, options, logits.device)
+    _C.cross_entropy_forward(ld, td, wd, options, descriptor(loss, "loss"), descriptor(lse, "lse"),
+                             descriptor(z, "z_loss"), ws, stream(logits.device))
     del owner
     return loss, lse, z
 
@@ -146,11 +152,10 @@ def _backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], lse: Ten
     """grad_logits from the forward's lse: float32 grad_loss is [] for sum/mean, [*] (contiguous) for none."""
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    owner, ws = _scratch(logits, target, weight, options)
-    _C.cross_entropy_backward(descriptor(logits, "logits"), descriptor(target, "target"),
-                              descriptor(weight, "weight"), descriptor(lse, "lse"),
-                              descriptor(grad_loss, "grad_loss"), options, descriptor(grad, "grad_logits"), ws,
-                              stream(logits.device))
+    ld, td, wd = descriptor(logits, "logits"), descriptor(target, "target"), descriptor(weight, "weight")
+    owner, ws = _scratch(ld, td, wd, options, logits.device)
+    _C.cross_entropy_backward(ld, td, wd, descriptor(lse, "lse"), descriptor(grad_loss, "grad_loss"), options,
+                              descriptor(grad, "grad_logits"), ws, stream(logits.device))
     del owner
     return grad
 
@@ -173,14 +178,17 @@ def _forward_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, z)
     ctx.save_for_backward(logits, target, weight, lse)
     ctx.options = options
+    # lse and z carry no gradient: no zero tensors made for them on every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _forward_grad(ctx, grad_loss, grad_lse, grad_z):
     no_double_backward("cross_entropy")
+    if grad_loss is None:  # no gradient reached the loss
+        return (None,) * 10
     logits, target, weight, lse = ctx.saved_tensors
-    # An upstream gradient may be expanded (loss.sum() gives a stride-0 one); C++ wants it contiguous.
-    g = grad_loss.to(torch.float32).contiguous()
-    grad = _backward(logits, target, weight, lse, g, *ctx.options) if ctx.needs_input_grad[0] else None
+    grad = _backward(logits, target, weight, lse, _float32_rows(grad_loss),
+                     *ctx.options) if ctx.needs_input_grad[0] else None
     return (grad,) + (None,) * 9
 
 
@@ -212,13 +220,18 @@ class _FusedCrossEntropy(torch.autograd.Function):
         # Saved after the mutation: this node's own version check passes, and a later write to the
         # buffer (or a second backward over a retained graph, after the scaling below) is caught.
         ctx.save_for_backward(grad)
+        # lse and z never get a gradient (non-differentiable): without this, autograd would allocate and fill
+        # a zero tensor for each of them on every backward, for nothing.
+        ctx.set_materialize_grads(False)
         return loss, lse, z
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse, grad_z):
         no_double_backward("cross_entropy")
+        if grad_loss is None:  # no gradient reached the loss (the other outputs carry none)
+            return (None,) * 11
         (grad,) = ctx.saved_tensors
-        return (scale_saved(grad, grad_loss.to(torch.float32).contiguous()),) + (None,) * 10
+        return (scale_saved(grad, _float32_rows(grad_loss)),) + (None,) * 10
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor
     grad_weight = _weight_grad_output(weight, need_weight_grad)
     xd, wd = descriptor(x, "x"), descriptor(weight, "weight")
     owner, ws = None, None
-    if need_weight_grad and x.device.type == "cuda":
+    if need_weight_grad and x.is_cuda:
         owner, ws = workspace(_C.rms_norm_backward_workspace_bytes(xd, wd, options), x.device)
     _C.rms_norm_backward(descriptor(grad_y, "grad_y"), descriptor(grad_residual_out, "grad_residual_out"), xd, wd,
                          descriptor(rstd, "rstd"), options, descriptor(grad_x, "grad_x"),
@@ -236,9 +236,12 @@ def rms_norm(
                enum(CASTING_MODES, casting_mode, "casting_mode"), enum(ALGOS, algo, "algo"),
                check_int64(vectors_per_thread, "vectors_per_thread"))
     check_tensors((("x", x), ("weight", weight), ("residual", residual)), optional=("residual",))
+    # Made ready here rather than only inside the op: the op's autograd saves its x argument, and a backward that got
+    # the caller's x with a strided last dimension would copy it a second time.
+    x = rows_ready(x)
     if x.dim() > 4:  # (rows of fewer dimensions always collapse) judged as the C++ side will see them
         res = None if residual is None else rows_ready(residual)
-        check_rows(x.dim() - 1, (("x", rows_ready(x)), ("residual", res)))
+        check_rows(x.dim() - 1, (("x", x), ("residual", res)))
     y, s, rstd = _forward(x, weight, residual, *scalars)
     if y.requires_grad and not torch.compiler.is_compiling():
         # What the backward keeps (what was normalized, the weight) recomputes y for an op that would save it.

@@ -30,21 +30,41 @@ namespace logitless {
     if (err_ != cudaSuccess) ::logitless::throw_cuda(err_, "launch of " name, __FILE__, __LINE__); \
   } while (0)
 
-// Makes `device` current for the scope of a call and restores the caller's device afterwards.
+// Launches `kernel` and checks the launch in one runtime call, where <<<...>>> followed by LOGITLESS_CUDA_CHECK_LAUNCH
+// takes several (the configuration push and pop, the launch, the read-back of the error). `what` names the launch in
+// the error ("launch of ...").
+template <typename... Params, typename... Args>
+void launch_kernel(const char* what, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw_cuda(err, what, __FILE__, __LINE__);
+  }
+}
+
+// Makes `device` current for the scope of a call and restores the caller's device afterwards. One runtime call where
+// the device is current already (the usual case: torch makes the tensors' device current); the scope never leaves
+// another device current (nested guards restore theirs), so the destructor knows without asking.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
+  explicit DeviceGuard(int device) : device_(device) {
     LOGITLESS_CUDA_CHECK(cudaGetDevice(&prev_));
     if (prev_ != device) LOGITLESS_CUDA_CHECK(cudaSetDevice(device));
   }
   ~DeviceGuard() {
-    int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) cudaSetDevice(prev_);
+    if (prev_ != device_) cudaSetDevice(prev_);
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
+  int device_ = 0;
   int prev_ = 0;
 };
 

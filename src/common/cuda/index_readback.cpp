@@ -24,14 +24,20 @@ IndexReadback& IndexReadback::start(int device, const long long* first_bad, cuda
   if (!per_device[device]) per_device[device] = std::make_unique<IndexReadback>();
   IndexReadback& rb = *per_device[device];
   // A call that threw before its wait may have left a copy in flight (on another stream, perhaps): let it land.
-  LOGITLESS_CUDA_CHECK(cudaEventSynchronize(rb.copied_));
+  // Only then: a call that waited has nothing in flight, and the usual call pays no runtime call for this.
+  if (rb.in_flight_) {
+    LOGITLESS_CUDA_CHECK(cudaEventSynchronize(rb.copied_));
+    rb.in_flight_ = false;
+  }
   LOGITLESS_CUDA_CHECK(cudaMemcpyAsync(rb.slot_, first_bad, sizeof(long long), cudaMemcpyDeviceToHost, stream));
   LOGITLESS_CUDA_CHECK(cudaEventRecord(rb.copied_, stream));
+  rb.in_flight_ = true;
   return rb;
 }
 
 long long IndexReadback::wait() {
   LOGITLESS_CUDA_CHECK(cudaEventSynchronize(copied_));
+  in_flight_ = false;
   return *slot_;
 }
 

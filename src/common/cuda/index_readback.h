@@ -25,6 +25,7 @@ class IndexReadback {
  private:
   long long* slot_ = nullptr;
   cudaEvent_t copied_ = nullptr;
+  bool in_flight_ = false;  // a copy was started and nobody has waited for it
 };
 
 }  // namespace logitless

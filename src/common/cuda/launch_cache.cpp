@@ -35,13 +35,29 @@ unsigned cluster_size(const cudaLaunchConfig_t& cfg) {
   return 1;
 }
 
+// The cached answer for `key`, or `query()`'s (run with the key's device current) cached first.
+template <typename Query>
+int occupancy_answer(const ShapeKey& key, Query&& query) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_occupancy.find(key);
+  if (it == g_occupancy.end()) {
+    DeviceGuard on(std::get<0>(key));
+    it = g_occupancy.emplace(key, query()).first;
+  }
+  return it->second;
+}
+
 }  // namespace
 
 cudaError_t reserve_dynamic_smem(const void* func, size_t bytes) {
-  const FuncKey key{current_device(), func};
+  return reserve_dynamic_smem(current_device(), func, bytes);
+}
+
+cudaError_t reserve_dynamic_smem(int device, const void* func, size_t bytes) {
   std::lock_guard<std::mutex> lock(g_mu);
-  FuncState& f = g_funcs[key];
+  FuncState& f = g_funcs[FuncKey{device, func}];
   if (bytes <= f.smem) return cudaSuccess;
+  DeviceGuard on(device);  // the attribute is the current device's
   const cudaError_t err =
       cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (err != cudaSuccess) {
@@ -53,10 +69,14 @@ cudaError_t reserve_dynamic_smem(const void* func, size_t bytes) {
 }
 
 cudaError_t allow_non_portable_clusters(const void* func) {
-  const FuncKey key{current_device(), func};
+  return allow_non_portable_clusters(current_device(), func);
+}
+
+cudaError_t allow_non_portable_clusters(int device, const void* func) {
   std::lock_guard<std::mutex> lock(g_mu);
-  FuncState& f = g_funcs[key];
+  FuncState& f = g_funcs[FuncKey{device, func}];
   if (f.non_portable) return cudaSuccess;
+  DeviceGuard on(device);
   const cudaError_t err = cudaFuncSetAttribute(func, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (err != cudaSuccess) {
     cudaGetLastError();
@@ -67,48 +87,46 @@ cudaError_t allow_non_portable_clusters(const void* func) {
 }
 
 int max_active_clusters(const void* func, const cudaLaunchConfig_t& cfg) {
-  const ShapeKey key{current_device(),    func, kOccupancyClusters, cfg.blockDim.x, cluster_size(cfg),
-                     cfg.dynamicSmemBytes};
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_occupancy.find(key);
-  if (it == g_occupancy.end()) {
+  return max_active_clusters(current_device(), func, cfg);
+}
+
+int max_active_clusters(int device, const void* func, const cudaLaunchConfig_t& cfg) {
+  const ShapeKey key{device, func, kOccupancyClusters, cfg.blockDim.x, cluster_size(cfg), cfg.dynamicSmemBytes};
+  return occupancy_answer(key, [&] {
     int n = 0;
     if (cudaOccupancyMaxActiveClusters(&n, func, &cfg) != cudaSuccess) {
       cudaGetLastError();  // this cluster size is not supported here: the caller decides
       n = 0;
     }
-    it = g_occupancy.emplace(key, n).first;
-  }
-  return it->second;
+    return n;
+  });
 }
 
 int max_active_blocks(const void* func, int threads, size_t smem) {
-  const ShapeKey key{current_device(), func, kOccupancyBlocks, static_cast<unsigned>(threads), 1u, smem};
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_occupancy.find(key);
-  if (it == g_occupancy.end()) {
-    int n = 0;
-    LOGITLESS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, func, threads, smem));
-    it = g_occupancy.emplace(key, n).first;
-  }
-  return it->second;
+  return max_active_blocks(current_device(), func, threads, smem);
 }
 
-int binary_version(const void* func) {
-  const ShapeKey key{current_device(), func, kBinaryVersion, 0u, 0u, 0};
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_occupancy.find(key);
-  if (it == g_occupancy.end()) {
+int max_active_blocks(int device, const void* func, int threads, size_t smem) {
+  const ShapeKey key{device, func, kOccupancyBlocks, static_cast<unsigned>(threads), 1u, smem};
+  return occupancy_answer(key, [&] {
+    int n = 0;
+    LOGITLESS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, func, threads, smem));
+    return n;
+  });
+}
+
+int binary_version(const void* func) { return binary_version(current_device(), func); }
+
+int binary_version(int device, const void* func) {
+  const ShapeKey key{device, func, kBinaryVersion, 0u, 0u, 0};
+  return occupancy_answer(key, [&] {
     cudaFuncAttributes attr{};
-    int version = 0;
     if (cudaFuncGetAttributes(&attr, func) != cudaSuccess) {
       cudaGetLastError();
-    } else {
-      version = attr.binaryVersion;
+      return 0;
     }
-    it = g_occupancy.emplace(key, version).first;
-  }
-  return it->second;
+    return attr.binaryVersion;
+  });
 }
 
 }  // namespace logitless::launch_cache

@@ -13,7 +13,8 @@ namespace logitless::ce {
 bool row_resident_available(int device);
 
 // Returns the number of clusters launched; 0 (launching nothing) when no cluster of plan.cluster CTAs fits.
-int launch_row_resident(DType dtype, const KernelParams& p, const Plan& plan, cudaStream_t stream);
+// `device`: the current device (its launch set-up is cached per device).
+int launch_row_resident(DType dtype, const KernelParams& p, const Plan& plan, int device, cudaStream_t stream);
 
 // One CTA per row; with_lse: the gradient from p.lse_in (no statistics pass).
 void launch_streaming(DType dtype, const KernelParams& p, bool with_lse, int sm_count, cudaStream_t stream);

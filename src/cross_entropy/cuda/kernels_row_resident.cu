@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinCtasPerSm)
 }
 
 template <typename T>
-int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
+int launch_typed(const KernelParams& p, const Plan& plan, int device, cudaStream_t stream) {
   // The pipelined loop reads row k+1's stage while row k's is still held: one stage would deadlock it. The
   // plain loop runs with one stage (no prefetch within the CTA; other CTAs on the SM can overlap it).
   const int min_stages = plan.pipelined ? 2 : 1;
@@ -260,10 +260,10 @@ int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
   const bool general = p.softcap > 0.f || p.eps != 0.f;
   auto kernel = general ? row_resident_kernel<T, true> : row_resident_kernel<T, false>;
   const void* fn = reinterpret_cast<const void*>(kernel);
-  if (const cudaError_t err = launch_cache::reserve_dynamic_smem(fn, plan.smem_bytes); err != cudaSuccess)
+  if (const cudaError_t err = launch_cache::reserve_dynamic_smem(device, fn, plan.smem_bytes); err != cudaSuccess)
     throw_cuda(err, "cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize)", __FILE__, __LINE__);
   if (plan.cluster > 8)
-    if (const cudaError_t err = launch_cache::allow_non_portable_clusters(fn); err != cudaSuccess)
+    if (const cudaError_t err = launch_cache::allow_non_portable_clusters(device, fn); err != cudaSuccess)
       throw_cuda(err, "cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed)", __FILE__,
                  __LINE__);
   cudaLaunchConfig_t cfg = {};
@@ -279,7 +279,7 @@ int launch_typed(const KernelParams& p, const Plan& plan, cudaStream_t stream) {
   cfg.stream = stream;
   cfg.gridDim = dim3(plan.cluster);
   // 0 where the cluster size is not supported here: not an error, the caller falls back.
-  const int max_clusters = launch_cache::max_active_clusters(fn, cfg);
+  const int max_clusters = launch_cache::max_active_clusters(device, fn, cfg);
   if (max_clusters <= 0) return 0;
   // Persistent clusters: one wave, rows strided across them.
   const int64_t clusters = std::min<int64_t>(plan.grid_clusters > 0 ? plan.grid_clusters : max_clusters, p.n_rows);
@@ -298,23 +298,19 @@ int debug::row_resident_max_clusters() { return debug_max_clusters; }
 bool row_resident_available(int device) {
   const DeviceInfo& info = device_info(device);
   if (info.sm_major < 9) return false;
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, row_resident_kernel<__nv_bfloat16, false>) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  // The kernel body exists only in the sm_90+ binaries of this build.
-  return attr.binaryVersion >= 90;
+  // The kernel body exists only in the sm_90+ binaries of this build (asked once per device: the launch cache).
+  const void* kernel = reinterpret_cast<const void*>(row_resident_kernel<__nv_bfloat16, false>);
+  return launch_cache::binary_version(device, kernel) >= 90;
 }
 
-int launch_row_resident(DType dtype, const KernelParams& p, const Plan& plan, cudaStream_t stream) {
+int launch_row_resident(DType dtype, const KernelParams& p, const Plan& plan, int device, cudaStream_t stream) {
   switch (dtype) {
     case DType::kFloat32:
-      return launch_typed<float>(p, plan, stream);
+      return launch_typed<float>(p, plan, device, stream);
     case DType::kFloat16:
-      return launch_typed<__half>(p, plan, stream);
+      return launch_typed<__half>(p, plan, device, stream);
     case DType::kBFloat16:
-      return launch_typed<__nv_bfloat16>(p, plan, stream);
+      return launch_typed<__nv_bfloat16>(p, plan, device, stream);
     default:
       throw_invalid("logits: unsupported dtype");
   }

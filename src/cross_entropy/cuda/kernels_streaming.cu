@@ -130,14 +130,9 @@ template <typename T>
 void streaming_typed(const KernelParams& p, bool with_lse, int sm_count, cudaStream_t stream) {
   const int grid = grid_for(p.n_rows, sm_count);
   const bool general = p.softcap > 0.f || p.eps != 0.f;
-  if (with_lse) {
-    (general ? streaming_kernel<T, true, true>
-             : streaming_kernel<T, false, true>)<<<grid, kStreamingThreads, 0, stream>>>(p);
-  } else {
-    (general ? streaming_kernel<T, true, false>
-             : streaming_kernel<T, false, false>)<<<grid, kStreamingThreads, 0, stream>>>(p);
-  }
-  LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy streaming kernel");
+  const auto kernel = with_lse ? (general ? streaming_kernel<T, true, true> : streaming_kernel<T, false, true>)
+                               : (general ? streaming_kernel<T, true, false> : streaming_kernel<T, false, false>);
+  launch_kernel("launch of cross-entropy streaming kernel", kernel, dim3(grid), dim3(kStreamingThreads), 0, stream, p);
 }
 
 }  // namespace
@@ -157,22 +152,22 @@ void launch_streaming(DType dtype, const KernelParams& p, bool with_lse, int sm_
 
 void launch_scale_rows(DType dtype, char* grad, const RowLayout& rows, int64_t n_rows, int64_t vocab,
                        const float* scale, bool per_row, int sm_count, cudaStream_t stream) {
-  const int grid = grid_for(n_rows, sm_count);
+  void (*kernel)(char*, RowLayout, int64_t, int64_t, const float*, int) = nullptr;
   switch (dtype) {
     case DType::kFloat32:
-      scale_rows_kernel<float><<<grid, kStreamingThreads, 0, stream>>>(grad, rows, n_rows, vocab, scale, per_row);
+      kernel = scale_rows_kernel<float>;
       break;
     case DType::kFloat16:
-      scale_rows_kernel<__half><<<grid, kStreamingThreads, 0, stream>>>(grad, rows, n_rows, vocab, scale, per_row);
+      kernel = scale_rows_kernel<__half>;
       break;
     case DType::kBFloat16:
-      scale_rows_kernel<__nv_bfloat16>
-          <<<grid, kStreamingThreads, 0, stream>>>(grad, rows, n_rows, vocab, scale, per_row);
+      kernel = scale_rows_kernel<__nv_bfloat16>;
       break;
     default:
       throw_invalid("grad: unsupported dtype");
   }
-  LOGITLESS_CUDA_CHECK_LAUNCH("scale_rows kernel");
+  launch_kernel("launch of scale_rows kernel", kernel, dim3(grid_for(n_rows, sm_count)), dim3(kStreamingThreads), 0,
+                stream, grad, rows, n_rows, vocab, scale, per_row ? 1 : 0);
 }
 
 }  // namespace logitless::ce

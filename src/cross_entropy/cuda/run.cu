@@ -178,8 +178,7 @@ size_t cuda_workspace_bytes(int64_t n_rows, int64_t vocab, bool has_weight, cons
 }
 
 void launch_prepass(const KernelParams& p, const Prepass& q, cudaStream_t stream) {
-  prepass_kernel<<<1, kReduceThreads, 0, stream>>>(p, q);
-  LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy prepass");
+  launch_kernel("launch of cross-entropy prepass", prepass_kernel, dim3(1), dim3(kReduceThreads), 0, stream, p, q);
 }
 
 void launch_rows(const Problem& pr, const KernelParams& kp, cudaStream_t stream) {
@@ -217,7 +216,7 @@ void launch_rows(const Problem& pr, const KernelParams& kp, cudaStream_t stream)
                 pr.vocab, " on sm_", info.sm_major, info.sm_minor));
   int clusters = 0;
   if (plan.algo == CrossEntropyAlgo::kRowResident) {
-    clusters = launch_row_resident(pr.dtype, kp, plan, stream);
+    clusters = launch_row_resident(pr.dtype, kp, plan, pr.device.index, stream);
     if (clusters == 0 && pr.algo == CrossEntropyAlgo::kRowResident)
       throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
   }
@@ -247,8 +246,8 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
     launch_rows(pr, kp, stream);
   }
   if (loss_out && pr.reduction != Reduction::kNone) {
-    finalize_kernel<<<1, kReduceThreads, 0, stream>>>(partials, pr.n_rows, scalars, pr.loss, kp.abort_on_bad);
-    LOGITLESS_CUDA_CHECK_LAUNCH("cross-entropy finalize");
+    launch_kernel("launch of cross-entropy finalize", finalize_kernel, dim3(1), dim3(kReduceThreads), 0, stream,
+                  partials, pr.n_rows, scalars, pr.loss, kp.abort_on_bad);
   }
   if (readback) throw_if_bad_target(pr, *readback);
 }

@@ -391,14 +391,11 @@ BackwardKernel pick(DType dtype, const Plan& plan, bool residual) {
 struct Launch {
   Plan plan;
   BackwardKernel kernel = nullptr;
-  PersistentGrid grid;
+  int ctas_per_sm = 0;  // the persistent grid's bound: what fits (the occupancy), capped by the plan
 };
 
-// The plan, its kernel and the persistent grid for these arguments (occupancy is the device's answer for
-// this kernel, so the workspace size and the launch agree).
-Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, int vpt, bool vector_ok, bool residual,
-               int device) {
-  const DeviceInfo& info = device_info(device);
+PlanInputs plan_inputs(DType dtype, int64_t hidden, RMSNormAlgo algo, int vpt, bool vector_ok, bool residual,
+                       const DeviceInfo& info) {
   PlanInputs in;
   in.hidden = hidden;
   in.elem_bytes = static_cast<int>(dtype_size(dtype));
@@ -408,72 +405,77 @@ Launch prepare(DType dtype, int64_t n_rows, int64_t hidden, RMSNormAlgo algo, in
   in.requested = algo;
   in.vpt = vpt;
   in.smem_per_block = info.max_smem_per_block_optin;
-  Launch l;
-  l.plan = plan_rms_norm(in);
-  if (l.plan.algo == RMSNormAlgo::kAuto)
-    throw_invalid(
-        str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ", l.plan.why_not));
+  return in;
+}
+
+// The kernel and its CTAs per SM for a plan (the occupancy is the device's answer for this kernel, so the workspace
+// size and the launch agree). Runtime calls only the first time a kernel meets a device.
+Launch complete(DType dtype, Plan plan, const PlanInputs& in, int device) {
   if (const debug::PlanHook hook = debug::plan_hook()) {
-    hook(l.plan, in);
-    l.plan.smem_bytes = plan_smem_bytes(l.plan, in);
-    if (const char* why = plan_error(l.plan, in))
+    hook(plan, in);
+    plan.smem_bytes = plan_smem_bytes(plan, in);
+    if (const char* why = plan_error(plan, in))
       throw_invalid(str_cat("rms_norm backward: a debug plan hook made an unusable plan: ", why));
   }
-  l.kernel = pick(dtype, l.plan, residual);
-  // The opt-in for more than 48 KB of shared memory is a per-device attribute of the kernel, set (once per
-  // device, with the occupancy query) before the first launch.
-  int per_sm = max_ctas_per_sm(reinterpret_cast<const void*>(l.kernel), l.plan.threads(), l.plan.smem_bytes, device);
-  if (l.plan.ctas_per_sm > 0) per_sm = std::min(per_sm, l.plan.ctas_per_sm);
-  l.grid = persistent_grid(l.plan, n_rows, info.sm_count, per_sm);
+  Launch l;
+  l.plan = plan;
+  l.kernel = pick(dtype, plan, in.residual);
+  l.ctas_per_sm = max_ctas_per_sm(reinterpret_cast<const void*>(l.kernel), plan.threads(), plan.smem_bytes, device);
+  if (plan.ctas_per_sm > 0) l.ctas_per_sm = std::min(l.ctas_per_sm, plan.ctas_per_sm);
   return l;
+}
+
+// The launch for these arguments: the plan, its kernel and its CTAs per SM.
+Launch prepare(DType dtype, int64_t hidden, RMSNormAlgo algo, int vpt, bool vector_ok, bool residual, int device) {
+  const PlanInputs in = plan_inputs(dtype, hidden, algo, vpt, vector_ok, residual, device_info(device));
+  const Plan plan = plan_rms_norm(in);
+  if (plan.algo == RMSNormAlgo::kAuto)
+    throw_invalid(
+        str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ", plan.why_not));
+  return complete(dtype, plan, in, device);
 }
 
 template <typename W>
 void launch_reduce(const float* partials, int64_t rows, int64_t stride, int64_t H, void* dw, cudaStream_t stream) {
   const int64_t grid = (H + kReduceCols - 1) / kReduceCols;
-  reduce_dw<W><<<static_cast<unsigned>(grid), dim3(kReduceCols, kReduceGroups), 0, stream>>>(partials, rows, stride, H,
-                                                                                             static_cast<W*>(dw));
-  LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm dW reduction");
+  launch_kernel("launch of rms_norm dW reduction", reduce_dw<W>, dim3(static_cast<unsigned>(grid)),
+                dim3(kReduceCols, kReduceGroups), 0, stream, partials, rows, stride, H, static_cast<W*>(dw));
 }
 
 }  // namespace
 
 // The occupancy the device reports for a kernel at a CTA shape, from the process-wide launch cache: every backward
-// asks twice (for the workspace size and for the launch), and the answer never changes for a process.
+// asks twice (for the workspace size and for the launch), and the answer never changes for a process. `device` is
+// passed on, so that a cached answer costs no runtime call at all.
 int max_ctas_per_sm(const void* kernel, int threads, size_t smem, int device) {
-  DeviceGuard guard(device);
-  if (smem > 48 * 1024) LOGITLESS_CUDA_CHECK(launch_cache::reserve_dynamic_smem(kernel, smem));
-  const int n = launch_cache::max_active_blocks(kernel, threads, smem);
+  if (smem > 48 * 1024) LOGITLESS_CUDA_CHECK(launch_cache::reserve_dynamic_smem(device, kernel, smem));
+  const int n = launch_cache::max_active_blocks(device, kernel, threads, smem);
   if (n < 1) throw_runtime("rms_norm: the kernel does not fit on this device");
   return n;
 }
 
 size_t backward_workspace_bytes_cuda(int64_t n_rows, int64_t hidden, DType dtype, const RMSNormOptions& o, int device) {
   if (n_rows == 0) return 0;
-  DeviceGuard guard(device);
+  const DeviceInfo& info = device_info(device);
   // Alignment is a property of the tensors the backward will get, unknown here, and so is whether a
   // residual-output gradient comes with them (the plan depends on it): size for every kernel that may run
-  // (the register ones as if aligned, with and without the residual, and the generic one).
+  // (the register ones as if aligned, with and without the residual, and the generic one). Each is a pure plan
+  // and a cached occupancy: arithmetic once the kernels have met the device.
   size_t need = 0;
+  auto add = [&](const PlanInputs& in, const Plan& plan) {
+    const Launch l = complete(dtype, plan, in, device);
+    need = std::max(need, workspace_bytes(persistent_grid(l.plan, n_rows, info.sm_count, l.ctas_per_sm), hidden));
+  };
   for (bool residual : {false, true}) {
     if (o.algo != RMSNormAlgo::kGeneric) {
-      PlanInputs probe;
-      probe.hidden = hidden;
-      probe.elem_bytes = static_cast<int>(dtype_size(dtype));
-      probe.backward = true;
-      probe.vector_ok = true;
-      probe.residual = residual;
-      probe.requested = o.algo;
-      probe.vpt = o.vectors_per_thread;
-      if (plan_rms_norm(probe).algo == RMSNormAlgo::kRegisters) {
-        const Launch l =
-            prepare(dtype, n_rows, hidden, RMSNormAlgo::kRegisters, o.vectors_per_thread, true, residual, device);
-        need = std::max(need, workspace_bytes(l.grid, hidden));
-      }
+      const PlanInputs in =
+          plan_inputs(dtype, hidden, RMSNormAlgo::kRegisters, o.vectors_per_thread, true, residual, info);
+      const Plan plan = plan_rms_norm(in);
+      if (plan.algo == RMSNormAlgo::kRegisters) add(in, plan);
     }
     if (o.algo != RMSNormAlgo::kRegisters) {
-      const Launch l = prepare(dtype, n_rows, hidden, RMSNormAlgo::kGeneric, 0, false, residual, device);
-      need = std::max(need, workspace_bytes(l.grid, hidden));
+      const PlanInputs in = plan_inputs(dtype, hidden, RMSNormAlgo::kGeneric, 0, false, residual, info);
+      add(in, plan_rms_norm(in));
     }
   }
   return need;
@@ -490,9 +492,9 @@ void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream) 
   const int64_t stride = workspace_row_stride(p.hidden);
   PersistentGrid grid;
   if (p.n_rows > 0) {
-    const Launch l = prepare(p.dtype, p.n_rows, p.hidden, p.algo, p.vectors_per_thread, vector_ok,
-                             p.grad_residual_out != nullptr, p.device.index);
-    grid = l.grid;
+    const Launch l = prepare(p.dtype, p.hidden, p.algo, p.vectors_per_thread, vector_ok, p.grad_residual_out != nullptr,
+                             p.device.index);
+    grid = persistent_grid(l.plan, p.n_rows, device_info(p.device.index).sm_count, l.ctas_per_sm);
     BackwardParams kp;
     kp.grad_y = p.grad_y;
     kp.grad_y_rows = p.grad_y_rows;
@@ -511,17 +513,15 @@ void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream) 
     kp.casting = p.casting;
     kp.dw_in_smem = l.plan.dw_in_smem;
     if (p.grad_weight) {
-      const size_t need = workspace_bytes(grid, p.hidden);
-      LOGITLESS_CHECK_ARG(ws.bytes >= need, "workspace", str_cat(">= ", need, " bytes"), str_cat(ws.bytes, " bytes"));
-      LOGITLESS_CHECK_ARG(need == 0 || aligned16(ws.data), "workspace", "a 16-byte aligned pointer",
-                          ws.data == nullptr ? "nullptr" : "a misaligned one");
+      // What this launch writes, at most what rms_norm_backward_workspace_bytes said (the largest of the kernels
+      // that may run): checked here rather than by a second workspace query per call.
+      check_workspace(ws, workspace_bytes(grid, p.hidden));
       kp.partials = static_cast<float*>(ws.data);
       kp.partial_stride = stride;
     }
     debug::record_launch(true, l.plan, grid.ctas);
-    l.kernel<<<static_cast<unsigned>(grid.ctas), dim3(l.plan.threads_per_row, l.plan.rows_per_cta), l.plan.smem_bytes,
-               s>>>(kp);
-    LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm backward");
+    launch_kernel("launch of rms_norm backward", l.kernel, dim3(static_cast<unsigned>(grid.ctas)),
+                  dim3(l.plan.threads_per_row, l.plan.rows_per_cta), l.plan.smem_bytes, s, kp);
   }
   if (!p.grad_weight) return;
   // With no rows the reduction adds nothing and writes zeros.

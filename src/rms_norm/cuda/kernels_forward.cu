@@ -302,9 +302,8 @@ void forward_cuda(const ForwardProblem& p, StreamHandle stream) {
   kp.offset = p.offset;
   kp.casting = p.casting;
 
-  kernel<<<static_cast<unsigned>(grid), dim3(plan.threads_per_row, plan.rows_per_cta), plan.smem_bytes,
-           static_cast<cudaStream_t>(stream)>>>(kp);
-  LOGITLESS_CUDA_CHECK_LAUNCH("rms_norm forward");
+  launch_kernel("launch of rms_norm forward", kernel, dim3(static_cast<unsigned>(grid)),
+                dim3(plan.threads_per_row, plan.rows_per_cta), plan.smem_bytes, static_cast<cudaStream_t>(stream), kp);
 }
 
 }  // namespace logitless::rms
