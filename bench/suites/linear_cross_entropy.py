@@ -88,7 +88,9 @@ def _auto_schedule(hidden, weight) -> str:
 
     mod = importlib.import_module("logitless.linear_cross_entropy")
     scalars = (-100, mod.REDUCTIONS["mean"], 0.0, 0.0, 0.0, True, 0, 0, mod.DEFAULT_MEMORY_BUDGET, 0)
-    return "recompute" if mod._recompute_is_faster(hidden, weight, None, scalars) else "gradient_in_forward"
+    # As the timed calls see them: both operands require grad (the model asks for dX and dW).
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    return "recompute" if mod._recompute_is_faster(h, w, None, scalars) else "gradient_in_forward"
 
 
 def _under_autocast(fn):
