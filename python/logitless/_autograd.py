@@ -30,7 +30,7 @@ from ._checks import register_fake
 from ._tensor import descriptor, stream
 
 __all__ = ["REDUCTIONS", "REDUCTION_NONE", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "enum", "no_double_backward",
-           "scale_saved", "custom_op", "DirectOp", "eager_ok", "cached"]
+           "scale_saved", "custom_op", "DirectOp", "eager_ok", "cached", "checkpointed"]
 
 # Must match logitless::Reduction (include/logitless/cross_entropy.h); the linear cross-entropy and the
 # vocabulary-parallel path use the same enum.
@@ -176,6 +176,14 @@ def enum(table: dict, value, name: str) -> int:
     if code is None:
         raise ValueError(f"{name}: expected one of {', '.join(map(repr, table))}, got {value!r}")
     return code
+
+
+def checkpointed() -> bool:
+    """Whether what is saved for the backward now goes through torch.utils.checkpoint (its non-reentrant form, the
+    one transformers uses by default): dropped after the forward, made again by rerunning the forward in the backward.
+    Saving a tensor there costs no memory beyond that layer's backward, so recomputing it instead only costs time."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def no_double_backward(name: str) -> None:

@@ -10,6 +10,10 @@ When x is the unchanged output of an eager `logitless.rms_norm` call (a decoder 
 not saved either: the norm's backward already keeps what it normalized, and the MLP's backward recomputes x from
 that with one more norm forward (`_norm_recipes`): one [tokens, hidden] tensor less per layer.
 
+Under activation checkpointing (torch.utils.checkpoint, non-reentrant) both savings are moot: nothing saved outlives
+the layer's backward, and the layer's forward reruns before it anyway. There h and x are saved as they are, instead of
+being computed a third time.
+
 Eager calls run `_GatedMLP` (an autograd.Function over F.linear and the gated unit's C++ entry points). Under
 torch.compile the composition of F.linear and `logitless.glu` is traced instead: the compiler plans its own
 buffers and decides itself what to recompute.
@@ -23,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _norm_recipes
-from ._autograd import eager_ok, enum, no_double_backward
+from ._autograd import checkpointed, eager_ok, enum, no_double_backward
 from .glu import ACTIVATIONS, ALGOS, _run_backward, _run_forward, glu
 
 __all__ = ["gated_mlp"]
@@ -48,11 +52,16 @@ class _GatedMLP(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, act):
         gate = F.linear(x, w_gate, b_gate)
         up = None if w_up is None else F.linear(x, w_up, b_up)
-        y = F.linear(_unit(gate, up, act), w_down, b_down)
+        h = _unit(gate, up, act)
+        y = F.linear(h, w_down, b_down)
+        # Under activation checkpointing the layer's forward runs again before its backward: h kept from that run
+        # costs no memory past this layer's backward, so it is saved rather than computed a third time.
+        ctx.keep_h = checkpointed()
         # x straight from an eager rms_norm: keep what the norm's backward keeps anyway and recompute x from it.
         made = _norm_recipes.recipe(x)
         ctx.x_inputs, ctx.recompute_x = (len(made[0]), made[1]) if made else (1, None)
-        ctx.save_for_backward(*(made[0] if made else (x,)), gate, up, w_gate, w_up, w_down)
+        ctx.save_for_backward(*(made[0] if made else (x,)), gate, up, w_gate, w_up, w_down,
+                              h if ctx.keep_h else None)
         ctx.act, ctx.has_bias = act, (b_gate is not None, b_up is not None, b_down is not None)
         ctx.consumed = False
         ctx.set_materialize_grads(False)
@@ -69,10 +78,11 @@ class _GatedMLP(torch.autograd.Function):
         saved = ctx.saved_tensors
         k = ctx.x_inputs
         x = ctx.recompute_x(*saved[:k]) if ctx.recompute_x else saved[0]
-        gate, up, w_gate, w_up, w_down = saved[k:]
+        gate, up, w_gate, w_up, w_down, h = saved[k:]
         need = ctx.needs_input_grad
         dy2 = grad_y.reshape(-1, grad_y.shape[-1])
-        h = _unit(gate, up, ctx.act)
+        if h is None:
+            h = _unit(gate, up, ctx.act)
         h2 = h.reshape(-1, h.shape[-1])
         grad_w_down = dy2.t().mm(h2).to(w_down.dtype) if need[3] else None
         grad_b_down = _sum_rows(dy2, w_down, need[6])

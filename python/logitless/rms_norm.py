@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _C, _norm_recipes
-from ._autograd import cached, custom_op, enum, no_double_backward
+from ._autograd import cached, checkpointed, custom_op, enum, no_double_backward
 from ._checks import check_float, check_int64, check_rows, check_tensors, register_fake, rows_collapse
 from ._tensor import descriptor, rows_ready, stream, workspace
 
@@ -243,8 +243,9 @@ def rms_norm(
         res = None if residual is None else rows_ready(residual)
         check_rows(x.dim() - 1, (("x", x), ("residual", res)))
     y, s, rstd = _forward(x, weight, residual, *scalars)
-    if y.requires_grad and not torch.compiler.is_compiling():
-        # What the backward keeps (what was normalized, the weight) recomputes y for an op that would save it.
+    if y.requires_grad and not torch.compiler.is_compiling() and not checkpointed():
+        # What the backward keeps (what was normalized, the weight) recomputes y for an op that would save it (not
+        # under activation checkpointing, where saving y costs no memory past the layer's backward).
         _norm_recipes.remember(y, (x if residual is None else s, weight),
                                lambda n, w: _forward(n, w, None, *scalars)[0])
     return y if residual is None else (y, s)

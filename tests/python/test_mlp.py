@@ -139,6 +139,31 @@ def test_a_norm_output_changed_in_place_is_saved_as_it_is():
         torch.testing.assert_close(got, w_gate.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_under_checkpointing_h_and_x_are_saved_not_computed_again(monkeypatch):
+    """Inside torch.utils.checkpoint (non-reentrant, transformers' default) the layer reruns its forward before the
+    backward: the gated unit runs twice in all (forward, rerun), not three times, and the gradients are the same."""
+    import logitless.mlp as mlp
+    from torch.utils.checkpoint import checkpoint
+
+    run, leaves = _norm_then_mlp(True, torch.float32, "cpu")
+    leaves = [t for t in leaves if t is not None]
+    dy = torch.randn(3, 32, 8, generator=torch.Generator().manual_seed(2))
+    calls = []
+    unit = mlp._unit
+    monkeypatch.setattr(mlp, "_unit", lambda *a: calls.append(1) or unit(*a))
+    grads, counts = [], []
+    for wrap in (lambda: run(False), lambda: checkpoint(run, False, use_reentrant=False)):
+        for t in leaves:
+            t.grad = None
+        calls.clear()
+        wrap().backward(dy)
+        grads.append([t.grad.clone() for t in leaves])
+        counts.append(len(calls))
+    assert counts == [2, 2]  # plain: forward + the backward's recompute; checkpointed: forward + the rerun
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_only_the_needed_gradients():
     x, w_gate, w_up, w_down, *_ = _operands()
     w_gate.requires_grad_(False)
