@@ -142,8 +142,9 @@ def test_a_norm_output_changed_in_place_is_saved_as_it_is():
 def test_under_checkpointing_h_and_x_are_saved_not_computed_again(monkeypatch):
     """Inside torch.utils.checkpoint (non-reentrant, transformers' default) the layer reruns its forward before the
     backward: the gated unit runs twice in all (forward, rerun), not three times, and the gradients are the same."""
-    import logitless.mlp as mlp
     from torch.utils.checkpoint import checkpoint
+
+    import logitless.mlp as mlp
 
     run, leaves = _norm_then_mlp(True, torch.float32, "cpu")
     leaves = [t for t in leaves if t is not None]
