@@ -141,26 +141,32 @@ def test_a_norm_output_changed_in_place_is_saved_as_it_is():
 
 def test_under_checkpointing_h_and_x_are_saved_not_computed_again(monkeypatch):
     """Inside torch.utils.checkpoint (non-reentrant, transformers' default) the layer reruns its forward before the
-    backward: the gated unit runs twice in all (forward, rerun), not three times, and the gradients are the same."""
+    backward: the gated unit and the norm run twice in all (forward, rerun), not three times, and the gradients are
+    the same."""
+    import importlib
+
     from torch.utils.checkpoint import checkpoint
 
-    import logitless.mlp as mlp
+    mlp, rms = importlib.import_module("logitless.mlp"), importlib.import_module("logitless.rms_norm")
 
     run, leaves = _norm_then_mlp(True, torch.float32, "cpu")
     leaves = [t for t in leaves if t is not None]
     dy = torch.randn(3, 32, 8, generator=torch.Generator().manual_seed(2))
-    calls = []
-    unit = mlp._unit
+    calls, norms = [], []
+    unit, norm = mlp._unit, rms._forward
     monkeypatch.setattr(mlp, "_unit", lambda *a: calls.append(1) or unit(*a))
+    monkeypatch.setattr(rms, "_forward", lambda *a: norms.append(1) or norm(*a))
     grads, counts = [], []
     for wrap in (lambda: run(False), lambda: checkpoint(run, False, use_reentrant=False)):
         for t in leaves:
             t.grad = None
         calls.clear()
+        norms.clear()
         wrap().backward(dy)
         grads.append([t.grad.clone() for t in leaves])
-        counts.append(len(calls))
-    assert counts == [2, 2]  # plain: forward + the backward's recompute; checkpointed: forward + the rerun
+        counts.append((len(calls), len(norms)))
+    # plain: forward + the backward's recomputes; checkpointed: forward + the rerun, nothing recomputed on top
+    assert counts == [(2, 2), (2, 2)]
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
