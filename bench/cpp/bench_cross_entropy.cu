@@ -37,10 +37,11 @@ static void tweak(ce::Plan& p) {
   }
 }
 static void describe(const char* what) {
-  const auto r = ce::debug::last_launch();
+  const auto r = ce::debug::last_launch.get();
   std::printf("   [%s: algo=%d cluster=%d stages=%d threads=%d slice=%lld pipelined=%d clusters=%d (occupancy %d)]\n",
               what, static_cast<int>(r.plan.algo), r.plan.cluster, r.plan.stages, r.plan.threads,
-              (long long)r.plan.slice, r.plan.pipelined ? 1 : 0, r.clusters, ce::debug::row_resident_max_clusters());
+              (long long)r.plan.slice, r.plan.pipelined ? 1 : 0, r.clusters,
+              ce::debug::row_resident_max_clusters.get());
 }
 
 __global__ void fill_random(__nv_bfloat16* x, int64_t n, uint64_t seed) {
@@ -138,7 +139,7 @@ int main(int argc, char** argv) {
     row("backward from lse (1R+1W)",
         median_ms([&] { cross_entropy_backward(lv, tv, {}, lsev, gl, o, gv, w, nullptr); }), 2.0 * bytes);
     // Row-resident variants: copy pieces, threads, cluster size, grid.
-    ce::debug::set_plan_hook(tweak);
+    ce::debug::plan_hook.set(tweak);
     struct Var {
       int pieces, threads, cluster, grid, pipe, stages;
     };
@@ -168,7 +169,7 @@ int main(int argc, char** argv) {
     }
     o.algo = CrossEntropyAlgo::kAuto;
     g_pieces = g_threads = g_cluster = g_grid = g_pipe = g_stages = 0;
-    ce::debug::set_plan_hook(nullptr);
+    ce::debug::plan_hook.set(nullptr);
     o.check_targets = true;
     row("auto fwd+bwd, eager target check",
         median_ms([&] { cross_entropy_forward_backward(lv, tv, {}, o, scalar_loss, lsev, {}, gv, {}, w, nullptr); }),

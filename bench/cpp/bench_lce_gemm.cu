@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; N=%lld H=%lld V=%lld, %d rounds\n", prop.name, prop.multiProcessorCount,
               (long long)N, (long long)H, (long long)V, rounds);
-  if (!debug::fused_kernels_built() || !fused_gemm_supported(0, DType::kBFloat16, nullptr, H, nullptr, H, H)) {
+  if (!lce::debug::fused_kernels_built() || !fused_gemm_supported(0, DType::kBFloat16, nullptr, H, nullptr, H, H)) {
     std::printf("the fused kernels are not built or not supported here\n");
     return 0;
   }
@@ -144,24 +144,24 @@ int main(int argc, char** argv) {
                          &one, w, CUDA_R_16BF, static_cast<int>(H), x, CUDA_R_16BF, static_cast<int>(H), &zero, z,
                          CUDA_R_16BF, static_cast<int>(V), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
        }},
-      {"mainloop", [&] { debug::launch_fused_mainloop(f, sms, nullptr); }},
+      {"mainloop", [&] { lce::debug::launch_fused_mainloop(f, sms, nullptr); }},
       {"spin1000",
        [&] {
          FusedGemmParams g = f;
          g.debug_spin = 1000;
-         debug::launch_fused_mainloop(g, sms, nullptr);
+         lce::debug::launch_fused_mainloop(g, sms, nullptr);
        }},
       {"spin2000",
        [&] {
          FusedGemmParams g = f;
          g.debug_spin = 2000;
-         debug::launch_fused_mainloop(g, sms, nullptr);
+         lce::debug::launch_fused_mainloop(g, sms, nullptr);
        }},
       {"spin4000",
        [&] {
          FusedGemmParams g = f;
          g.debug_spin = 4000;
-         debug::launch_fused_mainloop(g, sms, nullptr);
+         lce::debug::launch_fused_mainloop(g, sms, nullptr);
        }},
       // The gradient in forward's other two products, on the E the exp variant wrote: dX = E W (float32 out, as
       // the library runs it, and bfloat16 out) and dW = E^T X (bfloat16 out).

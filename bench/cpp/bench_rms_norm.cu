@@ -83,7 +83,7 @@ static void hook(rms::Plan& p, const rms::PlanInputs& in) {
 // What the last launch of a pass ran, compactly: "v4p 128x2 1056" (vectors, prefetch, threads a row x
 // rows a CTA, CTAs), "generic 256x1 ..." for the generic kernel.
 static std::string describe(bool backward) {
-  const rms::debug::LaunchRecord r = rms::debug::last_launch(backward);
+  const rms::debug::LaunchRecord r = (backward ? rms::debug::last_backward : rms::debug::last_forward).get();
   char buf[96];
   if (r.plan.algo == RMSNormAlgo::kGeneric)
     std::snprintf(buf, sizeof buf, "generic %dx%d %lld", r.plan.threads_per_row, r.plan.rows_per_cta,
@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
 
   const Device dev{DeviceType::kCUDA, 0};
   constexpr int kSets = 2;
-  rms::debug::set_plan_hook(hook);
+  rms::debug::plan_hook.set(hook);
   for (const auto& shp : shapes) {
     const int64_t N = shp.first, H = shp.second;
     const size_t elems = size_t(N) * H, bytes = elems * 2;
@@ -342,7 +342,7 @@ int main(int argc, char** argv) {
         CK(cudaFree(p));
     for (void* p : {(void*)w, (void*)dw, (void*)ref_dw, (void*)ref_y, (void*)ref_dx, (void*)bad, ws}) CK(cudaFree(p));
   }
-  rms::debug::set_plan_hook(nullptr);
+  rms::debug::plan_hook.set(nullptr);
 
   // The summary, last: the fastest variant per shape and pass against the default.
   std::printf("\nfastest per shape and pass (%% of copy; fwd+bwd rows run the default forward):\n");

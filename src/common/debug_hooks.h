@@ -1,10 +1,12 @@
 // The library's test and benchmark switches, in one registry. Each hook is a named integer with a default, read by
 // the code it steers at the start of a call and set by tests (by enum) or by benchmark harnesses (by name). The
 // library never reads the environment: a harness that takes a switch from its command line or environment sets
-// the hook itself. Not public API.
+// the hook itself. Hooks of other types (a function that rewrites a plan, the record of the last launch) are
+// Slots declared by the family they steer. Not public API.
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 
 namespace logitless::debug {
 
@@ -27,5 +29,25 @@ void set_hook(Hook h, int64_t value);
 // The hook of that name ("lce_fused_kernels", "lce_exp_form", "lce_exp_fixup_all", "head_accumulate_gemm") set;
 // false if none has it.
 bool set_hook(const char* name, int64_t value);
+
+// A typed hook or observer shared by every thread: a plan rewrite a test or benchmark sets and a launcher reads,
+// or what a launcher ran, which the test reads back. A family declares each as an inline variable of its debug
+// namespace, so that the library and its tests see one instance.
+template <class T>
+class Slot {
+ public:
+  T get() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return value_;
+  }
+  void set(const T& value) {
+    std::lock_guard<std::mutex> lock(mu_);
+    value_ = value;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  T value_{};
+};
 
 }  // namespace logitless::debug

@@ -533,18 +533,18 @@ TEST_P(CrossEntropyCuda, RowResidentPipelinedMatchesCpuBackend) {
   in.opt.algo = CrossEntropyAlgo::kRowResident;
   const auto up = upstream_for(in, seed_of(c) + 12);
   const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
-  ce::debug::set_plan_hook(pipelined_hook);
+  ce::debug::plan_hook.set(pipelined_hook);
   Outputs got, got_in_place;
   try {
     got = run_backend(in, Entry::kForwardBackward, true, up, nullptr);
     got_in_place = run_backend(in, Entry::kForwardBackwardInPlace, true, up, nullptr);
   } catch (const Error& e) {
-    ce::debug::set_plan_hook(nullptr);
+    ce::debug::plan_hook.set(nullptr);
     if (std::string(e.what()).find("algo:") != std::string::npos) GTEST_SKIP() << e.what();  // not Hopper
     throw;
   }
-  const ce::debug::LaunchRecord rec = ce::debug::last_launch();
-  ce::debug::set_plan_hook(nullptr);
+  const ce::debug::LaunchRecord rec = ce::debug::last_launch.get();
+  ce::debug::plan_hook.set(nullptr);
   EXPECT_TRUE(rec.plan.pipelined);
   expect_outputs(in, Entry::kForwardBackward, got, want, "cuda row-resident pipelined", up);
   expect_outputs(in, Entry::kForwardBackwardInPlace, got_in_place, want, "cuda row-resident pipelined in place", up);
@@ -745,14 +745,14 @@ TEST(CrossEntropyCudaErrors, RefusedLaunchDoesNotFailTheNextCall) {
   CeInputs in(c, 21);
   in.opt.algo = CrossEntropyAlgo::kRowResident;
   const std::vector<double> up(1, 1.0);
-  ce::debug::set_plan_hook(oversized_stage_hook);
+  ce::debug::plan_hook.set(oversized_stage_hook);
   std::string msg;
   try {
     run_backend(in, Entry::kForwardBackward, true, up, nullptr);
   } catch (const Error& e) {
     msg = e.what();
   }
-  ce::debug::set_plan_hook(nullptr);
+  ce::debug::plan_hook.set(nullptr);
   if (msg.find("algo:") != std::string::npos) GTEST_SKIP() << msg;  // not Hopper: no row-resident kernel
   EXPECT_NE(msg.find("cudaFuncSetAttribute"), std::string::npos) << msg;
   const Outputs got = run_backend(in, Entry::kForwardBackward, true, up, nullptr);

@@ -559,7 +559,7 @@ TEST_P(LinearCrossEntropyCuda, GenericPathMatchesCpuBackend) {
   for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
     SCOPED_TRACE(entry_name(e));
     const Outputs got = run_backend(in, e, /*dev=*/true, up, &want.lse);
-    EXPECT_EQ(lce::debug::last_kernel(), lce::Kernel::kCublasChunked);
+    EXPECT_EQ(lce::debug::last_kernel.get(), lce::Kernel::kCublasChunked);
     expect_outputs(in, e, got, want, "cuda generic", in.c.dtype);
   }
   lce::debug::set_fused_kernels(true);
@@ -642,12 +642,12 @@ TEST(LinearCrossEntropyCudaFused, RunsOnHopperFor16BitInputs) {
     for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
       SCOPED_TRACE(entry_name(e));
       run_backend(in, e, /*dev=*/true, up, nullptr);
-      EXPECT_EQ(lce::debug::last_kernel(), fused ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
+      EXPECT_EQ(lce::debug::last_kernel.get(), fused ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
     }
     // With the exponential form off, the gradient in forward is generic.
     lce::debug::set_exp_form(false);
     run_backend(in, Entry::kForwardBackward, /*dev=*/true, up, nullptr);
-    EXPECT_EQ(lce::debug::last_kernel(), lce::Kernel::kCublasChunked);
+    EXPECT_EQ(lce::debug::last_kernel.get(), lce::Kernel::kCublasChunked);
     lce::debug::set_exp_form(true);
   }
 }

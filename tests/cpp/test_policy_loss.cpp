@@ -385,7 +385,7 @@ TEST_P(PolicyLossCuda, EveryAlgorithmMatchesCpuBackend) {
       // Token level, the fused pass is the last row launch: the resident kernel ran it (sequence level, the last
       // launch is the backward from the saved lse, which streams).
       if (v.algo == PolicyLossAlgo::kRowResident && c.level == ImportanceSamplingLevel::kToken && c.B * c.L > 0)
-        EXPECT_EQ(pl::debug::last_rows_plan().algo, PolicyLossAlgo::kRowResident);
+        EXPECT_EQ(pl::debug::last_rows_plan.get().algo, PolicyLossAlgo::kRowResident);
 #endif
       PlOut w = want;
       if (c.preset != Preset::kFull) w.entropy = got.entropy;  // not requested in this run

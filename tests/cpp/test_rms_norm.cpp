@@ -500,11 +500,11 @@ TEST(RMSNormCudaVariants, EveryRegisterKernelMatchesCpuBackend) {
                                         << g_hook.fwd.prefetch << ", backward vpt " << g_hook.bwd.vpt << " prefetch "
                                         << g_hook.bwd.prefetch << " dW in shared memory " << g_hook.bwd.smem_dw
                                         << ", ctas_per_sm " << ctas);
-        rms::debug::set_plan_hook(variant_hook);
+        rms::debug::plan_hook.set(variant_hook);
         Forward f = run_forward(in, true, false, in.opt);
         const Backward b = run_backward(in, xs, cpu.rstd, true, true, in.opt);
-        const rms::debug::LaunchRecord lf = rms::debug::last_launch(false), lb = rms::debug::last_launch(true);
-        rms::debug::set_plan_hook(nullptr);
+        const rms::debug::LaunchRecord lf = rms::debug::last_forward.get(), lb = rms::debug::last_backward.get();
+        rms::debug::plan_hook.set(nullptr);
         EXPECT_EQ(lf.plan.vpt, g_hook.fwd.vpt);
         EXPECT_EQ(lb.plan.prefetch, g_hook.bwd.prefetch);
         EXPECT_EQ(lb.plan.dw_in_smem, g_hook.bwd.smem_dw);

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/debug_hooks.h"
 #include "cross_entropy/cuda/params.h"
 #include "cross_entropy/cuda/plan.h"
 #include "logitless/tensor.h"
@@ -23,16 +24,17 @@ void launch_scale_rows(DType dtype, char* grad, const RowLayout& rows, int64_t n
                        const float* scale, bool per_row, int sm_count, cudaStream_t stream);
 
 // Benchmark and test hooks (not part of the public API): a function that may rewrite each plan before it is
-// launched, and what the last call on this thread ran.
+// launched, and what the last call ran.
 namespace debug {
 using PlanHook = void (*)(Plan&);
-void set_plan_hook(PlanHook hook);
+inline logitless::debug::Slot<PlanHook> plan_hook;
 struct LaunchRecord {
   Plan plan;
   int clusters = 0;  // row-resident clusters launched (0: the streaming kernel ran)
 };
-LaunchRecord last_launch();
-int row_resident_max_clusters();  // what the occupancy calculator reported at the last row-resident launch
+inline logitless::debug::Slot<LaunchRecord> last_launch;
+// What the occupancy calculator reported at the last row-resident launch.
+inline logitless::debug::Slot<int> row_resident_max_clusters;
 }  // namespace debug
 
 }  // namespace logitless::ce

@@ -24,8 +24,6 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-int debug_max_clusters = 0;
-
 struct ResidentShape {
   int64_t slice;  // elements per CTA
   int stages;
@@ -283,7 +281,7 @@ int launch_typed(const KernelParams& p, const Plan& plan, int device, cudaStream
   if (max_clusters <= 0) return 0;
   // Persistent clusters: one wave, rows strided across them.
   const int64_t clusters = std::min<int64_t>(plan.grid_clusters > 0 ? plan.grid_clusters : max_clusters, p.n_rows);
-  debug_max_clusters = max_clusters;
+  debug::row_resident_max_clusters.set(max_clusters);
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * plan.cluster));
   const ResidentShape shape{plan.slice, plan.stages, static_cast<int>(plan.stage_bytes), std::max(1, plan.copy_pieces),
                             plan.pipelined ? 1 : 0};
@@ -292,8 +290,6 @@ int launch_typed(const KernelParams& p, const Plan& plan, int device, cudaStream
 }
 
 }  // namespace
-
-int debug::row_resident_max_clusters() { return debug_max_clusters; }
 
 bool row_resident_available(int device) {
   const DeviceInfo& info = device_info(device);

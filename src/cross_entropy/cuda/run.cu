@@ -22,9 +22,6 @@ namespace {
 
 constexpr int kReduceThreads = 1024;
 
-debug::PlanHook g_plan_hook = nullptr;
-thread_local debug::LaunchRecord t_last_launch;
-
 size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
 // Fixed thread count and fixed per-thread order: the sums come out bit-identical on every run.
@@ -195,7 +192,7 @@ void launch_rows(const Problem& pr, const KernelParams& kp, cudaStream_t stream)
     // A vocabulary shard: its partial statistics, or its backward from the global lse. Both read each row once,
     // which the streaming kernel does on every GPU (the row-resident kernel serves whole rows read twice).
     launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
-    t_last_launch = debug::LaunchRecord{Plan{}, 0};
+    debug::last_launch.set(debug::LaunchRecord{Plan{}, 0});
     return;
   }
   PlanInputs in;
@@ -208,7 +205,7 @@ void launch_rows(const Problem& pr, const KernelParams& kp, cudaStream_t stream)
   in.smem_per_sm = info.max_smem_per_sm;
   in.requested = pr.algo;
   Plan plan = plan_cross_entropy(in);
-  if (g_plan_hook) g_plan_hook(plan);
+  if (const debug::PlanHook hook = debug::plan_hook.get()) hook(plan);
   if (plan.algo == CrossEntropyAlgo::kAuto)
     throw_invalid(
         str_cat("algo: expected an algorithm this GPU can run; row_resident needs a Hopper GPU (sm_90) "
@@ -221,7 +218,7 @@ void launch_rows(const Problem& pr, const KernelParams& kp, cudaStream_t stream)
       throw_invalid(str_cat("algo: row_resident cannot place a cluster of ", plan.cluster, " CTAs on this GPU"));
   }
   if (clusters == 0) launch_streaming(pr.dtype, kp, pr.mode == Mode::kBackward, info.sm_count, stream);
-  t_last_launch = debug::LaunchRecord{plan, clusters};
+  debug::last_launch.set(debug::LaunchRecord{plan, clusters});
 }
 
 void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
@@ -251,11 +248,6 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
   }
   if (readback) throw_if_bad_target(pr, *readback);
 }
-
-namespace debug {
-void set_plan_hook(PlanHook hook) { g_plan_hook = hook; }
-LaunchRecord last_launch() { return t_last_launch; }
-}  // namespace debug
 
 void scale_rows_cuda(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab, const float* scale,
                      bool per_row, Device device, StreamHandle stream) {

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "common/debug_hooks.h"
 #include "cross_entropy/cuda/params.h"
 #include "linear_cross_entropy/cuda/params.h"
 #include "linear_cross_entropy/cuda/plan.h"  // kFusedTileCols
@@ -61,7 +62,7 @@ bool fused_gemm_supported(int device, DType dtype, const void* x, int64_t ldx, c
 
 // Test and benchmark hooks (not public API; names over common/debug_hooks.h's registry, which benchmark harnesses
 // set by name): the fused kernels on or off for every later call in the process (on by default), and which kernel
-// the last call on this thread planned.
+// the last call planned.
 namespace debug {
 bool fused_kernels_built();  // this build has them (it found the CUTLASS headers)
 void set_fused_kernels(bool enabled);
@@ -71,7 +72,7 @@ void set_exp_fixup_all(bool enabled);
 // The gradient in forward's exponential form on (the default) or off for later calls (common/debug_hooks.h).
 void set_exp_form(bool enabled);
 bool fused_kernels_enabled();
-Kernel last_kernel();
+inline logitless::debug::Slot<Kernel> last_kernel;
 // The fused GEMM (bfloat16) without an epilogue: its accumulators are dropped. The mainloop's speed alone, for the
 // kernel micro-benchmark (bench/cpp/bench_lce_gemm.cu).
 void launch_fused_mainloop(const FusedGemmParams& p, int sm_count, cudaStream_t stream);

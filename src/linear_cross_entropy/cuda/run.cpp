@@ -42,8 +42,6 @@ namespace hooks = ::logitless::debug;  // the registry (common/debug_hooks.h), n
 using head::Engine;
 using hooks::Hook;
 
-thread_local Kernel t_last_kernel = Kernel::kCublasChunked;
-
 Pass pass_of(Mode m) {
   switch (m) {
     case Mode::kForward:
@@ -520,7 +518,6 @@ void set_fused_kernels(bool enabled) { hooks::set_hook(Hook::kLceFusedKernels, e
 void set_exp_fixup_all(bool enabled) { hooks::set_hook(Hook::kLceExpFixupAll, enabled); }
 void set_exp_form(bool enabled) { hooks::set_hook(Hook::kLceExpForm, enabled); }
 bool fused_kernels_enabled() { return hooks::hook(Hook::kLceFusedKernels) != 0; }
-Kernel last_kernel() { return t_last_kernel; }
 }  // namespace debug
 
 size_t cuda_workspace_bytes(const Problem& p) {
@@ -533,7 +530,7 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   DeviceGuard guard(p.device.index);
   const PlanInputs in = plan_inputs(p);
   const Plan plan = plan_linear_cross_entropy(in);
-  t_last_kernel = plan.kernel;
+  debug::last_kernel.set(plan.kernel);
   Buffers b;
   head::WorkspaceLayout layout;
   declare_workspace(in, plan, layout, &b);

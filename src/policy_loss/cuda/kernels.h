@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/debug_hooks.h"
 #include "logitless/tensor.h"
 #include "policy_loss/cuda/params.h"
 #include "policy_loss/cuda/plan.h"
@@ -38,10 +39,9 @@ bool launch_rows_resident(DType dtype, RowsVariant v, const KernelParams& p, con
 // Zeroes `n` rows of `vocab` elements, `stride` elements apart (the unused last position's gradient).
 void launch_zero_rows(DType dtype, char* base, int64_t stride, int64_t n, int64_t vocab, cudaStream_t stream);
 
-// Benchmark and test hook (not part of the public API): the plan of the last row kernel launched on this thread.
+// Benchmark and test hook (not part of the public API): the plan of the last row kernel launched.
 namespace debug {
-RowsPlan last_rows_plan();
-void set_last_rows_plan(const RowsPlan& plan);
+inline logitless::debug::Slot<RowsPlan> last_rows_plan;
 }  // namespace debug
 
 }  // namespace logitless::pl

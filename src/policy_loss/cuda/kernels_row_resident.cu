@@ -231,7 +231,7 @@ bool launch_rows_resident(DType dtype, RowsVariant v, const KernelParams& p, con
     throw_invalid(str_cat("policy_loss: row-resident slices of ", plan.slice, " elements x ", plan.cluster,
                           " CTAs must cover V=", p.vocab, " and fit stages of ", plan.stage_bytes, " bytes"));
   const KernelFn kernel = resident_fn(dtype, v.entropy);
-  debug::set_last_rows_plan(plan);
+  debug::last_rows_plan.set(plan);
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;

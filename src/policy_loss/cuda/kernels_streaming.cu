@@ -41,8 +41,6 @@ namespace {
 namespace cg = cooperative_groups;
 using namespace rows_dev;
 
-thread_local RowsPlan t_last_plan;
-
 // The statistics pass's view of the partial first / last chunk of a row (its other slots masked out) in the first
 // maximum: its classes may lie below those of the whole chunks, so it goes through the general merge.
 template <int kVec>
@@ -242,7 +240,7 @@ bool launch_rows(DType dtype, RowsVariant v, const KernelParams& p, const RowsPl
   if (v.top1 && plan.algo == PolicyLossAlgo::kCluster)
     throw_invalid("is_top1: computed by one CTA per row, not by a cluster plan (its exchange carries no argmax)");
   const KernelFn kernel = rows_fn(dtype, v);
-  debug::set_last_rows_plan(plan);
+  debug::last_rows_plan.set(plan);
   if (plan.algo != PolicyLossAlgo::kCluster) {
     const int per_sm = std::max(1, rows_ctas_per_sm(dtype, v, plan.threads));
     // Persistent CTAs, rows strided across them: one wave, so that each CTA's prefetch of its next token pays.
@@ -288,10 +286,5 @@ void launch_zero_rows(DType dtype, char* base, int64_t stride, int64_t n, int64_
   }
   LOGITLESS_CUDA_CHECK_LAUNCH("zero rows");
 }
-
-namespace debug {
-RowsPlan last_rows_plan() { return t_last_plan; }
-void set_last_rows_plan(const RowsPlan& plan) { t_last_plan = plan; }
-}  // namespace debug
 
 }  // namespace logitless::pl

@@ -411,7 +411,7 @@ PlanInputs plan_inputs(DType dtype, int64_t hidden, RMSNormAlgo algo, int vpt, b
 // The kernel and its CTAs per SM for a plan (the occupancy is the device's answer for this kernel, so the workspace
 // size and the launch agree). Runtime calls only the first time a kernel meets a device.
 Launch complete(DType dtype, Plan plan, const PlanInputs& in, int device) {
-  if (const debug::PlanHook hook = debug::plan_hook()) {
+  if (const debug::PlanHook hook = debug::plan_hook.get()) {
     hook(plan, in);
     plan.smem_bytes = plan_smem_bytes(plan, in);
     if (const char* why = plan_error(plan, in))
@@ -519,7 +519,7 @@ void backward_cuda(const BackwardProblem& p, Workspace ws, StreamHandle stream) 
       kp.partials = static_cast<float*>(ws.data);
       kp.partial_stride = stride;
     }
-    debug::record_launch(true, l.plan, grid.ctas);
+    debug::last_backward.set({l.plan, grid.ctas});
     launch_kernel("launch of rms_norm backward", l.kernel, dim3(static_cast<unsigned>(grid.ctas)),
                   dim3(l.plan.threads_per_row, l.plan.rows_per_cta), l.plan.smem_bytes, s, kp);
   }

@@ -267,7 +267,7 @@ void forward_cuda(const ForwardProblem& p, StreamHandle stream) {
   if (plan.algo == RMSNormAlgo::kAuto)
     throw_invalid(
         str_cat("algo: expected a kernel that can run these arguments, got registers, which cannot: ", plan.why_not));
-  if (const debug::PlanHook hook = debug::plan_hook()) {
+  if (const debug::PlanHook hook = debug::plan_hook.get()) {
     hook(plan, in);
     if (const char* why = plan_error(plan, in))
       throw_invalid(str_cat("rms_norm forward: a debug plan hook made an unusable plan: ", why));
@@ -282,7 +282,7 @@ void forward_cuda(const ForwardProblem& p, StreamHandle stream) {
   }
   if (grid > 0x7FFFFFFF)
     throw_invalid(str_cat("x: expected at most ", 0x7FFFFFFFLL * plan.rows_per_cta, " rows, got ", p.n_rows));
-  debug::record_launch(false, plan, grid);
+  debug::last_forward.set({plan, grid});
 
   ForwardParams kp;
   kp.x = p.x;

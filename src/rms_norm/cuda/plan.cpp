@@ -1,8 +1,6 @@
 #include "rms_norm/cuda/plan.h"
 
 #include <algorithm>
-#include <atomic>
-#include <mutex>
 
 namespace logitless::rms {
 
@@ -188,23 +186,5 @@ PersistentGrid persistent_grid(const Plan& plan, int64_t n_rows, int sm_count, i
   g.partial_rows = per_slot ? ctas * slots : ctas;
   return g;
 }
-
-namespace debug {
-namespace {
-std::atomic<PlanHook> g_hook{nullptr};
-std::mutex g_mu;
-LaunchRecord g_last[2];
-}  // namespace
-void set_plan_hook(PlanHook hook) { g_hook.store(hook); }
-PlanHook plan_hook() { return g_hook.load(); }
-void record_launch(bool backward, const Plan& plan, int64_t ctas) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  g_last[backward ? 1 : 0] = {plan, ctas};
-}
-LaunchRecord last_launch(bool backward) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return g_last[backward ? 1 : 0];
-}
-}  // namespace debug
 
 }  // namespace logitless::rms

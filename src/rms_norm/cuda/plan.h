@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/debug_hooks.h"
 #include "logitless/rms_norm.h"
 
 namespace logitless::rms {
@@ -131,18 +132,16 @@ inline size_t workspace_bytes(const PersistentGrid& g, int64_t hidden) {
 }
 
 // Benchmark and test hooks (not part of the public API): a function that may rewrite each plan before it is
-// checked (plan_error) and launched, and what the last launch on any thread ran. The backward applies the
+// checked (plan_error) and launched, and what the last launch of each pass ran. The backward applies the
 // hook to its workspace query too, so the two agree while the hook stays the same.
 namespace debug {
 using PlanHook = void (*)(Plan& plan, const PlanInputs& in);
-void set_plan_hook(PlanHook hook);
-PlanHook plan_hook();
+inline logitless::debug::Slot<PlanHook> plan_hook;
 struct LaunchRecord {
   Plan plan;
   int64_t ctas = 0;
 };
-void record_launch(bool backward, const Plan& plan, int64_t ctas);
-LaunchRecord last_launch(bool backward);
+inline logitless::debug::Slot<LaunchRecord> last_forward, last_backward;
 }  // namespace debug
 
 }  // namespace logitless::rms
