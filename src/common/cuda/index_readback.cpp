@@ -41,4 +41,16 @@ long long IndexReadback::wait() {
   return *slot_;
 }
 
+std::optional<BadIndex> IndexReadback::first_bad(int64_t n_rows, const void* indices, DType dtype,
+                                                 const RowLayout& rows) {
+  const long long row = wait();
+  if (row >= n_rows) return std::nullopt;
+  const int64_t es = dtype_size(dtype);
+  int64_t value = 0;
+  const char* addr = static_cast<const char*>(indices) + rows.offset(row) * es;
+  LOGITLESS_CUDA_CHECK(cudaMemcpy(&value, addr, es, cudaMemcpyDeviceToHost));
+  if (es == 4) value = static_cast<int32_t>(value & 0xFFFFFFFF);
+  return BadIndex{row, value};
+}
+
 }  // namespace logitless

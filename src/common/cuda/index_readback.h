@@ -7,7 +7,16 @@
 
 #include <cuda_runtime.h>
 
+#include <optional>
+
+#include "common/layout.h"
+
 namespace logitless {
+
+struct BadIndex {
+  int64_t row = 0;
+  int64_t value = 0;  // the index found there
+};
 
 class IndexReadback {
  public:
@@ -16,6 +25,9 @@ class IndexReadback {
   static IndexReadback& start(int device, const long long* first_bad, cudaStream_t stream);
   // Waits for the copy (not for the work queued after it) and returns the value.
   long long wait();
+  // Waits for the copy; the first bad row if it is below n_rows, with the index there read from `indices` (int32 or
+  // int64, rows laid out by `rows`; one synchronous copy, on the error path only).
+  std::optional<BadIndex> first_bad(int64_t n_rows, const void* indices, DType dtype, const RowLayout& rows);
 
   IndexReadback();
   ~IndexReadback();

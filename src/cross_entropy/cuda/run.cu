@@ -149,22 +149,12 @@ KernelParams make_params(const Problem& pr, const Scalars* scalars, float* row_l
   return k;
 }
 
-namespace {
-
-// Waits for the read-back and throws if a row's target is bad (the kernels queued since then write nothing).
-void throw_if_bad_target(const Problem& pr, IndexReadback& rb) {
-  const long long first_bad = rb.wait();
-  if (first_bad >= pr.n_rows) return;
-  const int64_t es = dtype_size(pr.target_dtype);
-  int64_t value = 0;
-  const char* addr = static_cast<const char*>(pr.target) + pr.target_rows.offset(first_bad) * es;
-  LOGITLESS_CUDA_CHECK(cudaMemcpy(&value, addr, es, cudaMemcpyDeviceToHost));
-  if (es == 4) value = static_cast<int32_t>(value & 0xFFFFFFFF);
-  throw_invalid(str_cat("target: expected values in [0, ", pr.total_vocab(), ") or ignore_index (", pr.ignore_index,
-                        "), got ", value, " at row ", first_bad, " (the first bad row)"));
+void throw_if_bad_target(IndexReadback& rb, int64_t n_rows, const void* targets, DType dtype, const RowLayout& rows,
+                         int64_t vocab, int64_t ignore_index) {
+  if (const std::optional<BadIndex> bad = rb.first_bad(n_rows, targets, dtype, rows))
+    throw_invalid(str_cat("target: expected values in [0, ", vocab, ") or ignore_index (", ignore_index, "), got ",
+                          bad->value, " at row ", bad->row, " (the first bad row)"));
 }
-
-}  // namespace
 
 size_t cuda_workspace_bytes(int64_t n_rows, int64_t vocab, bool has_weight, const CrossEntropyOptions& o) {
   (void)vocab;
@@ -246,7 +236,10 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
     launch_kernel("launch of cross-entropy finalize", finalize_kernel, dim3(1), dim3(kReduceThreads), 0, stream,
                   partials, pr.n_rows, scalars, pr.loss, kp.abort_on_bad);
   }
-  if (readback) throw_if_bad_target(pr, *readback);
+  // The kernels queued since the read-back started write nothing on a bad target.
+  if (readback)
+    throw_if_bad_target(*readback, pr.n_rows, pr.target, pr.target_dtype, pr.target_rows, pr.total_vocab(),
+                        pr.ignore_index);
 }
 
 void scale_rows_cuda(void* grad, DType dtype, const RowLayout& rows, int64_t n_rows, int64_t vocab, const float* scale,

@@ -13,6 +13,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/cuda/index_readback.h"
 #include "cross_entropy/cuda/params.h"
 #include "cross_entropy/problem.h"
 
@@ -30,6 +31,11 @@ struct Prepass {
 };
 // One CTA, a fixed order: the sums are bit-identical on every run.
 void launch_prepass(const KernelParams& p, const Prepass& q, cudaStream_t stream);
+
+// Waits for the read-back of the prepass's first bad row and throws if there is one, naming the target found there
+// (`targets`: int32 or int64, rows laid out by `rows`; classes in [0, vocab) or ignore_index).
+void throw_if_bad_target(IndexReadback& rb, int64_t n_rows, const void* targets, DType dtype, const RowLayout& rows,
+                         int64_t vocab, int64_t ignore_index);
 
 // The row kernel of pr.mode (kForward, kForwardBackward, kBackward, kPartials, kFinalize) over pr's rows, as
 // run_cuda plans it (row-resident or streaming; a shard streams). No prepass, no check, no reduction, no workspace.

@@ -490,16 +490,6 @@ void prepass(const Problem& p, const Run& r, cudaStream_t stream) {
   ce::launch_prepass(k, q, stream);
 }
 
-// Waits for the read-back of the first bad target and throws if there is one.
-void throw_if_bad_target(const Problem& p, IndexReadback& rb, const int64_t* targets) {
-  const long long first_bad = rb.wait();
-  if (first_bad >= p.n_tokens) return;
-  int64_t value = 0;
-  LOGITLESS_CUDA_CHECK(cudaMemcpy(&value, targets + first_bad, sizeof(value), cudaMemcpyDeviceToHost));
-  throw_invalid(str_cat("target: expected values in [0, ", p.vocab_total, ") or ignore_index (", p.options.ignore_index,
-                        "), got ", value, " at row ", first_bad, " (the first bad row)"));
-}
-
 }  // namespace
 
 bool cuda_recompute_is_faster(const Problem& p, bool need_dx, bool need_dw, bool need_db) {
@@ -558,7 +548,9 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
     head::launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_tokens, p.hidden, static_cast<int>(dtype_size(p.dtype)),
                            b.head.hidden, sm_count, stream);
   // Nothing the caller sees is written before this: a bad target leaves every output untouched.
-  if (readback) throw_if_bad_target(p, *readback, r.targets);
+  if (readback)
+    ce::throw_if_bad_target(*readback, p.n_tokens, r.targets, DType::kInt64, rows_layout(p.n_tokens, 1), p.vocab_total,
+                            p.options.ignore_index);
   if (p.n_tokens == 0) {
     r.empty();
     return;

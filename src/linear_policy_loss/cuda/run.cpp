@@ -171,7 +171,7 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   std::optional<pl::PolicySteps> steps;
   if (uses_steps(p)) {
     steps.emplace(t, Workspace{b.policy.steps, in.steps_bytes}, stream);
-    steps->begin();  // weights, factors and (forward modes) the id check, before anything is written
+    steps->begin();  // weights, factors and (forward modes) the id check's read-back
   }
   const void* x = p.hidden_data;
   int64_t ldx = p.hidden_ld;
@@ -182,6 +182,7 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
                            b.head.hidden, sm_count, stream);
   }
   cublasHandle_t blas = t.n_rows > 0 ? cublas_handle(stream, b.head.cublas, in.cublas_workspace_bytes) : nullptr;
+  if (steps) steps->check_ids();  // nothing the caller sees is written before this
   const head::Engine e(head::head_io(p, p.n_rows, x, ldx), blas, sm_count, stream);
   if (t.n_rows == 0) {  // no tokens: every gradient is 0 (grad_hidden has a row per position, all unused when L = 0)
     if (grads) e.zero_grads(p.n_rows);

@@ -2,7 +2,8 @@
 //   1. prepass: per sequence (per 8192-token segment for selective log-softmax), the sum of token weights and the
 //      first unmasked bad id; then one CTA folds those into the batch's total, the first bad token overall and
 //      each sequence's reduction factor;
-//   2. in eager mode, read back the first bad token and throw before anything is written;
+//   2. in eager mode, read back the first bad token (common/cuda/index_readback.h) and throw before anything is
+//      written;
 //   3. the row kernel (kernels_streaming.cu): token level, the outputs and (fused) the gradient in one pass; sequence
 //   level,
 //      statistics only, then the sequence kernel (the shared ratio, the per-token terms, the sequence's loss),
@@ -10,6 +11,7 @@
 //   4. a deterministic one-CTA sum of the loss, and zeros for the unused last position's gradient.
 // Nothing synchronizes with the host except step 2, which is skipped while a CUDA graph is being captured.
 #include <algorithm>
+#include <utility>
 
 #include "common/cuda/check.cuh"
 #include "common/cuda/index_readback.h"
@@ -291,22 +293,6 @@ KernelParams make_params(const Problem& pr, char* ws, const WorkspaceLayout& wl)
   return k;
 }
 
-// Reads the first bad token back and throws, before anything is written; called only outside a graph capture.
-void throw_if_bad_id(const Problem& pr, const Scalars* scalars, cudaStream_t stream) {
-  const long long first_bad = IndexReadback::start(pr.device.index, &scalars->first_bad, stream).wait();
-  if (first_bad >= pr.n_rows) return;
-  const int64_t es = dtype_size(pr.ids_dtype);
-  int64_t value = 0;
-  const char* addr = static_cast<const char*>(pr.ids) + pr.ids_rows.offset(first_bad) * es;
-  LOGITLESS_CUDA_CHECK(cudaMemcpy(&value, addr, es, cudaMemcpyDeviceToHost));
-  if (es == 4) value = static_cast<int32_t>(value & 0xFFFFFFFF);
-  if (pr.op == Op::kSelective)
-    throw_invalid(str_cat("ids: expected values in [0, ", pr.vocab, "), got ", value, " at row ", first_bad,
-                          " (the first bad row)"));
-  throw_invalid(str_cat("completion_ids: expected values in [0, ", pr.vocab, ") at unmasked tokens, got ", value,
-                        " at [", first_bad / pr.seq_len, ", ", first_bad % pr.seq_len, "] (the first bad token)"));
-}
-
 // The row kernel with the plan for this call: fused (statistics and gradient in one pass) decides whether a
 // cluster is worth it.
 void run_rows(const Problem& pr, const KernelParams& base, RowsVariant v, bool fused, cudaStream_t stream) {
@@ -402,7 +388,20 @@ void PolicySteps::begin() {
   totals_kernel<<<1, kReduceThreads, 0, stream_>>>(base_, n_segs, pr_.loss_type, pr_.max_completion_length,
                                                    pr_.num_items_in_batch);
   LOGITLESS_CUDA_CHECK_LAUNCH("policy-loss totals");
-  if (pr_.check_ids && !stream_is_capturing(stream_)) throw_if_bad_id(pr_, base_.scalars, stream_);
+  if (pr_.check_ids && !stream_is_capturing(stream_))
+    readback_ = &IndexReadback::start(pr_.device.index, &base_.scalars->first_bad, stream_);
+}
+
+void PolicySteps::check_ids() {
+  if (!readback_) return;
+  const std::optional<BadIndex> bad =
+      std::exchange(readback_, nullptr)->first_bad(pr_.n_rows, pr_.ids, pr_.ids_dtype, pr_.ids_rows);
+  if (!bad) return;
+  if (pr_.op == Op::kSelective)
+    throw_invalid(str_cat("ids: expected values in [0, ", pr_.vocab, "), got ", bad->value, " at row ", bad->row,
+                          " (the first bad row)"));
+  throw_invalid(str_cat("completion_ids: expected values in [0, ", pr_.vocab, ") at unmasked tokens, got ", bad->value,
+                        " at [", bad->row / pr_.seq_len, ", ", bad->row % pr_.seq_len, "] (the first bad token)"));
 }
 
 void PolicySteps::rows(const Chunk& c) {
@@ -462,6 +461,7 @@ void run_cuda(const Problem& pr, Workspace ws, StreamHandle stream_handle) {
     return;
   }
   s.begin();
+  s.check_ids();
   s.rows(all);
   if (pr.sequence_level()) {
     s.sequence();

@@ -4,6 +4,7 @@
 //
 //   PolicySteps s(problem, workspace, stream);   // problem: the token-level inputs and outputs (its logits unused)
 //   s.begin();                                   // everything that needs no logits: weights, factors, id check
+//   s.check_ids();                               // waits for the id check's read-back: throws on a bad id
 //   for each chunk: s.rows(chunk);               // statistics, outputs, loss shares; token level: the gradient
 //   if sequence level: s.sequence();             //   the shared ratios, once every chunk's statistics are in
 //                      for each chunk: s.rows_backward(chunk);   // the gradient from the saved lse
@@ -19,6 +20,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/cuda/index_readback.h"
 #include "common/layout.h"
 #include "policy_loss/cuda/params.h"
 #include "policy_loss/problem.h"
@@ -38,6 +40,9 @@ class PolicySteps {
  public:
   PolicySteps(const Problem& pr, Workspace ws, cudaStream_t stream);
   void begin();
+  // Throws on a bad id (an eager call of a forward mode): before anything the caller sees is written. Work queued
+  // since begin() that writes only the caller's workspace overlaps the wait.
+  void check_ids();
   void rows(const Chunk& c);
   void sequence();
   void rows_backward(const Chunk& c);
@@ -55,6 +60,7 @@ class PolicySteps {
   char* ws_;
   cudaStream_t stream_;
   KernelParams base_;
+  IndexReadback* readback_ = nullptr;  // begin()'s id check in flight
 };
 
 }  // namespace logitless::pl
