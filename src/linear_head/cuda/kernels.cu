@@ -39,12 +39,11 @@ __global__ void column_sums_kernel(const float* partial, int64_t partial_rows, i
 }
 
 __global__ void cast_kernel(const float* src, int64_t src_ld, int64_t rows, int64_t cols, void* dst, DType ddt,
-                            int64_t dst_ld, int64_t dst_cs, const float* row_scale) {
+                            int64_t dst_ld, int64_t dst_cs) {
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const float s = row_scale ? row_scale[r] : 1.f;
     for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < cols;
          c += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      store_as(dst, ddt, r * dst_ld + c * dst_cs, src ? s * src[r * src_ld + c] : 0.f);
+      store_as(dst, ddt, r * dst_ld + c * dst_cs, src ? src[r * src_ld + c] : 0.f);
   }
 }
 
@@ -52,25 +51,23 @@ __global__ void cast_kernel(const float* src, int64_t src_ld, int64_t rows, int6
 // (a 16-byte load, an 8- or 16-byte store), which the element-wise kernel above reaches only at half the
 // bandwidth. Rows of cols % 4 == 0 elements, src_ld and dst_ld multiples of 4, both pointers aligned to 16 bytes.
 template <typename T>
-__global__ void cast4_kernel(const float* src, int64_t src_ld, int64_t rows, int64_t cols, T* dst, int64_t dst_ld,
-                             const float* row_scale) {
+__global__ void cast4_kernel(const float* src, int64_t src_ld, int64_t rows, int64_t cols, T* dst, int64_t dst_ld) {
   const int64_t quads = cols / 4;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const float s = row_scale ? row_scale[r] : 1.f;
     const float4* in = reinterpret_cast<const float4*>(src + r * src_ld);
     T* out = dst + r * dst_ld;
     for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; q < quads;
          q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
       const float4 v = in[q];
       if constexpr (std::is_same_v<T, float>) {
-        reinterpret_cast<float4*>(out)[q] = make_float4(s * v.x, s * v.y, s * v.z, s * v.w);
+        reinterpret_cast<float4*>(out)[q] = v;
       } else {
         uint2 w;
         if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-          const __nv_bfloat162 a = __floats2bfloat162_rn(s * v.x, s * v.y), b = __floats2bfloat162_rn(s * v.z, s * v.w);
+          const __nv_bfloat162 a = __floats2bfloat162_rn(v.x, v.y), b = __floats2bfloat162_rn(v.z, v.w);
           w = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
         } else {
-          const __half2 a = __floats2half2_rn(s * v.x, s * v.y), b = __floats2half2_rn(s * v.z, s * v.w);
+          const __half2 a = __floats2half2_rn(v.x, v.y), b = __floats2half2_rn(v.z, v.w);
           w = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
         }
         reinterpret_cast<uint2*>(out)[q] = w;
@@ -142,7 +139,7 @@ void launch_column_sums(const float* partial, int64_t partial_rows, int64_t ld, 
 }
 
 void launch_cast(const float* src, int64_t src_ld, int64_t rows, int64_t cols, void* dst, DType dst_dtype,
-                 int64_t dst_ld, int64_t dst_col_stride, int sm_count, cudaStream_t stream, const float* row_scale) {
+                 int64_t dst_ld, int64_t dst_col_stride, int sm_count, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   const auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   if (src && dst_col_stride == 1 && cols % 4 == 0 && src_ld % 4 == 0 && dst_ld % 4 == 0 && aligned16(src) &&
@@ -151,20 +148,18 @@ void launch_cast(const float* src, int64_t src_ld, int64_t rows, int64_t cols, v
     switch (dst_dtype) {
       case DType::kBFloat16:
         cast4_kernel<<<grid, kEltThreads, 0, stream>>>(src, src_ld, rows, cols, static_cast<__nv_bfloat16*>(dst),
-                                                       dst_ld, row_scale);
+                                                       dst_ld);
         break;
       case DType::kFloat16:
-        cast4_kernel<<<grid, kEltThreads, 0, stream>>>(src, src_ld, rows, cols, static_cast<__half*>(dst), dst_ld,
-                                                       row_scale);
+        cast4_kernel<<<grid, kEltThreads, 0, stream>>>(src, src_ld, rows, cols, static_cast<__half*>(dst), dst_ld);
         break;
       default:
-        cast4_kernel<<<grid, kEltThreads, 0, stream>>>(src, src_ld, rows, cols, static_cast<float*>(dst), dst_ld,
-                                                       row_scale);
+        cast4_kernel<<<grid, kEltThreads, 0, stream>>>(src, src_ld, rows, cols, static_cast<float*>(dst), dst_ld);
         break;
     }
   } else {
     cast_kernel<<<grid_2d(rows, cols, sm_count), kEltThreads, 0, stream>>>(src, src_ld, rows, cols, dst, dst_dtype,
-                                                                           dst_ld, dst_col_stride, row_scale);
+                                                                           dst_ld, dst_col_stride);
   }
   LOGITLESS_CUDA_CHECK_LAUNCH("linear head cast");
 }

@@ -21,11 +21,10 @@ void launch_fill_bias(float* logits, int64_t ld, int64_t rows, int64_t width, co
 void launch_column_sums(const float* partial, int64_t partial_rows, int64_t ld, int64_t width, float* acc, void* out,
                         DType out_dtype, int64_t out_stride, cudaStream_t stream);
 
-// dst[r * dst_ld + c * dst_col_stride] = src[r * src_ld + c] (float32 -> dtype), times row_scale[r] when given;
-// src nullptr: zeros. dst may be src itself (float32, same layout).
+// dst[r * dst_ld + c * dst_col_stride] = src[r * src_ld + c] (float32 -> dtype); src nullptr: zeros. dst may be
+// src itself (float32, same layout).
 void launch_cast(const float* src, int64_t src_ld, int64_t rows, int64_t cols, void* dst, DType dst_dtype,
-                 int64_t dst_ld, int64_t dst_col_stride, int sm_count, cudaStream_t stream,
-                 const float* row_scale = nullptr);
+                 int64_t dst_ld, int64_t dst_col_stride, int sm_count, cudaStream_t stream);
 
 // dst [n, h] contiguous = the rows of src (any collapsed layout), elements of `elem_bytes`.
 void launch_copy_rows(const void* src, const RowLayout& rows, int64_t n, int64_t h, int elem_bytes, void* dst,
