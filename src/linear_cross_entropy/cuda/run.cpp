@@ -22,6 +22,7 @@
 //                        a group's GEMMs after its last chunk; the last chunk finishes dW, db and the loss
 #include <algorithm>
 
+#include "common/check.h"
 #include "common/cuda/check.cuh"
 #include "common/cuda/cublas.h"
 #include "common/cuda/index_readback.h"
@@ -518,8 +519,9 @@ size_t cuda_workspace_bytes(const Problem& p) {
 void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
   DeviceGuard guard(p.device.index);
-  const PlanInputs in = plan_inputs(p);
+  const PlanInputs in = plan_inputs(p);  // once per call: it asks cub for the exponential form's sort storage
   const Plan plan = plan_linear_cross_entropy(in);
+  check_workspace(ws, plan.bytes);
   debug::last_kernel.set(plan.kernel);
   Buffers b;
   head::WorkspaceLayout layout;
