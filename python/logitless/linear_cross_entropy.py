@@ -23,6 +23,7 @@ recompute schedule's fourth GEMM costs less.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Tuple, Union
 
 import torch
@@ -44,7 +45,7 @@ from ._checks import check_bias, check_float, check_int64, check_process_group, 
 from ._tensor import DEVICE_CODES, DTYPE_CODES, descriptor, rows_ready, stream, workspace
 from .heads import refuse_sharded_weight
 
-__all__ = ["linear_cross_entropy", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "GRAD_WEIGHT_ACCUMULATIONS"]
+__all__ = ["linear_cross_entropy", "auto_schedule", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "GRAD_WEIGHT_ACCUMULATIONS"]
 
 # Must match logitless::GradWeightAccumulation (include/logitless/linear_cross_entropy.h).
 GRAD_WEIGHT_ACCUMULATIONS = {"float32": 0, "weight_dtype": 1}
@@ -67,6 +68,21 @@ def _options(ignore_index: int, reduction: int, label_smoothing: float, z_loss: 
 
 
 _cached_options = cached(_options)
+
+
+def _scalars(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens, chunk_vocab,
+             memory_budget, grad_weight_accumulation) -> tuple:
+    """linear_cross_entropy's options, checked, as the ops' option arguments in `_options`' order."""
+    for name, value in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: expected a count >= 1 (or None: from memory_budget), got {value!r}")
+    if not isinstance(memory_budget, int) or memory_budget < 1:
+        raise ValueError(f"memory_budget: expected a number of bytes >= 1, got {memory_budget!r}")
+    return (check_int64(ignore_index, "ignore_index"), enum(REDUCTIONS, reduction, "reduction"),
+            check_float(label_smoothing, "label_smoothing"), check_float(z_loss, "z_loss"),
+            check_float(softcap or 0.0, "softcap"), bool(check_targets), check_int64(chunk_tokens or 0, "chunk_tokens"),
+            check_int64(chunk_vocab or 0, "chunk_vocab"), check_int64(memory_budget, "memory_budget"),
+            enum(GRAD_WEIGHT_ACCUMULATIONS, grad_weight_accumulation, "grad_weight_accumulation"))
 
 
 def _new_outputs(hidden: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor, Tensor]:
@@ -116,6 +132,48 @@ def _recompute_is_faster(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
     return bool(_C.linear_cross_entropy_recompute_is_faster(
         n, h, int(weight.shape[0]), DTYPE_CODES[dtype], DEVICE_CODES["cuda"], hidden.device.index or 0,
         hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad, _options(*scalars)))
+
+
+def _needs_grad(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
+                                        (bias is not None and bias.requires_grad))
+
+
+def _takes_recompute(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], schedule: str, scalars: tuple,
+                     sharded: bool, compute_dtype: Optional[torch.dtype]) -> bool:
+    """Whether a call takes the recompute schedule: as asked, or under "auto" for reduction none and float16
+    products, and where the library's cost model says so (one device, gradients needed)."""
+    if schedule != "auto":
+        return schedule == "recompute"
+    if scalars[1] == REDUCTION_NONE or torch.float16 in (hidden.dtype, compute_dtype):
+        return True
+    return not sharded and _needs_grad(hidden, weight, bias) and _recompute_is_faster(hidden, weight, bias, scalars,
+                                                                                      compute_dtype)
+
+
+def auto_schedule(hidden: Tensor, weight: Tensor, target: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                  **options) -> str:
+    """The schedule ``linear_cross_entropy(hidden, weight, target, bias, **options)`` takes under
+    ``schedule="auto"``: "recompute" or "gradient_in_forward", decided as that call decides it (for bfloat16 on
+    CUDA by the library's cost model, from the shapes, the options and which of hidden, weight and bias require
+    grad; under the caller's autocast and grad mode). Runs nothing on the device.
+
+    Args:
+        hidden, weight, bias: as in `linear_cross_entropy` (only their shapes, dtypes, device and requires_grad
+            are read).
+        target: not read; there so that a call's arguments can be passed as they are.
+        options: `linear_cross_entropy`'s keyword options of a single-device call (not `schedule`, nor the
+            vocabulary-parallel ones), checked as that call checks them.
+
+    A call that needs no gradient runs its forward alone, whichever name this returns.
+    """
+    if options.keys() & {"schedule", "process_group", "vocab_parallel", "sequence_parallel"}:
+        raise ValueError("auto_schedule: expected the options of a single-device call under schedule='auto'")
+    args = inspect.signature(linear_cross_entropy).bind(hidden, weight, target, bias, **options)
+    args.apply_defaults()
+    scalars = _scalars(*(args.arguments[name] for name in inspect.signature(_scalars).parameters))
+    recompute = _takes_recompute(hidden, weight, bias, "auto", scalars, False, _autocast_dtype(hidden, weight))
+    return "recompute" if recompute else "gradient_in_forward"
 
 
 def _autocast_dtype(hidden: Tensor, weight: Tensor) -> Optional[torch.dtype]:
@@ -421,12 +479,8 @@ def linear_cross_entropy(
     if schedule == "gradient_in_forward" and red == REDUCTION_NONE:
         raise ValueError("schedule: expected 'auto' or 'recompute' for reduction='none' (its upstream gradient is "
                          "known only in the backward), got 'gradient_in_forward'")
-    for name, value in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}: expected a count >= 1 (or None: from memory_budget), got {value!r}")
-    if not isinstance(memory_budget, int) or memory_budget < 1:
-        raise ValueError(f"memory_budget: expected a number of bytes >= 1, got {memory_budget!r}")
-    accumulation = enum(GRAD_WEIGHT_ACCUMULATIONS, grad_weight_accumulation, "grad_weight_accumulation")
+    scalars = _scalars(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
+                       chunk_vocab, memory_budget, grad_weight_accumulation)
     check_process_group(process_group)
     # DTensors are sorted out below (vocabulary parallelism, or refused on the local path).
     check_tensors((("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias),
@@ -435,14 +489,6 @@ def linear_cross_entropy(
     if class_weight is not None:
         class_weight = class_weight.detach().to(torch.float32)
     hidden, weight = rows_ready(hidden), rows_ready(weight)
-    # The ops' option arguments, in `_options`' order.
-    scalars = (check_int64(ignore_index, "ignore_index"), red, check_float(label_smoothing, "label_smoothing"),
-               check_float(z_loss, "z_loss"), check_float(softcap or 0.0, "softcap"), bool(check_targets),
-               check_int64(chunk_tokens or 0, "chunk_tokens"), check_int64(chunk_vocab or 0, "chunk_vocab"),
-               check_int64(memory_budget, "memory_budget"), accumulation)
-
-    recompute = schedule == "recompute" or (schedule == "auto" and
-                                            (red == REDUCTION_NONE or hidden.dtype == torch.float16))
     sharded = process_group is not None or bool(vocab_parallel)
     # Imported here, not at the top, only so that `import logitless` does not load the vocabulary-parallel module for
     # single-device use (it imports nothing that imports back: no cycle).
@@ -453,13 +499,8 @@ def linear_cross_entropy(
     elif vocab_parallel and process_group is None and not vp.is_dtensor(weight):
         raise ValueError("vocab_parallel: expected a DTensor weight sharded along the vocabulary (or pass "
                          "process_group= with this rank's rows of the weight), got a plain tensor")
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
-                                              (bias is not None and bias.requires_grad))
     compute_dtype = None if sharded else _autocast_dtype(hidden, weight)
-    if compute_dtype == torch.float16 and schedule == "auto":
-        recompute = True  # as for float16 inputs
-    if schedule == "auto" and not recompute and needs_grad and not sharded:
-        recompute = _recompute_is_faster(hidden, weight, bias, scalars, compute_dtype)
+    recompute = _takes_recompute(hidden, weight, bias, schedule, scalars, sharded, compute_dtype)
     if sharded:
         loss, lse = vp.linear_cross_entropy(hidden, weight, target, bias, class_weight, _options(*scalars), recompute,
                                             process_group, bool(sequence_parallel))
@@ -472,6 +513,7 @@ def linear_cross_entropy(
     casts = compute_dtype is not None and bias is not None and bias.dtype in (torch.float16, torch.bfloat16)
     check_bias(bias, weight, hidden, dtype=bias.dtype if casts else None)
     check_rows(hidden.dim() - 1, (("hidden", hidden), ("target", target)), jointly=False)
+    needs_grad = _needs_grad(hidden, weight, bias)
     if needs_grad and recompute and compute_dtype is not None:
         loss, lse = _AutocastRecompute.apply(hidden, weight, bias, target, class_weight, scalars, compute_dtype)
     elif not needs_grad or recompute:

@@ -674,28 +674,34 @@ def test_cuda_logits_never_in_memory(schedule):
 # ----------------------------------------------------------------------------------------------------
 # schedule="auto" for bfloat16 asks the library's cost model (shapes only: the weight here is a broadcast view).
 
-def _shape_only(n, h, v, device):
-    hidden = torch.empty(1, h, dtype=torch.bfloat16, device=device, requires_grad=True).expand(n, h)
-    weight = torch.empty(1, h, dtype=torch.bfloat16, device=device, requires_grad=True).expand(v, h)
+def _shape_only(n, h, v, device, dtype=torch.bfloat16):
+    hidden = torch.empty(1, h, dtype=dtype, device=device, requires_grad=True).expand(n, h)
+    weight = torch.empty(1, h, dtype=dtype, device=device, requires_grad=True).expand(v, h)
     return hidden, weight
 
 
-def _default_options():
-    return (-100, 2, 0.0, 0.0, 0.0, True, 0, 0, 512 << 20, 0)  # see linear_cross_entropy.py for the order
-
-
-def test_auto_schedule_cost_model_is_off_on_the_cpu():
-    from logitless.linear_cross_entropy import _recompute_is_faster
+def test_auto_schedule_on_the_cpu():
+    from logitless.linear_cross_entropy import auto_schedule
     hidden, weight = _shape_only(8192, 2304, 256000, "cpu")
-    assert not _recompute_is_faster(hidden, weight, None, _default_options())
+    assert auto_schedule(hidden, weight) == "gradient_in_forward"  # no cost model on the CPU
+    assert auto_schedule(hidden, weight, reduction="none") == "recompute"
+    assert auto_schedule(*_shape_only(8, 16, 32, "cpu", torch.float16)) == "recompute"
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert auto_schedule(*_shape_only(8, 16, 32, "cpu", torch.float32)) == "recompute"
+    with pytest.raises(ValueError, match="memory_budget"):
+        auto_schedule(hidden, weight, memory_budget=0)
+    with pytest.raises(ValueError, match="single-device"):
+        auto_schedule(hidden, weight, schedule="recompute")
+    with pytest.raises(TypeError):
+        auto_schedule(hidden, weight, not_an_option=1)
 
 
 @needs_cuda
 def test_auto_schedule_takes_recompute_where_the_accumulator_costs_more():
-    from logitless.linear_cross_entropy import _recompute_is_faster
-    assert _recompute_is_faster(*_shape_only(8192, 2304, 256000, "cuda"), None, _default_options())
-    assert not _recompute_is_faster(*_shape_only(16384, 2048, 128256, "cuda"), None, _default_options())
-    assert not _recompute_is_faster(*_shape_only(8192, 4096, 128256, "cuda"), None, _default_options())
+    from logitless.linear_cross_entropy import auto_schedule
+    assert auto_schedule(*_shape_only(8192, 2304, 256000, "cuda")) == "recompute"
+    assert auto_schedule(*_shape_only(16384, 2048, 128256, "cuda")) == "gradient_in_forward"
+    assert auto_schedule(*_shape_only(8192, 4096, 128256, "cuda")) == "gradient_in_forward"
 
 
 # ----------------------------------------------------------------------------------------------------
