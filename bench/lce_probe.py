@@ -3,7 +3,7 @@ plan's chunking (memory_budget, chunk_tokens) that skips the peers of bench/benc
 
     python3 bench/lce_probe.py [--shapes 8192x4096x128256,4096x4096x128256] [--budgets-mib 512]
                                [--schedules auto,gradient_in_forward,recompute] [--tag NAME] [--kernels]
-                               [--inputs probe|bench] [--accumulate-gemm 0,1,2,3,12,22]
+                               [--inputs probe|bench]
 
 Prints, per shape and budget: the GEMMs' time (X·Wᵀ, dZ·W, dZᵀ·X in bf16), the time of
 linear_cross_entropy(x, w, t).backward() (bf16, default options), their ratio, and the peak memory beyond the
@@ -13,10 +13,6 @@ Hopper kernels run where they apply; LOGITLESS_LCE_KERNEL=generic in the environ
 instead, LOGITLESS_LCE_EXP_FORM=0 the generic gradient in forward (the exponential form is the default), and
 LOGITLESS_HEAD_ACCUMULATE_GEMM=0 cuBLAS for grad_weight's accumulating products. This harness sets the library's
 debug hooks from them (src/common/debug_hooks.h), through the extension's _set_debug_hook.
---accumulate-gemm takes a list of values of the head_accumulate_gemm hook (0 cuBLAS, 1 the default kernel, others
-a kernel configuration and tile scheduling as src/linear_head/cuda/plan.h, AccumulateGemmConfig, encodes them; a
-value that names no configuration runs cuBLAS) and measures each, in the same interleaved rounds, one line each;
-it overrides LOGITLESS_HEAD_ACCUMULATE_GEMM.
 --kernels adds a profile of 3 more rounds (torch.profiler): per function, the host time of a call, the GPU's busy
 time and span, and its largest kernels.
 --inputs bench draws hidden ~ N(0, 1) and weight ~ N(0, 4 / H) as bench.py does (logits of standard deviation 2)
@@ -30,9 +26,7 @@ import torch
 import logitless
 
 
-def time_ms(fn, setup=None):
-    if setup:
-        setup()
+def time_ms(fn):
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     fn()
@@ -41,23 +35,20 @@ def time_ms(fn, setup=None):
     return a.elapsed_time(b)
 
 
-def interleaved_medians(fns, setups, rounds=7):
+def interleaved_medians(fns, rounds=7):
     """Median ms of each function, timed in turns (one call of each per round, after one warm-up call each):
-    a GPU under sustained load lowers its clocks, so whatever is timed first on an idle GPU would run faster.
-    setups[i] (None: nothing) runs untimed before each call of fns[i]."""
-    for fn, setup in zip(fns, setups):
-        if setup:
-            setup()
+    a GPU under sustained load lowers its clocks, so whatever is timed first on an idle GPU would run faster."""
+    for fn in fns:
         fn()
     torch.cuda.synchronize()
     times = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
-            times[i].append(time_ms(fn, setups[i]))
+            times[i].append(time_ms(fn))
     return [sorted(t)[len(t) // 2] for t in times]
 
 
-def profile_rounds(names, fns, setups, rounds=3):
+def profile_rounds(names, fns, rounds=3):
     """Per function, from `rounds` more interleaved rounds under torch.profiler: the call's time on the host clock
     (launch to synchronize), the GPU's busy time and the span of its kernels, the idle time before the first
     kernel, and the busiest kernels; medians over the rounds. Kernels belong to the call whose host range holds
@@ -67,8 +58,6 @@ def profile_rounds(names, fns, setups, rounds=3):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for r in range(rounds):
             for i, fn in enumerate(fns):
-                if setups[i]:
-                    setups[i]()
                 with record_function(f"probe_call:{i}:{r}"):
                     fn()
                     torch.cuda.synchronize()
@@ -104,29 +93,18 @@ def profile_rounds(names, fns, setups, rounds=3):
             print(f"    {sum(us) / n / 1000:8.3f} ms  {len(us) / n:5.1f}x  {kname[:110]}")
 
 
-def set_hooks_from_environment(accumulate_values):
-    """The library reads no environment: the switches this harness takes from it become the library's hooks.
-    Returns a function that sets head_accumulate_gemm to a value (each timed run sets its own)."""
+def set_hooks_from_environment():
+    """The library reads no environment: the switches this harness takes from it become the library's hooks."""
     hooks = {"lce_fused_kernels": int(os.environ.get("LOGITLESS_LCE_KERNEL", "") != "generic"),
-             "lce_exp_form": int(os.environ.get("LOGITLESS_LCE_EXP_FORM", "") != "0")}
+             "lce_exp_form": int(os.environ.get("LOGITLESS_LCE_EXP_FORM", "") != "0"),
+             "head_accumulate_gemm": int(os.environ.get("LOGITLESS_HEAD_ACCUMULATE_GEMM", "") != "0")}
     setter = getattr(logitless._C, "_set_debug_hook", None)
     if setter is None:
-        if set(hooks.values()) != {1} or set(accumulate_values) != {1}:
-            raise SystemExit("this build's extension has no _set_debug_hook: LOGITLESS_* and --accumulate-gemm "
-                             "cannot take effect")
-        return lambda value: None
+        if hooks != {"lce_fused_kernels": 1, "lce_exp_form": 1, "head_accumulate_gemm": 1}:
+            raise SystemExit("this build's extension has no _set_debug_hook: LOGITLESS_LCE_* cannot take effect")
+        return
     for name, value in hooks.items():
         setter(name, value)
-    return lambda value: setter("head_accumulate_gemm", value)
-
-
-def accumulate_gemm_values(option):
-    """The head_accumulate_gemm values to measure: the option's list, else LOGITLESS_HEAD_ACCUMULATE_GEMM's value
-    (0 cuBLAS; any other text the default kernel, as before the hook took more values), else the default kernel."""
-    if option is not None:
-        return [int(v) for v in option.split(",")]
-    env = os.environ.get("LOGITLESS_HEAD_ACCUMULATE_GEMM", "")
-    return [int(env)] if env.lstrip("-").isdigit() else [1]
 
 
 def main():
@@ -139,17 +117,8 @@ def main():
                     help="input scaling: the probe's (small logits) or bench.py's (logits of standard deviation 2)")
     ap.add_argument("--kernels", action="store_true",
                     help="per-kernel GPU time of 3 more interleaved rounds, the GEMMs included (torch.profiler)")
-    ap.add_argument("--accumulate-gemm", default=None,
-                    help="head_accumulate_gemm hook values, comma-separated (src/linear_head/cuda/plan.h encodes them)")
     args = ap.parse_args()
-    accumulate = accumulate_gemm_values(args.accumulate_gemm)
-    set_accumulate = set_hooks_from_environment(accumulate)
-    explicit = args.accumulate_gemm is not None or "LOGITLESS_HEAD_ACCUMULATE_GEMM" in os.environ
-
-    def acc_label(acc):
-        """The value in each line once values are asked for; the lines of a plain run read as they always did."""
-        return f" accumulate_gemm {acc}" if explicit else ""
-
+    set_hooks_from_environment()
     for shape in args.shapes.split(","):
         n, h, v = (int(s) for s in shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -160,8 +129,7 @@ def main():
         z = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
         dz = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
         xd, wd = x.detach(), w.detach()
-        runs = [(int(b) << 20, s, a) for b in args.budgets_mib.split(",") for s in args.schedules.split(",")
-                for a in accumulate]
+        runs = [(int(b) << 20, s) for b in args.budgets_mib.split(",") for s in args.schedules.split(",")]
 
         def make_run(budget, schedule):
             def run():
@@ -169,25 +137,22 @@ def main():
                 logitless.linear_cross_entropy(x, w, t, memory_budget=budget, schedule=schedule).backward()
             return run
 
-        fns = [make_run(b, s) for b, s, _ in runs]
+        fns = [make_run(b, s) for b, s in runs]
         all_fns = [lambda: (torch.mm(xd, wd.t(), out=z), dz @ wd, dz.t() @ xd)] + fns
-        setups = [None] + [lambda a=a: set_accumulate(a) for _, _, a in runs]
-        gemms, *times = interleaved_medians(all_fns, setups)
+        gemms, *times = interleaved_medians(all_fns)
         if args.kernels:
-            profile_rounds(["GEMMs"] + [f"{s} {b >> 20} MiB{acc_label(a)}" for b, s, a in runs], all_fns, setups)
+            profile_rounds(["GEMMs"] + [f"{s} {b >> 20} MiB" for b, s in runs], all_fns)
         del z, dz, all_fns
-        for (budget, schedule, acc), run, ms in zip(runs, fns, times):
+        for (budget, schedule), run, ms in zip(runs, fns, times):
             torch.cuda.synchronize()
-            set_accumulate(acc)
             x.grad = w.grad = None
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             run()
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            print(f"{args.tag} N={n} H={h} V={v} budget {budget >> 20} MiB {schedule}{acc_label(acc)}: "
-                  f"GEMMs {gemms:.2f} ms, linear_cross_entropy {ms:.2f} ms = {ms / gemms:.3f}x, "
-                  f"peak extra {peak:.0f} MiB (dX, dW included)",
+            print(f"{args.tag} N={n} H={h} V={v} budget {budget >> 20} MiB {schedule}: GEMMs {gemms:.2f} ms, "
+                  f"linear_cross_entropy {ms:.2f} ms = {ms / gemms:.3f}x, peak extra {peak:.0f} MiB (dX, dW included)",
                   flush=True)
 
 

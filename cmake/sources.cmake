@@ -53,11 +53,6 @@ set(LOGITLESS_CUDA_SOURCES
   src/linear_cross_entropy/cuda/kernels_hopper.cu
   src/linear_cross_entropy/cuda/run.cpp
   src/linear_head/cuda/accumulate_gemm.cu
-  src/linear_head/cuda/accumulate_gemm_v1.cu
-  src/linear_head/cuda/accumulate_gemm_v2.cu
-  src/linear_head/cuda/accumulate_gemm_v3.cu
-  src/linear_head/cuda/accumulate_gemm_v4.cu
-  src/linear_head/cuda/accumulate_gemm_v5.cu
   src/linear_head/cuda/engine.cpp
   src/linear_head/cuda/kernels.cu
   src/linear_policy_loss/cuda/kernels.cu

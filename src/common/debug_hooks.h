@@ -19,8 +19,7 @@ enum class Hook : int {
   // Linear cross-entropy: every valid row through the exponential form's rewrite, a path real inputs seldom reach.
   kLceExpFixupAll,
   // Linear heads: the Hopper accumulating grad_weight product (linear_head/cuda/accumulate_gemm.h) where it applies
-  // (1, the default), or cuBLAS for every product (0); other values select another kernel configuration and tile
-  // scheduling for benchmarks (linear_head/cuda/plan.h, AccumulateGemmConfig, documents the encoding).
+  // (1, the default), or cuBLAS for every product (tests, benchmarks).
   kHeadAccumulateGemm,
   kCount
 };

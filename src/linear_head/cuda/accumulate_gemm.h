@@ -2,15 +2,13 @@
 // B = x [k, n], both 16-bit and row-major. cuBLAS reads and writes the float32 D in an epilogue that does not
 // overlap its math, which costs a product with a short k (a token group: one read and one write of V · H floats
 // against 2 V H k FLOPs) a large share of its time. This one is CUTLASS's warp-specialized ping-pong kernel: one
-// warp group's epilogue (D loaded by TMA ahead of it) runs while the other's math does. That is the default
-// configuration; plan.h lists the others a benchmark can select (AccumulateGemmConfig).
+// warp group's epilogue (D loaded by TMA ahead of it) runs while the other's math does.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "linear_head/cuda/plan.h"
 #include "logitless/tensor.h"
 
 namespace logitless::head {
@@ -26,11 +24,9 @@ struct AccumulateGemm {
   int64_t ldd = 0;
 };
 
-// Runs it with the kernel configuration `config` (plan.h: AccumulateGemmConfig, which the head_accumulate_gemm hook
-// selects) and returns true where this build has the kernel and the device and operands suit it (compute capability
-// 9.0, bfloat16, what the kernel's TMA descriptors take, a configuration CUTLASS can implement for the problem);
-// false, having done nothing, otherwise (the caller runs cuBLAS). Variant 0 always returns false.
-bool launch_accumulate_gemm(const AccumulateGemm& g, const AccumulateGemmConfig& config, int device, int sm_count,
-                            cudaStream_t stream);
+// Runs it and returns true where this build has the kernel and the device and operands suit it (compute
+// capability 9.0, bfloat16, what the kernel's TMA descriptors take); false, having done nothing, otherwise (the
+// caller runs cuBLAS).
+bool launch_accumulate_gemm(const AccumulateGemm& g, int device, int sm_count, cudaStream_t stream);
 
 }  // namespace logitless::head

@@ -30,10 +30,9 @@ void Engine::grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
 void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
                               const Matrix& dw, bool accumulate) const {
   // A token group after the first: see accumulate_gemm.h.
-  const AccumulateGemmConfig config = accumulate_gemm_config(debug::hook(debug::Hook::kHeadAccumulateGemm));
-  if (accumulate && dw.dtype == DType::kFloat32 && config.variant != 0) {
+  if (accumulate && dw.dtype == DType::kFloat32 && debug::hook(debug::Hook::kHeadAccumulateGemm)) {
     const AccumulateGemm g{io_.dtype, cols, io_.h, rows, dz, ld_dz, x, ldx, static_cast<float*>(dw.data), dw.ld};
-    if (launch_accumulate_gemm(g, config, io_.device, sm_count_, stream_)) return;
+    if (launch_accumulate_gemm(g, io_.device, sm_count_, stream_)) return;
   }
   gemm_row_major(blas_, true, false, cols, io_.h, rows, dz, ld_dz, x, ldx, io_.dtype, dw.data, dw.ld, dw.dtype,
                  accumulate);

@@ -60,12 +60,4 @@ ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes) {
   return p;
 }
 
-AccumulateGemmConfig accumulate_gemm_config(int64_t hook_value) {
-  if (hook_value <= 0 || hook_value >= 400) return {};
-  const int value = static_cast<int>(hook_value);
-  const AccumulateGemmConfig c{value % 10, value / 10 % 10, value / 100};
-  if (c.variant == 0 || c.variant > kAccumulateGemmVariants || c.raster > 2) return {};
-  return c;
-}
-
 }  // namespace logitless::head

@@ -49,29 +49,6 @@ struct ChunkPlan {
 // chunk_row_bytes: what a chunk holds per row (float32 logits, or a fused kernel's statistics).
 ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes);
 
-// The Hopper accumulating grad_weight product's kernel configurations (accumulate_gemm.h), chosen by the
-// head_accumulate_gemm hook (common/debug_hooks.h) so that one benchmark process can measure them all. A hook value
-// is read as decimal digits:
-//
-//   value = variant + 10 * raster + 100 * log2(swizzle)
-//
-//   variant (0-5)  0 cuBLAS; 1 ping-pong, tile 128x128x64, cluster 2x1 (the default); 2 cooperative 256x128x64,
-//                  2x1; 3 cooperative 128x256x64, 1x2; 4 ping-pong 128x128x64, 1x1; 5 ping-pong 64x256x64, 2x1.
-//   raster (0-2)   the order in which the persistent tile scheduler hands out output tiles: 0 its heuristic (along
-//                  N when there are more tiles along M), 1 along M, 2 along N.
-//   swizzle (1-8)  the scheduler's swizzle: tiles taken in blocks of 1, 2, 4 or 8 along the other dimension.
-//
-// So 1 is the default kernel with the scheduler's defaults, 12 the same rastered along N, 321 the same with a
-// swizzle of 8 rastered along N... Any other value (negative, a variant above 5, raster above 2, swizzle above 8)
-// is no configuration: the product runs on cuBLAS.
-inline constexpr int kAccumulateGemmVariants = 5;  // variants 1..5
-struct AccumulateGemmConfig {
-  int variant = 0;       // 0: cuBLAS
-  int raster = 0;        // CUTLASS's RasterOrderOptions: 0 heuristic, 1 along M, 2 along N
-  int log2_swizzle = 0;  // max_swizzle_size = 1 << log2_swizzle
-};
-AccumulateGemmConfig accumulate_gemm_config(int64_t hook_value);
-
 class WorkspaceLayout {
  public:
   static constexpr size_t kNone = ~size_t{0};

@@ -1,8 +1,0 @@
-// The accumulating product's variant 1: ping-pong, tile 128x128x64, cluster 2x1 (the default).
-#if defined(LOGITLESS_WITH_CUTLASS)
-#include "linear_head/cuda/accumulate_gemm_kernel.cuh"
-
-namespace logitless::head::accumulate {
-template bool run<1>(const AccumulateGemm&, const AccumulateGemmConfig&, int, int, cudaStream_t);
-}  // namespace logitless::head::accumulate
-#endif
