@@ -46,9 +46,9 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // What the TMA descriptors take: 16-byte aligned bases, row strides and contiguous extents (the library checks them
 // itself rather than leaving a bad one to the descriptor's encoding).
 bool tma_ready(const AccumulateGemm& g) {
-  return aligned16(g.a) && aligned16(g.b) && aligned16(g.d) && g.lda % kAlign16 == 0 && g.ldb % kAlign16 == 0 &&
-         g.ldd % kAlign32 == 0 && g.m % kAlign16 == 0 && g.n % kAlign16 == 0 && g.lda >= g.m && g.ldb >= g.n &&
-         g.ldd >= g.n;
+  return g.a && g.b && g.d && aligned16(g.a) && aligned16(g.b) && aligned16(g.d) && g.lda % kAlign16 == 0 &&
+         g.ldb % kAlign16 == 0 && g.ldd % kAlign32 == 0 && g.m % kAlign16 == 0 && g.n % kAlign16 == 0 && g.lda >= g.m &&
+         g.ldb >= g.n && g.ldd >= g.n;
 }
 
 typename Gemm::Arguments arguments(const AccumulateGemm& g, int device, int sm_count) {
