@@ -1,5 +1,6 @@
-// Linear cross-entropy: argument validation and dispatch. Every check happens here, before any backend
-// runs, so a bad call never touches memory.
+// Linear cross-entropy: argument validation and dispatch. Every argument check happens here, before any backend
+// runs, so a bad call never touches memory; the CUDA runner checks the workspace against the plan it makes, also
+// before it queues any work.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
