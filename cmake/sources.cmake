@@ -51,6 +51,7 @@ set(LOGITLESS_CUDA_SOURCES
   src/linear_cross_entropy/cuda/kernels.cu
   src/linear_cross_entropy/cuda/kernels_exp_grad.cu
   src/linear_cross_entropy/cuda/kernels_hopper.cu
+  src/linear_cross_entropy/cuda/kernels_row_stats.cu
   src/linear_cross_entropy/cuda/run.cpp
   src/linear_head/cuda/accumulate_gemm.cu
   src/linear_head/cuda/engine.cpp

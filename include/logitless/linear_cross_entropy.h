@@ -18,6 +18,8 @@
 //                         rows with one common stride >= H (a fresh contiguous tensor always qualifies)
 //   grad_weight   [V, H]  optional: weight's dtype or float32, last dimension contiguous, row stride >= H
 //   grad_bias     [V]     optional: bias's dtype or float32, any stride
+//   entropy       [*]     float32, N elements, contiguous; is_top1 [*] bool or uint8, N elements, contiguous: the
+//                         row statistics (LinearCrossEntropyRowStats), given exactly when options.row_stats is set
 // An absent (undefined) gradient output is not computed: a frozen lm_head costs no weight-gradient GEMM.
 //
 // The loss is the cross-entropy family's (include/logitless/cross_entropy.h) over the logits
@@ -39,6 +41,19 @@
 //    none, whose upstream gradient is known only in the backward): the forward keeps the per-token lse; the
 //    backward recomputes the logits a vocabulary chunk at a time: four GEMMs in all, and no full-size float32
 //    gradient accumulator (each chunk of vocabulary rows of grad_weight is final when written).
+//
+// Row statistics (options.row_stats; the forward and the gradient-in-forward schedule; not differentiated), per
+// token, of the softmax the loss uses, p = softmax(x) with x the (soft-capped) logits:
+//   entropy[i] = -Σ_j p_j ln p_j = lse_i - Σ_j p_j x_j   (label smoothing, z-loss and class weights change the loss,
+//                                                        not p)
+//   is_top1[i] = 1 where target[i] is the first maximum of row i's logits z (torch.argmax's answer: the lowest index
+//                among equal maxima), compared before the soft cap, which is monotone: it never reorders them
+// An ignored token gets entropy 0 and is_top1 0; an unchecked bad target, NaN and 0. A row whose capped logits have
+// no finite lse (a NaN logit; without a soft cap also a +inf logit, or -inf only) has entropy NaN; is_top1 is 0 in a
+// row with a NaN logit, and target == 0 in a row of -inf only (torch.argmax: index 0). On CUDA both come from the
+// float32 logits the GEMM produced, so two classes within float32 rounding of each other may rank otherwise than on
+// the CPU. Not for a vocabulary shard (include/logitless/vocab_parallel.h refuses it): its exchange carries no
+// entropy or argmax.
 //
 // Precision (CUDA): the GEMMs accumulate in float32; each chunk of logits is kept in float32, so the loss is
 // as exact as a float32 computation from the same inputs (a bf16 chunk would round every logit by up to
@@ -98,6 +113,16 @@ struct LinearCrossEntropyOptions {
   int64_t chunk_vocab = 0;
   size_t memory_budget = size_t{512} << 20;  // bytes of chunk scratch (see above); >= 1
   GradWeightAccumulation grad_weight_accumulation = GradWeightAccumulation::kFloat32;  // see the enum
+  // The forward (and the gradient-in-forward schedule) also writes the row statistics (see above) into the call's
+  // LinearCrossEntropyRowStats; a flag here, not only the outputs, because the workspace queries size for it (the
+  // fused Hopper path keeps per-tile partials of them). Ignored by the recompute backward.
+  bool row_stats = false;
+};
+
+// The row statistics' outputs (see above): both defined when options.row_stats is set, both undefined otherwise.
+struct LinearCrossEntropyRowStats {
+  TensorView entropy;  // [*] float32
+  TensorView is_top1;  // [*] bool or uint8
 };
 
 // Bytes of scratch each CUDA entry point needs for these arguments (0 on the CPU). Pass the tensors the call
@@ -129,7 +154,8 @@ bool linear_cross_entropy_recompute_is_faster(int64_t n_tokens, int64_t hidden, 
 void linear_cross_entropy_forward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
                                   const TensorView& target, const TensorView& class_weight,
                                   const LinearCrossEntropyOptions& options, const TensorView& loss,
-                                  const TensorView& lse, Workspace workspace, StreamHandle stream);
+                                  const TensorView& lse, Workspace workspace, StreamHandle stream,
+                                  const LinearCrossEntropyRowStats& row_stats = {});
 
 // The gradient-in-forward schedule: the loss and the gradients of the reduced loss, times `grad_scale` when
 // given (float32 on the device: [] for sum/mean, [*] per token for none; read on the device, so no
@@ -139,7 +165,8 @@ void linear_cross_entropy_forward_backward(const TensorView& hidden, const Tenso
                                            const LinearCrossEntropyOptions& options, const TensorView& loss,
                                            const TensorView& lse, const TensorView& grad_hidden,
                                            const TensorView& grad_weight, const TensorView& grad_bias,
-                                           const TensorView& grad_scale, Workspace workspace, StreamHandle stream);
+                                           const TensorView& grad_scale, Workspace workspace, StreamHandle stream,
+                                           const LinearCrossEntropyRowStats& row_stats = {});
 
 // The recompute schedule's backward: the gradients times grad_loss (float32: [] for sum/mean, [*] for none),
 // from the lse the forward returned. Targets are not checked again (the forward did).

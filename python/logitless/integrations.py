@@ -12,6 +12,12 @@
   ``mean_token_accuracy``, all from one pass over each chunk's logits), inside a call of the LM head
   (`logitless.linear_head_loss`, so FSDP2 and ZeRO-3 gather its weight). That covers SFT's loss, its
   ``mean_token_accuracy`` and ``entropy``, and GRPO's old-policy and reference log-probs.
+* ``SFTTrainer`` with its default ``loss_type="nll"``: the loss, ``-sum(log_probs) / count``, weighs every token
+  alike, so the head's gradient is computed in the forward instead (``logitless.linear_cross_entropy``'s
+  gradient-in-forward schedule: three logits-sized GEMMs, where the log-probs' recomputing backward takes four), with
+  the entropy and ``is_top1`` from the same pass (``return_row_stats``); ``log_probs`` are the negated per-token
+  losses. Other loss types (``dft``, whose per-token weights are the probabilities) and a head with a temperature
+  keep the selective log-softmax.
 * ``GRPOTrainer``: additionally its loss is computed by ``logitless.linear_grpo_loss`` from the policy's hidden
   states in one fused call, with the trainer's options (beta, epsilon / epsilon_high, loss_type,
   importance_sampling_level, temperature, max_completion_length, the dapo normalizer, gradient accumulation), and its
@@ -43,6 +49,7 @@ from torch import Tensor
 
 from .heads import linear_head_loss
 from .hf import patch
+from .linear_cross_entropy import token_losses_uniform_grad
 from .linear_policy_loss import linear_grpo_loss, linear_selective_log_softmax
 
 __all__ = ["use_logitless", "LogitlessGRPOMixin", "TESTED_TRL", "UNSUPPORTED_GRPO_OPTIONS"]
@@ -210,6 +217,8 @@ class _TrlHead:
     softcap: Optional[float]
     backbone_attr: str
     text_config: Any
+    # The trainer reduces the log-probs as -sum / count (SFT's nll loss): one upstream gradient for every token.
+    uniform_log_prob_grad: bool = False
 
 
 _TRL_CLOSURE = ("original_forward", "temperature", "cast_lm_head_to_fp32", "outputs", "logit_scale",
@@ -323,6 +332,11 @@ def _use_with_sft(trainer, rms_norm: bool):
         reasons.append(f"router_aux_loss_coef={trainer.router_aux_loss_coef}: "
                        f"{UNSUPPORTED_GRPO_OPTIONS['router_aux_loss_coef']}; set it to 0.0")
     _install(trainer, rms_norm, reasons)
+    # nll: compute_loss sums -log_probs over the tokens and divides by their count (the only gradient the log-probs
+    # get). dft weighs each token by its probability: no one gradient for all.
+    uniform = getattr(trainer.args, "loss_type", "nll") == "nll"
+    for model in _trl_models(trainer):
+        model.__dict__[_STATE].uniform_log_prob_grad = uniform
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -528,8 +542,12 @@ def _fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=N
     want_top1 = "is_top1" in head_state.outputs
     # Only the scored positions go through the head (a copy of their rows, [n, H]: small beside their logits).
     rows, ids = hidden[mask], labels[mask]
-    logp, entropy, top1 = linear_head_loss(head, _score, rows, ids, state=head_state, want_entropy=want_entropy,
-                                           want_top1=want_top1)
+    if head_state.uniform_log_prob_grad and head_state.temperature == 1.0:
+        logp, entropy, top1 = linear_head_loss(head, _score_uniform, rows, ids, state=head_state)
+        entropy, top1 = (entropy if want_entropy else None), (top1 if want_top1 else None)
+    else:
+        logp, entropy, top1 = linear_head_loss(head, _score, rows, ids, state=head_state, want_entropy=want_entropy,
+                                               want_top1=want_top1)
     # masked_scatter keeps the output connected to the graph when no label is scored (a zero with a gradient).
     log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)
     entropy = None if entropy is None else entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
@@ -571,6 +589,16 @@ def _score(h: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None
         logp, entropy, *top1 = linear_selective_log_softmax(h, weight, ids, bias, temperature=state.temperature,
                                                             return_entropy=True, return_top1=want_top1)
     return logp, (entropy if want_entropy else None), (top1[0] if top1 else None)
+
+
+def _score_uniform(h: Tensor, weight: Tensor, ids: Tensor, bias: Optional[Tensor] = None, *, state: _TrlHead):
+    """As `_score` (temperature 1), for a trainer whose log-probs' upstream gradient is one value for every token:
+    the linear cross-entropy's per-token losses with their gradient computed in the forward, entropy and is_top1
+    from the same pass; log-probs = -losses."""
+    h, weight, bias = _operands(h, weight, bias, state)
+    with torch.autocast(h.device.type, enabled=False):
+        loss, entropy, top1 = token_losses_uniform_grad(h, weight, ids, bias)
+    return -loss, entropy, top1
 
 
 def _grpo_forward(head, state: _TrlHead, hidden: Tensor, request: _GRPORequest):

@@ -57,14 +57,14 @@ GRAD_WEIGHT_ACCUMULATIONS = {"float32": 0, "weight_dtype": 1}
 
 def _options(ignore_index: int, reduction: int, label_smoothing: float, z_loss: float, softcap: float,
              check_targets: bool, chunk_tokens: int, chunk_vocab: int, memory_budget: int,
-             grad_weight_accumulation: int) -> _C.LinearCrossEntropyOptions:
+             grad_weight_accumulation: int, row_stats: bool = False) -> _C.LinearCrossEntropyOptions:
     """The ops' option arguments (reduction and grad_weight_accumulation as the C++ enum values) as the binding's
-    LinearCrossEntropyOptions, field by field by name."""
+    LinearCrossEntropyOptions, field by field by name; `row_stats`: the row-statistics ops' (not an op argument)."""
     return _C.LinearCrossEntropyOptions(ignore_index=ignore_index, reduction=reduction,
                                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                                         check_targets=check_targets, chunk_tokens=chunk_tokens,
                                         chunk_vocab=chunk_vocab, memory_budget=memory_budget,
-                                        grad_weight_accumulation=grad_weight_accumulation)
+                                        grad_weight_accumulation=grad_weight_accumulation, row_stats=row_stats)
 
 
 _cached_options = cached(_options)
@@ -103,8 +103,22 @@ def _grad_outputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_h
     return make(hidden, need_hidden), make(weight, need_weight), make(bias, need_bias)
 
 
+def _row_stats_outputs(hidden: Tensor, target: Tensor) -> Tuple[Tensor, Tensor]:
+    # entropy (float32) and is_top1 (bool), one per token.
+    return (torch.empty(target.shape, dtype=torch.float32, device=hidden.device),
+            torch.empty(target.shape, dtype=torch.bool, device=hidden.device))
+
+
+def _row_stats_descriptors(row_stats: Optional[Tuple[Tensor, Tensor]]) -> dict:
+    if row_stats is None:
+        return {}
+    return dict(entropy=descriptor(row_stats[0], "entropy"), is_top1=descriptor(row_stats[1], "is_top1"))
+
+
 def _run_forward_backward(hidden, weight, bias, target, class_weight, options, grad_hidden, grad_weight, grad_bias):
+    """(loss, lse), or with options.row_stats (loss, lse, entropy, is_top1)."""
     loss, lse = _new_outputs(hidden, target, options.reduction)
+    stats = _row_stats_outputs(hidden, target) if options.row_stats else None
     h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
     gh, gw, gb = (descriptor(grad_hidden, "grad_hidden"), descriptor(grad_weight, "grad_weight"),
                   descriptor(grad_bias, "grad_bias"))
@@ -113,9 +127,22 @@ def _run_forward_backward(hidden, weight, bias, target, class_weight, options, g
     _C.linear_cross_entropy_forward_backward(h, w, descriptor(bias, "bias"), t,
                                              descriptor(class_weight, "class_weight"), options,
                                              descriptor(loss, "loss"), descriptor(lse, "lse"), gh, gw, gb, None, ws,
-                                             stream(hidden.device))
+                                             stream(hidden.device), **_row_stats_descriptors(stats))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
-    return loss, lse
+    return (loss, lse) + (stats or ())
+
+
+def _run_forward(hidden, weight, bias, target, class_weight, options):
+    """(loss, lse), or with options.row_stats (loss, lse, entropy, is_top1)."""
+    loss, lse = _new_outputs(hidden, target, options.reduction)
+    stats = _row_stats_outputs(hidden, target) if options.row_stats else None
+    h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
+    owner, ws = workspace(_C.linear_cross_entropy_forward_workspace_bytes(h, w, t, options), hidden.device)
+    _C.linear_cross_entropy_forward(h, w, descriptor(bias, "bias"), t, descriptor(class_weight, "class_weight"),
+                                    options, descriptor(loss, "loss"), descriptor(lse, "lse"), ws,
+                                    stream(hidden.device), **_row_stats_descriptors(stats))
+    del owner
+    return (loss, lse) + (stats or ())
 
 
 def _recompute_is_faster(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], scalars: tuple,
@@ -211,14 +238,7 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Ten
     """(loss, lse): one GEMM over token chunks; lse is what the backward needs."""
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
                               chunk_vocab, memory_budget, grad_weight_accumulation)
-    loss, lse = _new_outputs(hidden, target, reduction)
-    h, w, t = descriptor(hidden, "hidden"), descriptor(weight, "weight"), descriptor(target, "target")
-    owner, ws = workspace(_C.linear_cross_entropy_forward_workspace_bytes(h, w, t, options), hidden.device)
-    _C.linear_cross_entropy_forward(h, w, descriptor(bias, "bias"), t, descriptor(class_weight, "class_weight"),
-                                    options, descriptor(loss, "loss"), descriptor(lse, "lse"), ws,
-                                    stream(hidden.device))
-    del owner
-    return loss, lse
+    return _run_forward(hidden, weight, bias, target, class_weight, options)
 
 
 @register_fake(_forward)
@@ -304,70 +324,175 @@ def _forward_grad(ctx, grad_loss, grad_lse):
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
 
 
+# The row statistics' ops (linear_cross_entropy's return_row_stats): the two forward ops above, also returning each
+# token's entropy (float32) and is_top1 (bool), not differentiated.
+
+
+@custom_op("logitless::linear_cross_entropy_forward_row_stats")
+def _forward_row_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                       class_weight: Optional[Tensor], ignore_index: int, reduction: int, label_smoothing: float,
+                       z_loss: float, softcap: float, check_targets: bool, chunk_tokens: int, chunk_vocab: int,
+                       memory_budget: int, grad_weight_accumulation: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, entropy, is_top1): one GEMM over token chunks."""
+    options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
+                              chunk_vocab, memory_budget, grad_weight_accumulation, True)
+    return _run_forward(hidden, weight, bias, target, class_weight, options)
+
+
+@register_fake(_forward_row_stats)
+def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *options):
+    return _new_outputs(hidden, target, reduction) + _row_stats_outputs(hidden, target)
+
+
+def _forward_row_stats_setup(ctx, inputs, output):
+    hidden, weight, bias, target, class_weight, *options = inputs
+    _, lse, entropy, top1 = output
+    ctx.mark_non_differentiable(lse, entropy, top1)
+    ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
+    ctx.options = options
+
+
+def _forward_row_stats_grad(ctx, grad_loss, grad_lse, grad_entropy, grad_top1):
+    return _forward_grad(ctx, grad_loss, grad_lse)
+
+
+_forward_row_stats.register_autograd(_forward_row_stats_grad, setup_context=_forward_row_stats_setup)
+
+
+@custom_op("logitless::linear_cross_entropy_forward_backward_row_stats_out",
+           mutates_args=("grad_hidden", "grad_weight", "grad_bias"))
+def _forward_backward_row_stats_out(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                                    class_weight: Optional[Tensor], ignore_index: int, reduction: int,
+                                    label_smoothing: float, z_loss: float, softcap: float, check_targets: bool,
+                                    chunk_tokens: int, chunk_vocab: int, memory_budget: int,
+                                    grad_weight_accumulation: int, grad_hidden: Optional[Tensor],
+                                    grad_weight: Optional[Tensor],
+                                    grad_bias: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """As linear_cross_entropy_forward_backward_out, also returning entropy and is_top1."""
+    options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, chunk_tokens,
+                              chunk_vocab, memory_budget, grad_weight_accumulation, True)
+    return _run_forward_backward(hidden, weight, bias, target, class_weight, options, grad_hidden, grad_weight,
+                                 grad_bias)
+
+
+@register_fake(_forward_backward_row_stats_out)
+def _(hidden, weight, bias, target, class_weight, ignore_index, reduction, *rest):
+    return _new_outputs(hidden, target, reduction) + _row_stats_outputs(hidden, target)
+
+
 class _AutocastRecompute(torch.autograd.Function):
     """The recompute schedule under autocast: the forward op on 16-bit copies of float32 operands, which it keeps
     for the backward (one 16-bit copy of the weight between the passes); the backward writes each gradient in
     float32 and hands it to the argument in its own dtype, with no 16-bit gradient of a float32 weight on top."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, scalars, compute_dtype):
+    def forward(ctx, hidden, weight, bias, target, class_weight, scalars, compute_dtype, row_stats=False):
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         hidden, weight, bias = _cast(hidden, weight, bias, compute_dtype)
-        loss, lse = _forward(hidden, weight, bias, target, class_weight, *scalars)
-        ctx.mark_non_differentiable(lse)
+        outs = (_forward_row_stats if row_stats else _forward)(hidden, weight, bias, target, class_weight, *scalars)
+        ctx.mark_non_differentiable(*outs[1:])
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse)
+        ctx.save_for_backward(hidden, weight, bias, target, class_weight, outs[1])
         ctx.scalars, ctx.dtypes = scalars, dtypes
-        return loss, lse
+        return outs
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
+    def backward(ctx, grad_loss, *unused):
         no_double_backward("linear_cross_entropy")
         hidden, weight, bias, target, class_weight, lse = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
         if grad_loss is None or not any(need):
-            return (None,) * 7
+            return (None,) * 8
         g = grad_loss.to(torch.float32).contiguous()
         grads = _backward(hidden, weight, bias, target, class_weight, lse, g, *ctx.scalars, need[0], need[1],
                           need[2] and bias is not None, True)
         out = tuple(t.to(dtype) if n and dtype is not None else None for t, n, dtype in zip(grads, need, ctx.dtypes))
-        return out + (None,) * 4
+        return out + (None,) * 5
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Loss and gradients in one pass (reduction sum/mean); backward scales the saved gradients in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, scalars, compute_dtype=None):
+    def forward(ctx, hidden, weight, bias, target, class_weight, scalars, compute_dtype=None, row_stats=False):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_bias = bias is not None and ctx.needs_input_grad[2]
         # In the arguments' own dtypes: under autocast a float32 weight's gradient is written in float32 directly
         # (it is then its own accumulator over token groups), and the 16-bit copies below live only in this call.
         gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
         hidden, weight, bias = _cast(hidden, weight, bias, compute_dtype)
-        loss, lse = _forward_backward_out(hidden, weight, bias, target, class_weight, *scalars,
-                                          gh if need_hidden else None, gw if need_weight else None,
-                                          gb if need_bias else None)
-        ctx.mark_non_differentiable(lse)
+        op = _forward_backward_row_stats_out if row_stats else _forward_backward_out
+        outs = op(hidden, weight, bias, target, class_weight, *scalars, gh if need_hidden else None,
+                  gw if need_weight else None, gb if need_bias else None)
+        ctx.mark_non_differentiable(*outs[1:])
         # lse takes no gradient: no zeros materialized for it in the backward.
         ctx.set_materialize_grads(False)
         ctx.needs = (need_hidden, need_weight, need_bias)
         # Saved after they were written: a later write to them (or a second backward over a retained graph,
         # after the in-place scaling below) fails autograd's version check instead of reusing them.
         ctx.save_for_backward(gh, gw, gb)
-        return loss, lse
+        return outs
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
+    def backward(ctx, grad_loss, *unused):
         no_double_backward("linear_cross_entropy")
         grads = ctx.saved_tensors
         if grad_loss is None:  # no gradient reached the loss: nothing flows to the inputs
-            return (None,) * 7
+            return (None,) * 8
         scale = grad_loss.to(torch.float32).contiguous()
         out = []
         for g, need in zip(grads, ctx.needs):
             out.append(scale_saved(g, scale) if need else None)
-        return tuple(out) + (None, None, None, None)
+        return tuple(out) + (None,) * 5
+
+
+class _UniformTokenLosses(torch.autograd.Function):
+    """Per-token losses (reduction none) with the gradient of their sum computed in the forward (three GEMMs, as
+    gradient_in_forward), for callers whose upstream gradient is one value for every token, as that of
+    ``-sum(log_probs) / count``: the backward scales the saved gradients by the upstream gradient's mean, which is
+    that value. A caller with another upstream gradient must not use it (its gradient would be the uniform one)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, scalars):
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        gh, gw, gb = _grad_outputs(hidden, weight, bias, *need)
+        loss, lse, entropy, top1 = _forward_backward_row_stats_out(hidden, weight, bias, target, None, *scalars,
+                                                                   *(g if n else None for g, n in zip((gh, gw, gb),
+                                                                                                      need)))
+        ctx.mark_non_differentiable(entropy, top1)
+        ctx.set_materialize_grads(False)
+        ctx.needs = need
+        ctx.save_for_backward(gh, gw, gb)
+        return loss, entropy, top1
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        no_double_backward("linear_cross_entropy")
+        grads = ctx.saved_tensors
+        if grad_loss is None or grad_loss.numel() == 0:
+            return (None,) * 5
+        scale = grad_loss.to(torch.float32).mean()
+        return tuple(scale_saved(g, scale) if n else None for g, n in zip(grads, ctx.needs)) + (None, None)
+
+
+def token_losses_uniform_grad(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
+                              check_targets: bool = True,
+                              memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Tuple[Tensor, Tensor, Tensor]:
+    """(loss, entropy, is_top1), each [*]: the per-token cross-entropy of ``hidden @ weight.T + bias`` (no
+    options; -100 ignored) with ``return_row_stats``, for a caller that reduces the losses with one weight for every
+    token (``loss.sum() / count``: supervised fine-tuning). Where a gradient is needed it is computed in the forward
+    (gradient_in_forward's three GEMMs, where reduction "none" otherwise takes the recompute schedule's four), and
+    the backward takes the mean of the upstream gradient over the tokens as that one weight: a non-uniform upstream
+    gradient gets a wrong gradient. Not under autocast or with a DTensor weight (the caller casts and gathers)."""
+    check_tensors((("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias)), optional=("bias",))
+    hidden, weight = rows_ready(hidden), rows_ready(weight)
+    check_bias(bias, weight, hidden)
+    check_rows(hidden.dim() - 1, (("hidden", hidden), ("target", target)), jointly=False)
+    scalars = _scalars(-100, "none", 0.0, 0.0, None, check_targets, None, None, memory_budget, "float32")
+    if _needs_grad(hidden, weight, bias):
+        return _UniformTokenLosses.apply(hidden, weight, bias, target, scalars)
+    loss, _, entropy, top1 = _forward_row_stats(hidden, weight, bias, target, None, *scalars)
+    return loss, entropy, top1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -387,6 +512,7 @@ def linear_cross_entropy(
     softcap: Optional[float] = None,
     class_weight: Optional[Tensor] = None,
     return_lse: bool = False,
+    return_row_stats: bool = False,
     schedule: str = "auto",
     chunk_tokens: Optional[int] = None,
     chunk_vocab: Optional[int] = None,
@@ -420,6 +546,14 @@ def linear_cross_entropy(
             as float32; no gradient flows to it.
         return_lse: also return the per-token log-sum-exp [*] (float32, of the capped logits; 0 for ignored
             tokens; detached).
+        return_row_stats: also return, per token, the entropy of the softmax the loss uses (float32 [*], of the
+            capped logits: label smoothing, z-loss and class weights change the loss, not that softmax) and
+            whether the target is the first maximum of the logits (bool [*], torch.argmax's answer: the lowest
+            index among equal maxima, compared before the cap, which never reorders them); 0 and False for ignored
+            tokens; a row with a NaN logit has entropy NaN and is_top1 False. Not differentiated. Computed in the
+            same pass as the loss (on CUDA from the float32 logits the GEMM produced, so classes within float32
+            rounding of each other may rank otherwise than in exact arithmetic). Not with vocabulary parallelism
+            (ValueError): its exchange carries no entropy or argmax.
         schedule: "auto", "gradient_in_forward" (reduction sum/mean: gradients computed in the forward, the
             backward only scales them; three GEMMs) or "recompute" (the forward keeps lse, the backward
             recomputes the logits; four GEMMs, the least memory). "auto" takes recompute for reduction none,
@@ -457,7 +591,8 @@ def linear_cross_entropy(
             reduce_scattered back to them, and per-token outputs (reduction none, lse) are this rank's tokens'.
 
     Returns:
-        The float32 loss ([] for sum/mean, [*] for none), or ``(loss, lse)`` with return_lse.
+        The float32 loss ([] for sum/mean, [*] for none), or a tuple: ``(loss, lse)`` with return_lse,
+        ``(loss, entropy, is_top1)`` with return_row_stats, ``(loss, lse, entropy, is_top1)`` with both.
 
     Raises:
         ValueError: on a bad argument, naming it (shapes, dtypes, a target out of range with its row).
@@ -490,6 +625,10 @@ def linear_cross_entropy(
         class_weight = class_weight.detach().to(torch.float32)
     hidden, weight = rows_ready(hidden), rows_ready(weight)
     sharded = process_group is not None or bool(vocab_parallel)
+    row_stats = bool(return_row_stats)
+    if sharded and row_stats:
+        raise ValueError("return_row_stats: not supported with vocabulary parallelism (process_group or "
+                         "vocab_parallel): the shards' exchange carries no entropy or argmax")
     # Imported here, not at the top, only so that `import logitless` does not load the vocabulary-parallel module for
     # single-device use (it imports nothing that imports back: no cycle).
     from . import vocab_parallel as vp
@@ -515,10 +654,12 @@ def linear_cross_entropy(
     check_rows(hidden.dim() - 1, (("hidden", hidden), ("target", target)), jointly=False)
     needs_grad = _needs_grad(hidden, weight, bias)
     if needs_grad and recompute and compute_dtype is not None:
-        loss, lse = _AutocastRecompute.apply(hidden, weight, bias, target, class_weight, scalars, compute_dtype)
+        outs = _AutocastRecompute.apply(hidden, weight, bias, target, class_weight, scalars, compute_dtype, row_stats)
     elif not needs_grad or recompute:
         hidden, weight, bias = _cast(hidden, weight, bias, compute_dtype)
-        loss, lse = _forward(hidden, weight, bias, target, class_weight, *scalars)
+        outs = (_forward_row_stats if row_stats else _forward)(hidden, weight, bias, target, class_weight, *scalars)
     else:
-        loss, lse = _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, scalars, compute_dtype)
-    return (loss, lse) if return_lse else loss
+        outs = _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, scalars, compute_dtype,
+                                              row_stats)
+    result = outs[:1] + (outs[1:2] if return_lse else ()) + (tuple(outs[2:4]) if row_stats else ())
+    return result if len(result) > 1 else result[0]

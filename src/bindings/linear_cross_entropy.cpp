@@ -15,7 +15,8 @@ void bind_linear_cross_entropy(nb::module_& m) {
       .field("chunk_tokens", &O::chunk_tokens)
       .field("chunk_vocab", &O::chunk_vocab)
       .field("memory_budget", &O::memory_budget)
-      .enum_field("grad_weight_accumulation", &O::grad_weight_accumulation);
+      .enum_field("grad_weight_accumulation", &O::grad_weight_accumulation)
+      .field("row_stats", &O::row_stats);
 
   m.def(
       "linear_cross_entropy_recompute_is_faster",
@@ -57,32 +58,37 @@ void bind_linear_cross_entropy(nb::module_& m) {
       "linear_cross_entropy_forward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle target, nb::handle class_weight,
          const LinearCrossEntropyOptions& options, nb::handle loss, nb::handle lse, nb::handle workspace,
-         uintptr_t stream) {
+         uintptr_t stream, nb::handle entropy, nb::handle is_top1) {
         const LinearCrossEntropyOptions o = options;
         const TensorView h = to_view(hidden), w = to_view(weight), b = to_view(bias), t = to_view(target),
                          cw = to_view(class_weight), l = to_view(loss), s = to_view(lse);
+        const LinearCrossEntropyRowStats rs{to_view(entropy), to_view(is_top1)};
         const Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
-        linear_cross_entropy_forward(h, w, b, t, cw, o, l, s, ws, to_stream(stream));
+        linear_cross_entropy_forward(h, w, b, t, cw, o, l, s, ws, to_stream(stream), rs);
       },
       "hidden"_a.none(), "weight"_a.none(), "bias"_a.none(), "target"_a.none(), "class_weight"_a.none(), "options"_a,
-      "loss"_a.none(), "lse"_a.none(), "workspace"_a.none(), "stream"_a);
+      "loss"_a.none(), "lse"_a.none(), "workspace"_a.none(), "stream"_a, "entropy"_a.none() = nb::none(),
+      "is_top1"_a.none() = nb::none());
   m.def(
       "linear_cross_entropy_forward_backward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle target, nb::handle class_weight,
          const LinearCrossEntropyOptions& options, nb::handle loss, nb::handle lse, nb::handle grad_hidden,
-         nb::handle grad_weight, nb::handle grad_bias, nb::handle grad_scale, nb::handle workspace, uintptr_t stream) {
+         nb::handle grad_weight, nb::handle grad_bias, nb::handle grad_scale, nb::handle workspace, uintptr_t stream,
+         nb::handle entropy, nb::handle is_top1) {
         const LinearCrossEntropyOptions o = options;
         const TensorView h = to_view(hidden), w = to_view(weight), b = to_view(bias), t = to_view(target),
                          cw = to_view(class_weight), l = to_view(loss), s = to_view(lse), gh = to_view(grad_hidden),
                          gw = to_view(grad_weight), gb = to_view(grad_bias), gs = to_view(grad_scale);
+        const LinearCrossEntropyRowStats rs{to_view(entropy), to_view(is_top1)};
         const Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
-        linear_cross_entropy_forward_backward(h, w, b, t, cw, o, l, s, gh, gw, gb, gs, ws, to_stream(stream));
+        linear_cross_entropy_forward_backward(h, w, b, t, cw, o, l, s, gh, gw, gb, gs, ws, to_stream(stream), rs);
       },
       "hidden"_a.none(), "weight"_a.none(), "bias"_a.none(), "target"_a.none(), "class_weight"_a.none(), "options"_a,
       "loss"_a.none(), "lse"_a.none(), "grad_hidden"_a.none(), "grad_weight"_a.none(), "grad_bias"_a.none(),
-      "grad_scale"_a.none(), "workspace"_a.none(), "stream"_a);
+      "grad_scale"_a.none(), "workspace"_a.none(), "stream"_a, "entropy"_a.none() = nb::none(),
+      "is_top1"_a.none() = nb::none());
   m.def(
       "linear_cross_entropy_backward",
       [](nb::handle hidden, nb::handle weight, nb::handle bias, nb::handle target, nb::handle class_weight,

@@ -56,6 +56,9 @@ Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weig
         shard->vocab);
   }
 
+  LOGITLESS_CHECK_ARG(!(shard && o.row_stats && mode != Mode::kBackward), "options.row_stats",
+                      "false for a vocabulary shard (its exchange carries no entropy or argmax)", "true");
+
   check_defined(target, "target");
   check_index_dtype(target, "target");
   check_device(target, "target", dev);
@@ -72,6 +75,7 @@ Problem base_problem(Mode mode, const TensorView& hidden, const TensorView& weig
   p.dtype = hw.dtype;
   p.device = dev;
   p.options = o;
+  if (mode == Mode::kBackward) p.options.row_stats = false;  // the forward's outputs: nothing to write here
   p.hidden_data = hw.hidden_data;
   p.hidden_rows = hw.hidden_rows;
   p.hidden_uniform = hw.hidden_uniform;
@@ -136,6 +140,25 @@ void add_forward_outputs(Problem& p, const TensorView& loss, const TensorView& l
   p.loss = check_row_vector(loss, "loss", none ? p.n_tokens : 1, p.device,
                             none ? "one per token for reduction none" : "a scalar for reduction sum or mean");
   if (lse.defined()) p.lse = check_row_vector(lse, "lse", p.n_tokens, p.device, "one per token");
+}
+
+// The row statistics' outputs: both given exactly when options.row_stats asks for them.
+void add_row_stats(Problem& p, const LinearCrossEntropyRowStats& rs) {
+  if (!p.options.row_stats) {
+    LOGITLESS_CHECK_ARG(!rs.entropy.defined() && !rs.is_top1.defined(), "row_stats",
+                        "no entropy or is_top1 output unless options.row_stats is set", "an output");
+    return;
+  }
+  p.entropy = check_row_vector(rs.entropy, "row_stats.entropy", p.n_tokens, p.device, "one per token");
+  const TensorView& t = rs.is_top1;
+  check_defined(t, "row_stats.is_top1");
+  LOGITLESS_CHECK_ARG(t.dtype == DType::kBool || t.dtype == DType::kUInt8, "row_stats.is_top1", "dtype bool or uint8",
+                      dtype_name(t.dtype));
+  check_device(t, "row_stats.is_top1", p.device);
+  check_numel(t, "row_stats.is_top1", p.n_tokens, "one per token");
+  check_contiguous(t, "row_stats.is_top1");
+  check_nonnull(t, "row_stats.is_top1");
+  p.is_top1 = static_cast<uint8_t*>(t.data);
 }
 
 const float* upstream(const Problem& p, const TensorView& t, const char* name) {
@@ -246,11 +269,14 @@ size_t linear_cross_entropy_backward_workspace_bytes(const TensorView& hidden, c
 void linear_cross_entropy_forward(const TensorView& hidden, const TensorView& weight, const TensorView& bias,
                                   const TensorView& target, const TensorView& class_weight,
                                   const LinearCrossEntropyOptions& options, const TensorView& loss,
-                                  const TensorView& lse, Workspace workspace, StreamHandle stream) {
+                                  const TensorView& lse, Workspace workspace, StreamHandle stream,
+                                  const LinearCrossEntropyRowStats& row_stats) {
   Problem p = base_problem(Mode::kForward, hidden, weight, target, options);
   add_inputs(p, bias, class_weight);
   add_forward_outputs(p, loss, lse);
-  check_no_aliasing(hidden, weight, bias, {}, {}, {}, {{loss, "loss"}, {lse, "lse"}},
+  add_row_stats(p, row_stats);
+  check_no_aliasing(hidden, weight, bias, {}, {}, {},
+                    {{loss, "loss"}, {lse, "lse"}, {row_stats.entropy, "entropy"}, {row_stats.is_top1, "is_top1"}},
                     {{target, "target"}, {class_weight, "class_weight"}});
   dispatch(p, workspace, stream);
 }
@@ -260,16 +286,19 @@ void linear_cross_entropy_forward_backward(const TensorView& hidden, const Tenso
                                            const LinearCrossEntropyOptions& options, const TensorView& loss,
                                            const TensorView& lse, const TensorView& grad_hidden,
                                            const TensorView& grad_weight, const TensorView& grad_bias,
-                                           const TensorView& grad_scale, Workspace workspace, StreamHandle stream) {
+                                           const TensorView& grad_scale, Workspace workspace, StreamHandle stream,
+                                           const LinearCrossEntropyRowStats& row_stats) {
   Problem p = base_problem(Mode::kForwardBackward, hidden, weight, target, options);
   add_inputs(p, bias, class_weight);
   add_grads(p, hidden, weight, &bias, grad_hidden, grad_weight, grad_bias);
   add_forward_outputs(p, loss, lse);
+  add_row_stats(p, row_stats);
   if (grad_scale.defined()) {
     p.grad_scale = upstream(p, grad_scale, "grad_scale");
     p.grad_scale_per_row = options.reduction == Reduction::kNone;
   }
-  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, {{loss, "loss"}, {lse, "lse"}},
+  check_no_aliasing(hidden, weight, bias, grad_hidden, grad_weight, grad_bias,
+                    {{loss, "loss"}, {lse, "lse"}, {row_stats.entropy, "entropy"}, {row_stats.is_top1, "is_top1"}},
                     {{target, "target"}, {class_weight, "class_weight"}, {grad_scale, "grad_scale"}});
   dispatch(p, workspace, stream);
 }

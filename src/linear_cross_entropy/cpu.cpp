@@ -102,6 +102,23 @@ class Cpu {
     }
   }
 
+  // options.row_stats of the chunk's rows from their float32 logits z [rows, V] (before the cross-entropy turns them
+  // into the gradient in place): the entropy of the softmax of the capped logits in double, the first maximum of z.
+  void row_stats(int64_t c0, int64_t rows, const float* z) const {
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t t = target_[c0 + i];
+      float entropy = 0.f;
+      bool top1 = false;
+      if (t != p_.options.ignore_index) {
+        const bool bad = t < 0 || t >= p_.vocab_total;
+        entropy = bad ? NAN : static_cast<float>(row_entropy(z + i * V_));
+        top1 = !bad && first_max_is(z + i * V_, t);
+      }
+      p_.entropy[c0 + i] = entropy;
+      p_.is_top1[c0 + i] = top1 ? 1 : 0;
+    }
+  }
+
   // The cross-entropy family's problem over a chunk of float32 logits z [rows, V] (or no logits: kFinalize),
   // per token (reduction none): this file reduces over all chunks.
   ce::Problem ce_chunk(ce::Mode mode, int64_t c0, int64_t rows, float* z) const {
@@ -202,6 +219,42 @@ class Cpu {
   }
 
  private:
+  double capped(double y) const {
+    const double c = p_.options.softcap;
+    return c > 0 ? c * std::tanh(y / c) : y;
+  }
+
+  // -Σ p ln p of softmax(capped(z)); NaN where the lse is (a NaN or +inf logit, or -inf only).
+  double row_entropy(const float* z) const {
+    double m = -INFINITY;
+    for (int64_t j = 0; j < V_; ++j) {
+      const double x = capped(z[j]);
+      if (std::isnan(x)) return NAN;
+      m = std::max(m, x);
+    }
+    if (std::isinf(m)) return NAN;
+    double sum = 0;
+    for (int64_t j = 0; j < V_; ++j) sum += std::exp(capped(z[j]) - m);
+    const double lse = m + std::log(sum);
+    double h = 0;
+    for (int64_t j = 0; j < V_; ++j) {
+      const double lp = capped(z[j]) - lse, pj = std::exp(lp);
+      if (pj > 0) h -= pj * lp;  // 0 log 0 = 0
+    }
+    return h;
+  }
+
+  // Whether class t (a global class: == its column, the call being unsharded) is the first maximum of z
+  // (torch.argmax's answer): a row with a NaN logit has none; a row of -inf only answers 0.
+  bool first_max_is(const float* z, int64_t t) const {
+    int64_t first = 0;
+    for (int64_t j = 0; j < V_; ++j) {
+      if (std::isnan(z[j])) return false;
+      if (z[j] > z[first]) first = j;
+    }
+    return first == t;
+  }
+
   const Problem& p_;
   int64_t N_, H_, V_;
   std::vector<int64_t> target_;
@@ -273,6 +326,7 @@ void run_cpu(const Problem& p) {
     const int64_t group_end = rounding ? std::min(N, (c0 / rounding + 1) * rounding) : N;
     const int64_t rows = std::min(chunk, group_end - c0);
     cpu.logits(c0, rows, x, z);
+    if (p.entropy) cpu.row_stats(c0, rows, z.data());
     const ce::Mode mode = p.mode == Mode::kForward    ? ce::Mode::kForward
                           : p.mode == Mode::kPartials ? ce::Mode::kPartials
                           : p.mode == Mode::kBackward ? ce::Mode::kBackward

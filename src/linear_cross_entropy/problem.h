@@ -44,9 +44,11 @@ struct Problem {
   const float* class_weight = nullptr;  // [vocab_total] or nullptr
   int64_t class_weight_stride = 1;
 
-  float* loss = nullptr;  // [] or [N] (none); forward modes
-  float* lse = nullptr;   // [N]: output (forward modes, optional) or input (backward)
-  Matrix grad_hidden;     // data == nullptr: not wanted
+  float* loss = nullptr;       // [] or [N] (none); forward modes
+  float* lse = nullptr;        // [N]: output (forward modes, optional) or input (backward)
+  float* entropy = nullptr;    // [N]: options.row_stats (kForward, kForwardBackward), else nullptr
+  uint8_t* is_top1 = nullptr;  // [N]: with entropy
+  Matrix grad_hidden;          // data == nullptr: not wanted
   Matrix grad_weight;
   void* grad_bias = nullptr;  // [V] or nullptr
   DType grad_bias_dtype = DType::kFloat32;

@@ -14,6 +14,7 @@
 #include "linear_cross_entropy/cuda/plan.h"
 #include "linear_head/cuda/grad_columns.h"
 #include "linear_head/cuda/plan.h"
+#include "logitless/vocab_parallel.h"
 #if defined(LOGITLESS_WITH_CUDA)
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
 #include "linear_head/cuda/accumulate_gemm.h"
@@ -1633,5 +1634,332 @@ TEST(LinearCrossEntropyCudaErrors, BadTargetAndSmallWorkspace) {
   EXPECT_TRUE(has(msg, "workspace: expected >=")) << msg;
 }
 
+// ---- row statistics (LinearCrossEntropyOptions::row_stats) ----------------------------------------------------
+struct RowStatsOut {
+  std::vector<double> loss, entropy;
+  std::vector<int> top1;
+};
+
+// The forward or the gradient in forward with the row statistics (no bias gradient: the fused exponential form
+// takes none), outputs poisoned before the call.
+RowStatsOut run_row_stats(LceInputs& in, Entry e, bool dev, Chunking ch = Chunking::kDefault) {
+  const int64_t H = in.c.h, V = in.c.v;
+  const bool none = in.opt.reduction == Reduction::kNone;
+  TestTensor loss(DType::kFloat32, none ? in.lead : std::vector<int64_t>{}), entropy(DType::kFloat32, in.lead);
+  TestTensor top1(DType::kUInt8, in.lead), gx(in.c.dtype, with_last(in.lead, H)), gw(in.c.dtype, {V, H});
+  for (TestTensor* t : {&loss, &entropy, &gx, &gw}) t->fill_storage_nan();
+  top1.fill_storage_bytes(0x5A);
+  if (dev) {
+    in.to_device();
+    for (TestTensor* t : {&loss, &entropy, &top1, &gx, &gw}) t->to_device();
+  }
+  LinearCrossEntropyOptions o = chunked(in, ch);
+  o.row_stats = true;
+  const TensorView h = in.hidden.view(dev), w = in.weight.view(dev), t = in.target.view(dev);
+  const LinearCrossEntropyRowStats rs{entropy.view(dev), top1.view(dev)};
+  if (e == Entry::kForward) {
+    DeviceScratch ws(dev ? linear_cross_entropy_forward_workspace_bytes(h, w, t, o) : 0);
+    linear_cross_entropy_forward(h, w, in.bv(dev), t, in.cwv(dev), o, loss.view(dev), {}, ws.ws(), nullptr, rs);
+  } else {
+    const TensorView gxv = gx.view(dev), gwv = gw.view(dev);
+    DeviceScratch ws(dev ? linear_cross_entropy_forward_backward_workspace_bytes(h, w, t, gxv, gwv, {}, o) : 0);
+    linear_cross_entropy_forward_backward(h, w, in.bv(dev), t, in.cwv(dev), o, loss.view(dev), {}, gxv, gwv, {}, {},
+                                          ws.ws(), nullptr, rs);
+  }
+  if (dev) {
+    device_synchronize();
+    for (TestTensor* x : {&loss, &entropy, &top1}) x->to_host();
+  }
+  RowStatsOut out;
+  for (float f : loss.gather_float()) out.loss.push_back(f);
+  for (float f : entropy.gather_float()) out.entropy.push_back(f);
+  const uint8_t* flags = static_cast<const uint8_t*>(top1.host_view().data);  // contiguous
+  for (int64_t i = 0; i < top1.numel(); ++i) out.top1.push_back(flags[i]);
+  return out;
+}
+
+// Brute force in double from the inputs' values: the entropy of softmax of the capped logits, the first maximum of
+// the logits, and each valid row's margin (its target's logit against the largest other one) for near-ties.
+struct WantRowStats {
+  std::vector<double> entropy, margin;
+  std::vector<int> top1;
+};
+
+WantRowStats reference_row_stats(const LceInputs& in) {
+  const int64_t N = in.c.n, H = in.c.h, V = in.c.v;
+  const double cap = in.opt.softcap;
+  WantRowStats r;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = in.target.get_index(i);
+    double entropy = 0, margin = INFINITY;
+    int top1 = 0;
+    if (t != in.opt.ignore_index && (t < 0 || t >= V)) entropy = NAN;
+    if (t != in.opt.ignore_index && t >= 0 && t < V) {
+      std::vector<double> z(V), x(V);
+      bool nan = false;
+      int64_t first = 0;
+      double m = -INFINITY, other = -INFINITY;
+      for (int64_t j = 0; j < V; ++j) {
+        double acc = in.has_bias() ? static_cast<double>(in.bias.get(j)) : 0.0;
+        for (int64_t k = 0; k < H; ++k) acc += static_cast<double>(in.hidden.get(i * H + k)) * in.weight.get(j * H + k);
+        z[j] = acc;
+        x[j] = cap > 0 ? cap * std::tanh(acc / cap) : acc;
+        nan = nan || std::isnan(acc);
+        if (z[j] > z[first]) first = j;
+        m = std::max(m, x[j]);
+        if (j != t) other = std::max(other, acc);
+      }
+      top1 = !nan && first == t;
+      margin = std::abs(z[t] - other);
+      if (nan || std::isinf(m)) {
+        entropy = NAN;
+      } else {
+        double s = 0;
+        for (int64_t j = 0; j < V; ++j) s += std::exp(x[j] - m);
+        const double lse = m + std::log(s);
+        for (int64_t j = 0; j < V; ++j) {
+          const double pj = std::exp(x[j] - lse);
+          if (pj > 0) entropy -= pj * (x[j] - lse);
+        }
+      }
+    }
+    r.entropy.push_back(entropy);
+    r.top1.push_back(top1);
+    r.margin.push_back(margin);
+  }
+  return r;
+}
+
+// is_top1 equal on every row whose target is more than `tie` (relative) from the largest other logit.
+void expect_top1(const std::vector<int>& got, const WantRowStats& want, double tie, const std::string& what) {
+  ASSERT_EQ(got.size(), want.top1.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!(want.margin[i] <= tie))
+      EXPECT_EQ(got[i], want.top1[i]) << what << " is_top1 at row " << i << " (margin " << want.margin[i] << ")";
+}
+
+void expect_row_stats(const RowStatsOut& got, const WantRowStats& want, Tol tol, double tie, const std::string& what) {
+  EXPECT_TRUE(all_close(got.entropy, want.entropy, tol, std::max(1.0, max_abs(want.entropy)), what + " entropy"));
+  expect_top1(got.top1, want, tie, what);
+}
+
+std::vector<LceCase> row_stats_cpu_cases() {
+  std::vector<LceCase> cases;
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (Preset p : {Preset::kPlain, Preset::kIgnore, Preset::kSoftcap, Preset::kAll, Preset::kAllIgnored,
+                     Preset::kBadTargetNoCheck, Preset::kWide})
+      cases.push_back({12, 20, 53, dt, Layout::kContiguous, p, Reduction::kMean, p == Preset::kAll});
+    cases.push_back({0, 8, 11, dt, Layout::kContiguous, Preset::kPlain, Reduction::kSum, false});
+    cases.push_back({1, 5, 1, dt, Layout::kPadded, Preset::kPlain, Reduction::kNone, true});
+    cases.push_back({7, 33, 101, dt, Layout::kShifted, Preset::kIgnore, Reduction::kNone, true});
+  }
+  return cases;
+}
+
+// The CPU oracle against brute force; the loss and gradients are those of the call without the statistics.
+TEST(LinearCrossEntropyRowStats, CpuMatchesBruteForce) {
+  for (const LceCase& c : row_stats_cpu_cases()) {
+    SCOPED_TRACE(case_name(c));
+    LceInputs in(c, seed_of(c));
+    const WantRowStats want = reference_row_stats(in);
+    const auto up = std::vector<double>(c.reduction == Reduction::kNone ? std::max<int64_t>(c.n, 1) : 1, 1.0);
+    for (Entry e : {Entry::kForward, Entry::kForwardBackward}) {
+      if (e == Entry::kForwardBackward && c.reduction == Reduction::kNone) continue;
+      SCOPED_TRACE(entry_name(e));
+      const RowStatsOut got = run_row_stats(in, e, /*dev=*/false);
+      expect_row_stats(got, want, Tol{1e-5, 1e-5}, 1e-5, "cpu");
+      const Outputs plain = run_backend(in, e, /*dev=*/false, up, nullptr);
+      EXPECT_TRUE(all_close(got.loss, plain.loss, Tol{0, 0}, 1.0, "loss with and without the statistics"));
+    }
+  }
+}
+
+// Logits set exactly (an identity weight: z = hidden + bias, every value exact in bfloat16 and in the GEMMs' float32
+// sums), V = H = 520 (three 256-column tiles): ties within and across tiles, classes masked to -inf by the bias, a
+// NaN row, ignored and bad rows, a target far below its row's maximum and a tile far above the target (the exponential
+// form's far-tile rule). all_masked: every bias -inf (rows of -inf only: entropy NaN, is_top1 for target 0 only).
+LceInputs exact_logits_inputs(DType dt, bool all_masked) {
+  const int64_t N = 12, V = 520;
+  LceInputs in(LceCase{N, V, V, dt, Layout::kContiguous, Preset::kIgnore, Reduction::kSum, true}, 7);
+  in.opt.check_targets = false;
+  for (int64_t j = 0; j < V; ++j)
+    for (int64_t k = 0; k < V; ++k) in.weight.set(j * V + k, j == k ? 1.f : 0.f);
+  for (int64_t j = 0; j < V; ++j) in.bias.set(j, all_masked ? -INFINITY : (j == 200 || j == 450) ? -INFINITY : 0.f);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t k = 0; k < V; ++k) in.hidden.set(i * V + k, static_cast<float>((i * 7 + k * 13) % 17) * 0.25f - 2.f);
+  const auto put = [&](int64_t i, int64_t k, float v) { in.hidden.set(i * V + k, v); };
+  for (int64_t i : {0, 1}) put(i, 10, 9.f), put(i, 300, 9.f);  // a tie across tiles
+  for (int64_t i : {2, 3}) put(i, 3, 8.f), put(i, 4, 8.f);     // a tie within a tile
+  put(5, 7, NAN);
+  put(7, 60, -100.f), put(7, 61, 5.f);   // the target far below the maximum
+  put(8, 400, 80.f), put(8, 401, 80.f);  // a tile far above the target's logit
+  const int64_t targets[N] = {10, 300, 4, 3, in.opt.ignore_index, 0, 200, 60, 5, V + 3, 519, 512};
+  for (int64_t i = 0; i < N; ++i) in.target.set_index(i, targets[i]);
+  if (all_masked) in.target.set_index(11, 0);
+  return in;
+}
+
+TEST(LinearCrossEntropyRowStats, ExactTiesInfinitiesAndOddRows) {
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (bool all_masked : {false, true}) {
+      SCOPED_TRACE(dtype_tag(dt) + (all_masked ? " every class masked" : ""));
+      LceInputs in = exact_logits_inputs(dt, all_masked);
+      const WantRowStats want = reference_row_stats(in);
+      if (!all_masked) {  // the construction's own answers
+        EXPECT_EQ(want.top1[0], 1);
+        EXPECT_EQ(want.top1[1], 0);
+        EXPECT_EQ(want.top1[2], 0);
+        EXPECT_EQ(want.top1[3], 1);
+        EXPECT_TRUE(std::isnan(want.entropy[5]));
+      } else {
+        EXPECT_EQ(want.top1[11], 1);
+        EXPECT_EQ(want.top1[5], 0);  // a NaN row
+      }
+      for (Entry e : {Entry::kForward, Entry::kForwardBackward}) {
+        SCOPED_TRACE(entry_name(e));
+        expect_row_stats(run_row_stats(in, e, /*dev=*/false), want, Tol{1e-5, 1e-5}, -1.0, "cpu");
+      }
+    }
+  }
+}
+
+TEST(LinearCrossEntropyRowStats, Errors) {
+  Small s;
+  const TensorView h = s.hidden.host_view(), w = s.weight.host_view(), t = s.target.host_view(), l = s.loss.host_view();
+  TestTensor entropy(DType::kFloat32, {4}), top1(DType::kBool, {4}), top1_f(DType::kFloat32, {4}),
+      e3(DType::kFloat32, {3});
+  const LinearCrossEntropyRowStats rs{entropy.host_view(), top1.host_view()};
+  LinearCrossEntropyOptions on;
+  on.row_stats = true;
+  const auto forward = [&](const LinearCrossEntropyOptions& o, const LinearCrossEntropyRowStats& r) {
+    return error_of([&] { linear_cross_entropy_forward(h, w, {}, t, {}, o, l, {}, {}, nullptr, r); });
+  };
+  EXPECT_EQ(forward(on, rs), "");
+  EXPECT_TRUE(has(forward({}, rs), "row_stats: expected no entropy or is_top1 output unless options.row_stats"));
+  EXPECT_TRUE(has(forward(on, {}), "row_stats.entropy"));
+  EXPECT_TRUE(has(forward(on, {entropy.host_view(), {}}), "row_stats.is_top1"));
+  EXPECT_TRUE(has(forward(on, {entropy.host_view(), top1_f.host_view()}), "dtype bool or uint8"));
+  EXPECT_TRUE(has(forward(on, {e3.host_view(), top1.host_view()}), "row_stats.entropy"));
+  EXPECT_TRUE(has(forward(on, {l, top1.host_view()}), "row_stats.entropy"));  // a scalar: one element, not 4
+  // A vocabulary shard: refused by name.
+  TestTensor partials(DType::kFloat32, {4, 4});
+  const std::string msg = error_of([&] {
+    linear_cross_entropy_shard_partials(h, w, {}, t, {}, VocabShard{0, 5}, on, partials.host_view(), {}, nullptr);
+  });
+  EXPECT_TRUE(has(msg, "options.row_stats: expected false for a vocabulary shard")) << msg;
+  // The recompute backward ignores it (the forward's outputs).
+  TestTensor gx(DType::kFloat32, {4, 6}), up(DType::kFloat32, {});
+  up.set(0, 1.f);
+  EXPECT_EQ(error_of([&] {
+              linear_cross_entropy_backward(h, w, {}, t, {}, s.lse.host_view(), up.host_view(), on, gx.host_view(), {},
+                                            {}, {}, nullptr);
+            }),
+            "");
+}
+
+// The planner: the fused forward keeps no row statistics (the generic one runs); the exponential form reserves their
+// tile partials, 16 bytes per token and 256 columns on top.
+TEST(LinearCrossEntropyPlan, RowStatistics) {
+  lce::PlanInputs in = llama_inputs(lce::Pass::kForward, 4096, 4096, 128256);
+  in.fused = in.fused_exp = true;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kHopperFused);
+  in.row_stats = true;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).kernel, lce::Kernel::kCublasChunked);
+  in.pass = lce::Pass::kForwardBackward;
+  in.chunk_tokens = 1024;
+  in.row_stats = false;
+  const lce::Plan plain = lce::plan_linear_cross_entropy(in);
+  in.row_stats = true;
+  const Laid with = lay(in);
+  ASSERT_EQ(with.kernel, lce::Kernel::kHopperFused);
+  EXPECT_EQ(with.group_rows, 1024);
+  EXPECT_GE(with.bytes, plain.bytes + static_cast<size_t>(1024 * with.stats_row));
+  EXPECT_NE(with.b.fused.row_partials, nullptr);
+  expect_layout_sound(with);
+}
+
+#if defined(LOGITLESS_WITH_CUDA)
+std::vector<LceCase> row_stats_cuda_cases() {
+  std::vector<LceCase> cases;
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    cases.push_back({333, 96, 7777, dt, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false});
+    cases.push_back({256, 128, 4099, dt, Layout::kPadded, Preset::kIgnore, Reduction::kSum, true});
+    cases.push_back({256, 128, 4099, dt, Layout::kShifted, Preset::kWeights, Reduction::kMean, false});
+    cases.push_back({200, 64, 3001, dt, Layout::kContiguous, Preset::kSoftcap, Reduction::kNone, false});
+    cases.push_back({96, 40, 1001, dt, Layout::kContiguous, Preset::kBadTargetNoCheck, Reduction::kMean, false});
+    cases.push_back({200, 64, 3001, dt, Layout::kContiguous, Preset::kWide, Reduction::kMean, false});
+    cases.push_back({1, 64, 32003, dt, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false});
+  }
+  return cases;
+}
+
+// CUDA against the CPU oracle: the forward (generic: the fused forward gives way) and the gradient in forward on
+// the fused exponential form (bfloat16 plain options on Hopper), on the generic path (exponential form off), with
+// one token group and several.
+TEST(LinearCrossEntropyRowStatsCuda, MatchesCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  for (const LceCase& c : row_stats_cuda_cases()) {
+    SCOPED_TRACE(case_name(c));
+    LceInputs in(c, seed_of(c));
+    const RowStatsOut want = run_row_stats(in, Entry::kForward, /*dev=*/false);
+    WantRowStats margins = reference_row_stats(in);
+    margins.top1 = want.top1;
+    for (bool exp_form : {true, false}) {
+      lce::debug::set_exp_form(exp_form);
+      for (Entry e : {Entry::kForward, Entry::kForwardBackward}) {
+        if (e == Entry::kForwardBackward && c.reduction == Reduction::kNone) continue;
+        for (Chunking ch : {Chunking::kDefault, Chunking::kSmall}) {
+          SCOPED_TRACE(std::string(entry_name(e)) + ", " + chunking_name(ch) + (exp_form ? "" : ", generic"));
+          const RowStatsOut got = run_row_stats(in, e, /*dev=*/true, ch);
+          if (e == Entry::kForward) EXPECT_EQ(lce::debug::last_kernel.get(), lce::Kernel::kCublasChunked);
+          EXPECT_TRUE(all_close(got.entropy, want.entropy, Tol{2e-4, 2e-4}, std::max(1.0, max_abs(want.entropy)),
+                                "cuda entropy"));
+          expect_top1(got.top1, margins, 1e-4 * (1 + max_abs(want.entropy)), "cuda");
+          EXPECT_TRUE(all_close(got.loss, run_row_stats(in, e, false).loss, tolerance(c.dtype, Quantity::kLoss),
+                                std::max(1.0, max_abs(want.loss)), "cuda loss"));
+        }
+      }
+    }
+    lce::debug::set_exp_form(true);
+  }
+}
+
+// The exact logits of exact_logits_inputs on every CUDA path: is_top1 exactly as brute force (the ties are exact in
+// the GEMMs too), the entropy within float32 rounding; the fused exponential form where the device has it.
+TEST(LinearCrossEntropyRowStatsCuda, ExactTiesInfinitiesAndOddRows) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (bool all_masked : {false, true}) {
+      SCOPED_TRACE(dtype_tag(dt) + (all_masked ? " every class masked" : ""));
+      LceInputs in = exact_logits_inputs(dt, all_masked);
+      const WantRowStats want = reference_row_stats(in);
+      for (bool exp_form : {true, false}) {
+        lce::debug::set_exp_form(exp_form);
+        for (Entry e : {Entry::kForward, Entry::kForwardBackward}) {
+          for (Chunking ch : {Chunking::kDefault, Chunking::kSmall}) {
+            SCOPED_TRACE(std::string(entry_name(e)) + ", " + chunking_name(ch) + (exp_form ? "" : ", generic"));
+            expect_row_stats(run_row_stats(in, e, /*dev=*/true, ch), want, Tol{1e-4, 1e-4}, -1.0, "cuda");
+          }
+        }
+      }
+      lce::debug::set_exp_form(true);
+    }
+  }
+}
+
+// Which kernel the gradient in forward with row statistics runs: the fused exponential form for bfloat16 plain
+// options on Hopper (with its row-statistics epilogue), the generic path otherwise.
+TEST(LinearCrossEntropyRowStatsCuda, FusedOnHopperForBfloat16) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  const bool hopper = major == 9 && minor == 0 && lce::debug::fused_kernels_built();
+  LceInputs in(LceCase{64, 128, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
+               11);
+  run_row_stats(in, Entry::kForwardBackward, /*dev=*/true);
+  EXPECT_EQ(lce::debug::last_kernel.get(), hopper ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
+}
+#endif
 }  // namespace
 }  // namespace logitless::test

@@ -102,6 +102,7 @@ def _calls():
 
     with counting(integrations, "linear_grpo_loss", "grpo"), \
             counting(integrations, "linear_selective_log_softmax", "logp"), \
+            counting(integrations, "token_losses_uniform_grad", "sft_lce"), \
             counting(logitless.hf, "linear_cross_entropy", "lce"), \
             counting(trl_utils._ChunkedLogProbFunction, "apply", "trl"):
         yield counts
@@ -227,7 +228,9 @@ def test_sft_matches(model_dir, tmp_path, kind, extra):
     _assert_logs_match(_logs(want), _logs(got), required=("loss", "grad_norm", "mean_token_accuracy", "entropy"),
                        **tol)
     assert want.fused_calls.get("trl", 0) >= 3 and "logp" not in want.fused_calls
-    assert got.fused_calls.get("logp", 0) >= 3 and "trl" not in got.fused_calls
+    # nll: the linear cross-entropy with its gradient in the forward; dft: the selective log-softmax.
+    path, other = ("logp", "sft_lce") if extra.get("loss_type") == "dft" else ("sft_lce", "logp")
+    assert got.fused_calls.get(path, 0) >= 3 and other not in got.fused_calls and "trl" not in got.fused_calls
 
 
 def test_sft_fields_and_refusals(model_dir, tmp_path):

@@ -745,3 +745,184 @@ def test_autocast_leaves_operands_in_its_dtype_alone():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = logitless.linear_cross_entropy(h, w, t)
     torch.testing.assert_close(got, logitless.linear_cross_entropy(h, w, t), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# return_row_stats: per-token entropy and is_top1 beside the loss
+
+
+def row_stats_reference(hidden, weight, target, bias=None, ignore_index=-100, softcap=None):
+    """float64 (entropy, is_top1) per token: the entropy of softmax of the capped logits, whether the target is
+    torch.argmax of the logits; 0 and False for ignored tokens."""
+    z = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+    x = softcap * torch.tanh(z / softcap) if softcap else z
+    logp = x.log_softmax(-1)
+    entropy = -torch.where(logp == float("-inf"), 0.0, logp.exp() * logp).sum(-1)  # 0 log 0 = 0; NaN stays
+    valid = target != ignore_index
+    entropy = torch.where(valid, entropy, torch.zeros_like(entropy))
+    top1 = valid & (z.argmax(-1) == target.clamp(min=0))
+    return entropy, top1
+
+
+def assert_row_stats(got_entropy, got_top1, want_entropy, want_top1, atol=1e-5):
+    assert got_entropy.dtype == torch.float32 and got_top1.dtype == torch.bool
+    assert not got_entropy.requires_grad and not got_top1.requires_grad
+    torch.testing.assert_close(got_entropy.double().cpu(), want_entropy.cpu(), rtol=1e-5, atol=atol)
+    assert torch.equal(got_top1.cpu(), want_top1.cpu())
+
+
+@pytest.mark.parametrize("option", ["plain", "class_weight", "smoothing", "z_loss", "softcap", "ignore", "all"])
+@pytest.mark.parametrize("reduction,schedule", [("mean", "gradient_in_forward"), ("sum", "recompute"),
+                                                ("none", "recompute"), ("mean", "auto")])
+def test_row_stats_match_reference_and_leave_the_loss_alone(reduction, schedule, option):
+    hidden, weight, bias, target = make_inputs((3, 7), 16, 37, torch.float32, bias=True, seed=11)
+    # A target that is its row's maximum: the answer True is reached too.
+    target[0, 0] = F.linear(hidden[0, 0], weight, bias).argmax()
+    opts = resolve(OPTIONS[option], 37)
+    if "ignore_index" in opts:
+        target[target == -100] = opts["ignore_index"]
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    loss, lse, entropy, top1 = linear_cross_entropy(*leaves[:2], target, leaves[2], reduction=reduction,
+                                                    schedule=schedule, return_lse=True, return_row_stats=True, **opts)
+    want_e, want_t = row_stats_reference(hidden, weight, target, bias, opts.get("ignore_index", -100),
+                                         opts.get("softcap"))
+    assert want_t.any()
+    assert_row_stats(entropy, top1, want_e, want_t)
+    upstream_grad(loss).mul(loss).sum().backward() if reduction == "none" else loss.backward()
+    plain = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    loss2, lse2 = linear_cross_entropy(*plain[:2], target, plain[2], reduction=reduction, schedule=schedule,
+                                       return_lse=True, **opts)
+    upstream_grad(loss2).mul(loss2).sum().backward() if reduction == "none" else loss2.backward()
+    torch.testing.assert_close(loss, loss2, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse2, rtol=0, atol=0)
+    for a, b in zip(leaves, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_row_stats_outputs_order_and_no_grad():
+    hidden, weight, _, target = make_inputs((6,), 8, 11, torch.float32, seed=2)
+    loss, entropy, top1 = linear_cross_entropy(hidden, weight, target, return_row_stats=True)
+    assert loss.shape == () and entropy.shape == top1.shape == (6,)
+    with torch.no_grad():
+        loss2, entropy2, top12 = linear_cross_entropy(hidden.requires_grad_(True), weight, target,
+                                                      return_row_stats=True)
+    torch.testing.assert_close(entropy, entropy2, rtol=0, atol=0)
+    assert torch.equal(top1, top12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_row_stats_ties_masked_classes_nan_rows(dtype):
+    # An identity weight: the logits are hidden + bias exactly (also in bfloat16), so ties are exact.
+    V = 20
+    weight = torch.eye(V, dtype=dtype)
+    hidden = (torch.arange(6 * V).reshape(6, V) % 7 * 0.25).to(dtype)
+    hidden[0, [3, 9]] = hidden[1, [3, 9]] = 4.0  # a tie: the first maximum is 3
+    hidden[4, 5] = float("nan")
+    bias = torch.zeros(V, dtype=dtype)
+    bias[12] = float("-inf")
+    target = torch.tensor([3, 9, 12, -100, 5, 0])
+    loss, entropy, top1 = linear_cross_entropy(hidden, weight, target, bias, reduction="none",
+                                               return_row_stats=True)
+    assert top1.tolist() == [True, False, False, False, False, False]
+    assert torch.isnan(entropy[4]) and entropy[3] == 0 and torch.isfinite(entropy[[0, 1, 2, 5]]).all()
+    want_e, want_t = row_stats_reference(hidden, weight, target, bias)
+    torch.testing.assert_close(entropy.double(), want_e, rtol=1e-5, atol=1e-5, equal_nan=True)
+    # Every class masked: no finite lse (entropy NaN), and torch.argmax's index 0.
+    loss, entropy, top1 = linear_cross_entropy(hidden[:2], weight, torch.tensor([0, 1]),
+                                               torch.full((V,), float("-inf"), dtype=dtype), reduction="none",
+                                               return_row_stats=True)
+    assert top1.tolist() == [True, False] and torch.isnan(entropy).all()
+
+
+def test_row_stats_refused_with_vocab_parallel():
+    hidden, weight, _, target = make_inputs((4,), 8, 11, torch.float32)
+    with pytest.raises(ValueError, match="return_row_stats: not supported with vocabulary parallelism"):
+        linear_cross_entropy(hidden, weight, target, return_row_stats=True, vocab_parallel=True)
+
+
+def _row_stats_op_samples(device="cpu"):
+    hidden, weight, bias, target = make_inputs((4,), 6, 9, torch.float32, device=device, bias=True)
+    options = (-100, 2, 0.1, 1e-2, 0.0, True, 0, 0, 1 << 20, 0)
+    none_options = (-100, 0, 0.0, 0.0, 2.0, True, 2, 4, 1 << 20, 0)
+    ops = torch.ops.logitless
+    req = lambda t: t.clone().requires_grad_(True)  # noqa: E731
+    return [
+        (ops.linear_cross_entropy_forward_row_stats, (hidden, weight, bias, target, None) + options),
+        (ops.linear_cross_entropy_forward_row_stats,
+         (req(hidden), req(weight), req(bias), target, None) + none_options),
+        (ops.linear_cross_entropy_forward_backward_row_stats_out,
+         (hidden, weight, bias, target, None) + options + (torch.empty_like(hidden), torch.empty_like(weight), None)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_row_stats_opcheck(index):
+    op, args = _row_stats_op_samples()[index]
+    torch.library.opcheck(op, args)
+
+
+def _row_stats_model(h, W, b, t, schedule):
+    loss, entropy, top1 = linear_cross_entropy(h, W, t, b, schedule=schedule, return_row_stats=True)
+    return loss + 0 * entropy.sum() + 0 * top1.sum()
+
+
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+def test_row_stats_compile_fullgraph_matches_eager(schedule):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(12, 16, generator=g, requires_grad=True)
+    W = torch.randn(29, 16, generator=g, requires_grad=True)
+    b = torch.randn(29, generator=g, requires_grad=True)
+    t = torch.randint(0, 29, (12,), generator=g)
+    assert_compiled_matches_eager(_row_stats_model, (h, W, b), t, schedule, rtol=1e-5, atol=1e-6)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("schedule,chunk_tokens", [("gradient_in_forward", None), ("gradient_in_forward", 96),
+                                                   ("recompute", None)])
+def test_cuda_row_stats_match_cpu_backend(dtype, schedule, chunk_tokens):
+    # bfloat16 with gradient_in_forward runs the fused exponential form on Hopper (its row-statistics epilogue).
+    hidden, weight, bias, target = make_inputs((333,), 128, 7777, dtype, seed=5)
+    want_loss, want_e, want_t = linear_cross_entropy(hidden, weight, target, return_row_stats=True)
+    h = hidden.cuda().requires_grad_(True)
+    w = weight.cuda().requires_grad_(True)
+    loss, entropy, top1 = linear_cross_entropy(h, w, target.cuda(), schedule=schedule, chunk_tokens=chunk_tokens,
+                                               return_row_stats=True)
+    loss.backward()
+    torch.testing.assert_close(loss.cpu(), want_loss, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(entropy.cpu(), want_e, rtol=2e-4, atol=2e-4)
+    # Rows whose target is within float32 rounding of another class may rank otherwise: none at this seed's margins.
+    assert (top1.cpu() != want_t).sum().item() <= 1
+    assert want_t.sum().item() > 0 or dtype != torch.float32
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_row_stats_exact_ties(dtype):
+    V = 520  # three 256-column tiles of the fused GEMM
+    weight = torch.eye(V, dtype=dtype)
+    hidden = (torch.arange(8 * V).reshape(8, V) % 7 * 0.25).to(dtype)
+    hidden[0, [10, 300]] = hidden[1, [10, 300]] = 9.0  # a tie across tiles
+    hidden[2, [3, 4]] = 8.0  # within a tile
+    hidden[3, 7] = float("nan")
+    hidden[5, 400] = 80.0  # a tile far above the target's logit
+    hidden[6, 60] = -100.0  # the target far below the maximum
+    bias = torch.zeros(V, dtype=dtype)
+    bias[200] = float("-inf")
+    target = torch.tensor([10, 300, 4, 0, -100, 5, 60, 200])
+    want_e, want_t = row_stats_reference(hidden, weight, target, bias)
+    h = hidden.cuda().requires_grad_(True)
+    w = weight.cuda().requires_grad_(True)
+    for schedule in ("gradient_in_forward", "recompute"):
+        loss, entropy, top1 = linear_cross_entropy(h, w, target.cuda(), bias.cuda(), schedule=schedule,
+                                                   return_row_stats=True)
+        loss.backward()
+        torch.testing.assert_close(entropy.double().cpu(), want_e, rtol=1e-4, atol=1e-4, equal_nan=True)
+        assert torch.equal(top1.cpu(), want_t), schedule
+
+
+@needs_cuda
+def test_cuda_row_stats_opcheck():
+    for op, args in _row_stats_op_samples("cuda"):
+        torch.library.opcheck(op, args)

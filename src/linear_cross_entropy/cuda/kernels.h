@@ -20,6 +20,20 @@ void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, cons
                         const float* target_logit, const ce::KernelParams& ce, const Scalars* scalars, float* loss,
                         float* lse, float* z_rows, int sm_count, cudaStream_t stream);
 
+// The row statistics (LinearCrossEntropyOptions::row_stats; kernels_row_stats.cu), per token: entropy (float32) and
+// is_top1 (0 or 1), 0 and 0 for an ignored row, NaN and 0 for a bad one.
+//  * launch_chunk_row_stats: from a chunk of whole rows of float32 logits z [rows, ld] (the generic path; a block per
+//    row reads it once): the entropy of softmax of the capped logits, the first maximum of z.
+//  * launch_finish_row_stats: from the fused exponential form's tile partials [rows, tiles, 4] (its statistics, and
+//    the row statistics' own: hopper/epilogue_exp_row_stats.cuh) and the rows' lse (launch_finish_rows' output).
+// target: the rows' targets; ce: the row kinds and options.
+void launch_chunk_row_stats(const float* z, int64_t ld, int64_t rows, int64_t width, const int64_t* target,
+                            const ce::KernelParams& ce, float* entropy, uint8_t* is_top1, int sm_count,
+                            cudaStream_t stream);
+void launch_finish_row_stats(const float* partials, const float* row_partials, int64_t rows, int64_t tiles,
+                             const int64_t* target, const float* lse, const ce::KernelParams& ce, float* entropy,
+                             uint8_t* is_top1, int sm_count, cudaStream_t stream);
+
 // The gradient in forward's fused path (ExpGradParams, kernels_exp_grad.cu). Before the logits GEMM: shift[r] = the
 // target's logit (0 for rows without one). After it and launch_finish_rows: every row's scale, the target's
 // element of E and the scaled hidden row, or (the rows the scaled form does not suit) a rewrite of the row.

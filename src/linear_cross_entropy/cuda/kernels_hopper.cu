@@ -9,6 +9,7 @@
 
 #if defined(LOGITLESS_WITH_CUTLASS)
 #include "linear_cross_entropy/cuda/hopper/epilogue_exp.cuh"
+#include "linear_cross_entropy/cuda/hopper/epilogue_exp_row_stats.cuh"
 #include "linear_cross_entropy/cuda/hopper/epilogue_grad.cuh"
 #include "linear_cross_entropy/cuda/hopper/epilogue_none.cuh"
 #include "linear_cross_entropy/cuda/hopper/epilogue_stats.cuh"
@@ -29,12 +30,14 @@ using Scheduler = GroupedPairScheduler<kBM, kBN, kCluster>;
 template <typename T, class Epilogue>
 using Gemm = FusedGemm<Mainloop<T>, Epilogue, Scheduler>;
 
-// The kernels of this file (ten): statistics and gradient for {bfloat16, float16} x {plain, general (soft cap or
-// label smoothing)}; exponentials and the bare mainloop for plain bfloat16 only.
+// The kernels of this file (eleven): statistics and gradient for {bfloat16, float16} x {plain, general (soft cap or
+// label smoothing)}; exponentials (with and without the row statistics) and the bare mainloop for plain bfloat16
+// only.
 // The largest shared memory of them: the output-writing epilogues' (TileStore's buffers).
 constexpr size_t kMaxSmemBytes = Gemm<bf16, EpilogueGrad<bf16, false>>::kSmemBytes;
 static_assert(Gemm<f16, EpilogueGrad<f16, true>>::kSmemBytes <= kMaxSmemBytes);
 static_assert(Gemm<bf16, EpilogueExp<bf16>>::kSmemBytes <= kMaxSmemBytes);
+static_assert(Gemm<bf16, EpilogueExpRowStats<bf16>>::kSmemBytes <= kMaxSmemBytes);
 
 LogitRows logit_rows(const FusedGemmParams& p) {
   LogitRows r;
@@ -126,13 +129,17 @@ void launch_fused_exp(const FusedGemmParams& p, int sm_count, cudaStream_t strea
   if (p.m <= 0 || p.n <= 0) return;
   if (p.dtype != DType::kBFloat16 || p.ce.softcap > 0.f || p.ce.eps != 0.f)
     throw_invalid("linear cross-entropy fused exponentials: bfloat16 inputs without soft cap or label smoothing only");
-  ExpArguments a;
+  ExpRowStatsArguments a;
   a.rows = logit_rows(p);
   a.partials = p.partials;
   a.shift = p.shift;
   a.e = p.dlogits;
   a.ld_e = p.ld_dlogits;
-  launch_gemm<bf16, EpilogueExp<bf16>>(p, a, sm_count, stream);
+  a.row_partials = p.row_partials;
+  if (p.row_partials)
+    launch_gemm<bf16, EpilogueExpRowStats<bf16>>(p, a, sm_count, stream);
+  else
+    launch_gemm<bf16, EpilogueExp<bf16>>(p, a, sm_count, stream);
 }
 
 #else  // built without CUTLASS: the generic path serves every device

@@ -7,7 +7,8 @@
 //   * gradient: d(loss)/dZ from a known lse, in the inputs' dtype, straight into the buffer the grad_hidden and
 //               grad_weight GEMMs read.
 //   * exp:      the statistics, and E = exp(Z - shift) per element in bfloat16 for the gradient in forward
-//               (params.h, ExpGradParams; plain options only).
+//               (params.h, ExpGradParams; plain options only); with row_partials also the per-tile partials of
+//               the row statistics (LinearCrossEntropyOptions::row_stats; hopper/epilogue_exp_row_stats.cuh).
 // Host interface only (no CUTLASS types): the kernel is FusedGemm<Mainloop, Epilogue, Scheduler> (hopper/kernel.cuh),
 // one epilogue per mode above (hopper/epilogue_*.cuh), instantiated and launched in kernels_hopper.cu.
 #pragma once
@@ -42,7 +43,8 @@ struct FusedGemmParams {
   float* partials = nullptr;  // [m, ceil(n / kFusedTileCols), 4]
 
   // exp
-  const float* shift = nullptr;  // [m]; E goes to dlogits
+  const float* shift = nullptr;   // [m]; E goes to dlogits
+  float* row_partials = nullptr;  // [m, ceil(n / kFusedTileCols), 4] or nullptr: the row statistics' partials
 
   // gradient
   const float* lse = nullptr;       // [m]

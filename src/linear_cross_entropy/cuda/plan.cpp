@@ -32,7 +32,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   // form (statistics from the GEMM, float32 logits still kept for the gradient kernel) was slower than the
   // generic path (bench/RESULTS.md, "the gradient in forward on the fused GEMM"): the exponential form keeps no
   // float32 logits at all.
-  const bool fused_pass = in.pass == Pass::kForward || (in.pass == Pass::kBackward && !in.need_db) ||
+  const bool fused_pass = (in.pass == Pass::kForward && !in.row_stats) || (in.pass == Pass::kBackward && !in.need_db) ||
                           (in.pass == Pass::kForwardBackward && in.fused_exp && !in.need_db);
   if (in.fused && es == 2 && !in.steps && fused_pass) p.kernel = Kernel::kHopperFused;
   const bool fused = p.kernel == Kernel::kHopperFused;
@@ -46,7 +46,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   const bool exp_form = fused && in.pass == Pass::kForwardBackward;
   const int64_t xs_row = in.need_dw ? es * H : 0, dx_row = in.need_dx && !in.grad_hidden_f32 ? 4 * H : 0;
   const int64_t exp_shared_row = exp_form ? std::max({stats_row, xs_row, dx_row}) : 0;
-  const int64_t exp_row = exp_form ? 16 + (in.need_dw ? 16 : 0) + exp_shared_row : 0;
+  const int64_t exp_row = exp_form ? 16 + (in.need_dw ? 16 : 0) + exp_shared_row + (in.row_stats ? stats_row : 0) : 0;
 
   if (in.steps) {
     // Chunks of exactly chunk_tokens (every rank's exchange pairs them up). float32 inputs form the gradient in
@@ -173,6 +173,7 @@ void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayou
   L.add(&f.row_scale, G * 4);
   L.add(&f.target_coef, G * 4);
   L.add(&f.fixups, (G + 1) * 4);
+  if (in.row_stats) L.add(&f.row_partials, G * static_cast<size_t>(p.stats_row));
   if (in.need_dw) {
     for (int k = 0; k < 2; ++k) L.add(&f.class_keys[k], G * 4), L.add(&f.class_rows[k], G * 4);
     L.add(&f.sort_temp, p.sort_bytes);

@@ -55,6 +55,9 @@ struct PlanInputs {
   // A 16-bit grad_weight sums over token groups in itself, not in a float32 accumulator (the options'
   // GradWeightAccumulation::kWeightDtype).
   bool dw_weight_dtype = false;
+  // The call writes the row statistics (LinearCrossEntropyOptions::row_stats): the fused forward (whose epilogue
+  // keeps none of them) gives way to the generic one; the exponential form keeps their tile partials too.
+  bool row_stats = false;
 };
 
 // The float32 grad_weight accumulator that several token groups of the gradient in forward would need, in bytes:
@@ -107,6 +110,7 @@ inline constexpr size_t kRowScalarsAt = 128;
 // 16-bit grad_hidden); the exponentials go to the engine's dlogits.
 struct FusedBuffers {
   float* partials = nullptr;
+  float* row_partials = nullptr;  // exponential form with row statistics: [group_rows, ceil(V / 256), 4]
   float* shift = nullptr;
   float* row_scale = nullptr;
   int* fixups = nullptr;

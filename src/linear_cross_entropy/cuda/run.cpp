@@ -93,6 +93,7 @@ PlanInputs plan_inputs(const Problem& p) {
   in.chunk_tokens = p.options.chunk_tokens;
   in.chunk_vocab = p.options.chunk_vocab;
   in.memory_budget = p.options.memory_budget;
+  in.row_stats = p.options.row_stats;
   in.cublas_workspace_bytes = head::cublas_workspace_for(device_info(p.device.index).sm_major);
   if (in.fused && in.fused_exp && in.pass == Pass::kForwardBackward && in.need_dw)
     in.target_sort_bytes = exp_target_sort_bytes(p.n_tokens);
@@ -245,12 +246,16 @@ struct Run {
       launch_target_shift(x, sm_count(), stream());
       FusedGemmParams f = fused_params(g0, rows, 0, V);
       f.partials = b.fused.partials;
+      f.row_partials = p.entropy ? b.fused.row_partials : nullptr;
       f.shift = x.shift;
       f.dlogits = x.e;
       f.ld_dlogits = x.ld_e;
       launch_fused_exp(f, sm_count(), stream());
       launch_finish_rows(f.partials, rows, tiles, targets + g0, x.shift, f.ce, scalars, loss_rows(g0), lse + g0,
                          z_rows(g0), sm_count(), stream());
+      if (p.entropy)  // before exp_rows: the statistics' region is then overwritten
+        launch_finish_row_stats(f.partials, f.row_partials, rows, tiles, targets + g0, lse + g0, f.ce, p.entropy + g0,
+                                p.is_top1 + g0, sm_count(), stream());
       launch_exp_rows(x, sm_count(), stream());
       // grad_weight first: the scaled hidden rows it reads share their region with the float32 grad_hidden
       // rows (plan.cpp), which the grad_hidden GEMM then writes.
@@ -455,6 +460,9 @@ struct Run {
     float* lse;  // per token, or nullptr (forward without an lse output)
     void rows(const Chunk& c, const float* z, int64_t ld) const {
       r.ce_rows(ce::Mode::kForward, z, ld, c.row0, c.rows, r.loss_rows(c.row0), lse ? lse + c.row0 : nullptr, nullptr);
+      if (r.p.entropy)  // before grad: a float32 chunk's gradient overwrites its logits
+        launch_chunk_row_stats(z, ld, c.rows, r.p.vocab, r.targets + c.row0, r.grad_params().ce, r.p.entropy + c.row0,
+                               r.p.is_top1 + c.row0, r.sm_count(), r.stream());
     }
     void grad(const Chunk& c, const float* z, int64_t ld, void* dz, int64_t ld_dz, float* db_partial) const {
       r.chunk_grad(z, ld, c.row0, c.rows, dz, ld_dz, db_partial, lse);

@@ -58,10 +58,11 @@ struct EpilogueExp {
 
   __device__ __forceinline__ static void drain(int tw) { Store::drain(tw); }
 
- private:
+  // The far-tile rule above (epilogue_exp_row_stats.cuh bases its sums alike).
   static constexpr float kFarNats = 64.f;
   static_assert(kFarNats > kExpRange, "rows with a tile based on its maximum must be rewritten");
 
+ private:
   // kFull: every row and column of the tile is in the problem (no masks; most tiles).
   template <bool kFull, class Acc, class Crd>
   __device__ __forceinline__ static void tile(const Params& p, const Rows& d, Acc& acc, const Crd& crd, const TileAt& t,
