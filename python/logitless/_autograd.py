@@ -30,7 +30,8 @@ from ._checks import register_fake
 from ._tensor import descriptor, stream
 
 __all__ = ["REDUCTIONS", "REDUCTION_NONE", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "enum", "no_double_backward",
-           "scale_saved", "custom_op", "DirectOp", "eager_ok", "cached", "checkpointed"]
+           "scale_saved", "custom_op", "DirectOp", "eager_ok", "direct_autograd", "direct_apply", "empty_rows",
+           "cached", "checkpointed"]
 
 # Must match logitless::Reduction (include/logitless/cross_entropy.h); the linear cross-entropy and the
 # vocabulary-parallel path use the same enum.
@@ -69,6 +70,34 @@ def eager_ok(tensors) -> bool:
         if t is not None and (type(t) not in _PLAIN or not (t.is_cuda or t.is_cpu)):
             return False
     return True
+
+
+def direct_autograd(tensors) -> bool:
+    """Whether a call over `tensors` (None entries allowed) records a graph and may skip the dispatcher: the test of
+    an op family whose eager path is its own autograd.Function (one that calls the ops' implementations and skips
+    the generic `_Direct` layers; rms_norm's and cross_entropy's)."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return eager_ok(tensors)
+    return False
+
+
+def direct_apply(run, name: str, *args):
+    """run(*args) (an autograd.Function's apply, or an op's implementation) as the direct call of the op `name`:
+    counted in `direct_calls` and named in a profile as the dispatcher would have named the op."""
+    direct_calls[name] = direct_calls.get(name, 0) + 1
+    if _profiling():
+        with torch.autograd.profiler.record_function(name):
+            return run(*args)
+    return run(*args)
+
+
+def empty_rows(t: Tensor) -> Tensor:
+    """A new contiguous tensor of t's shape, dtype and device: what torch.empty(t.shape, dtype=t.dtype,
+    device=t.device) makes, at a third of its Python cost (no shape, dtype and device parsed from arguments)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 class _Direct(torch.autograd.Function):
@@ -131,11 +160,14 @@ class DirectOp:
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
         if grad and self.backward is None:  # no formula: torch's own handling of the call (an error on backward)
             return self._overload(*args)
-        direct_calls[self.name] = direct_calls.get(self.name, 0) + 1
-        if _profiling():  # the op's name in the profile, as the dispatcher would have recorded it
-            with torch.autograd.profiler.record_function(self.name):
-                return _Direct.apply(*args, self, ctx_attrs or {}) if grad else self._run(args)
-        return _Direct.apply(*args, self, ctx_attrs or {}) if grad else self._run(args)
+        if grad:
+            return direct_apply(_Direct.apply, self.name, *args, self, ctx_attrs or {})
+        return self.run_direct(*args)
+
+    def run_direct(self, *args):
+        """The op's implementation over `args`, for a caller that found them eager_ok and records no graph of the
+        op (grad mode off, or inside its own autograd.Function)."""
+        return direct_apply(self._run, self.name, args)
 
 
 def custom_op(name: str, mutates_args=(), device_types=("cpu", "cuda")):
