@@ -240,9 +240,10 @@ def _(grad, scale):
     return None
 
 
-def scale_saved(grad: Tensor, scale: Tensor) -> Tensor:
+def scale_saved(grad: Tensor, scale: Tensor, direct: bool = False) -> Tensor:
     """The backward of a gradient computed in the forward: `grad` times the upstream `scale` (float32, [] or one
     per row), in place in eager mode (free: rows with scale 1 are skipped) and out of place under torch.compile.
+    `direct`: the forward ran the ops' implementations directly (eager_ok); so does this where `scale` is eager_ok.
 
     Functionalization turns an in-place scale of a saved tensor into a copy plus a scale of the copy, so in place
     saves nothing there, and that copy goes wrong where inductor lays the saved tensor out differently from eager:
@@ -254,5 +255,8 @@ def scale_saved(grad: Tensor, scale: Tensor) -> Tensor:
     if torch.compiler.is_compiling():
         s = scale if scale.dim() == 0 else scale.reshape(scale.shape + (1,) * (grad.dim() - scale.dim()))
         return (grad * s).to(grad.dtype)
-    _scale_rows(grad, scale)
+    if direct and eager_ok((scale,)):
+        _scale_rows.run_direct(grad, scale)
+    else:
+        _scale_rows(grad, scale)
     return grad
