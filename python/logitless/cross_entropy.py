@@ -194,17 +194,42 @@ def _forward_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _forward_grad(ctx, grad_loss, grad_lse, grad_z):
+def _forward_grad(ctx, grad_loss, grad_lse, grad_z, direct: bool = False):
+    """`direct`: the forward took the direct path (`_EagerCrossEntropy`); the backward op's implementation then runs
+    without the op's layers where the incoming gradient is eager_ok too."""
     no_double_backward("cross_entropy")
     if grad_loss is None:  # no gradient reached the loss
         return (None,) * 10
     logits, target, weight, lse = ctx.saved_tensors
-    grad = _backward(logits, target, weight, lse, _float32_rows(grad_loss),
-                     *ctx.options) if ctx.needs_input_grad[0] else None
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 10
+    grad_loss = _float32_rows(grad_loss)
+    if direct and _autograd.eager_ok((grad_loss,)):
+        grad = _backward.run_direct(logits, target, weight, lse, grad_loss, *ctx.options)
+    else:
+        grad = _backward(logits, target, weight, lse, grad_loss, *ctx.options)
     return (grad,) + (None,) * 9
 
 
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
+
+
+class _EagerCrossEntropy(torch.autograd.Function):
+    """The forward op with its registered autograd formula, as one autograd.Function over the ops' implementations:
+    the direct path of an eager_ok call that needs a gradient through the per-row loss (reduction none). The generic
+    path (logitless._autograd's _Direct) runs the same code behind more layers per call.
+
+    forward(logits, target, weight, options): `options` the ops' option arguments."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, options):
+        out = _forward.run_direct(logits, target, weight, *options)
+        _forward_setup(ctx, (logits, target, weight, *options), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse, grad_z):
+        return _forward_grad(ctx, grad_loss, grad_lse, grad_z, direct=True)[:4]
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
@@ -368,7 +393,9 @@ def cross_entropy(
         return (loss,) + ((lse,) if return_lse else ()) + ((z,) if return_z_loss else ())
 
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    if not needs_grad or red == REDUCTION_NONE:
+    if needs_grad and red == REDUCTION_NONE and _autograd.eager_ok((logits, target, weight)):
+        loss, lse, z = _EagerCrossEntropy.apply(logits, target, weight, params)
+    elif not needs_grad or red == REDUCTION_NONE:
         loss, lse, z = _forward(logits, target, weight, *params)
     else:
         # Overwriting a leaf that requires grad (or a view of one) would destroy a parameter and hand
