@@ -10,6 +10,11 @@ parsing, the Python dispatcher, the autograd wrapper, alias and mutation checks)
 GPU at small shapes; the direct path is the same implementation and the same formula, so both agree to the bit
 (tested), and opcheck, fake kernels, torch.compile(fullgraph=True) and CUDA graphs keep the op.
 
+The generic layers still cost more than torch's own fused ops take on the host, for the most frequent small calls.
+rms_norm and cross_entropy therefore run their own autograd.Function on the direct path (`direct_autograd` says
+when): the same implementations and formula, without the layers, and their backward calls the backward op's
+implementation directly where the backward is eager_ok too (not under compiled autograd or a mode entered for it).
+
 Every op module imports from here at its top, and this module imports none of them, so the op modules need no
 import inside a function to break a cycle.
 

@@ -12,7 +12,8 @@ Three schedules, chosen by `cross_entropy` from what autograd needs:
   its docstring says why).
 * reduction none with a gradient: `logitless::cross_entropy_forward` saves the per-row lse and its
   registered backward calls `logitless::cross_entropy_backward` with the per-row incoming gradient (that
-  gradient is not known in the forward, so it cannot be fused there).
+  gradient is not known in the forward, so it cannot be fused there). Eager calls run the same formula through
+  `_EagerCrossEntropy`, over the ops' implementations.
 
 In place, the op that overwrites the logits declares the mutation, so torch bumps their version counter
 and any other autograd node that saved them (tanh or softmax save their output) raises torch's "modified

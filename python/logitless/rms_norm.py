@@ -16,7 +16,8 @@ callers that own their buffers).
 The forward's registered autograd saves what the forward normalized (x, or residual_out) and rstd.
 
 Eager calls run the ops' implementations directly, without the custom-op dispatch (`logitless._autograd.custom_op`
-says when and why); torch.compile and callers of torch.ops.logitless.* get the ops. Both are the same code.
+says when and why), those that need a gradient through `_EagerRMSNorm`; torch.compile and callers of
+torch.ops.logitless.* get the ops. Both are the same code.
 """
 from __future__ import annotations
 
