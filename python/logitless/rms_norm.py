@@ -132,6 +132,9 @@ def _(grad_y, grad_residual_out, x, weight, rstd, eps, offset, casting, algo, ve
                                                                                                    need_weight_grad)
 
 
+# The ops' names, as the direct path counts and profiles its calls.
+_FORWARD_NAME, _BACKWARD_NAME = _forward.name, _backward.name
+
 # ----------------------------------------------------------------------------------------------------
 # Autograd.
 
@@ -152,7 +155,7 @@ def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], direct: bool
     if not (grad_y.is_contiguous() and (grad_s is None or grad_s.is_contiguous())):
         grad_y, grad_s = _strided_grads(xs, grad_y, grad_s)
     if direct and _autograd.eager_ok((grad_y, grad_s)):
-        grad_x, grad_w = direct_apply(_backward_impl, _backward.name, grad_y, grad_s, xs, weight, rstd,
+        grad_x, grad_w = direct_apply(_backward_impl, _BACKWARD_NAME, grad_y, grad_s, xs, weight, rstd,
                                       ctx.cpp_options, need_w)
     else:
         grad_x, grad_w = _backward(grad_y, grad_s, xs, weight, rstd, *ctx.options, need_w)
@@ -295,7 +298,7 @@ def rms_norm(
         res = None if residual is None else rows_ready(residual)
         check_rows(x.dim() - 1, (("x", x), ("residual", res)))
     if _autograd.direct_autograd((x, weight, residual)):
-        out = direct_apply(_EagerRMSNorm.apply, _forward.name, x, weight, residual, scalars)
+        out = direct_apply(_EagerRMSNorm.apply, _FORWARD_NAME, x, weight, residual, scalars)
         y, s = (out, None) if residual is None else out
     else:
         y, s, _ = _forward(x, weight, residual, *scalars)
