@@ -286,3 +286,30 @@ def _check_dtensor(mesh, DTensor, Replicate):
     with pytest.raises((NotImplementedError, RuntimeError)):
         _forward(x, w, None, 1e-6, 0.0, 0, 0, 0)
     assert not _grown(before)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_every_needed_gradient_and_used_output_matches_the_op_bitwise(residual):
+    """Which inputs need a gradient and which outputs reach the loss (y unused: no incoming gradient for it)."""
+    g = _gen()
+    x0, w0, r0 = torch.randn(2, 3, 16, generator=g), torch.randn(16, generator=g), torch.randn(2, 3, 16, generator=g)
+    dy, ds = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g)
+
+    def run(needs, use_y, use_s):
+        x, w, r = (t.clone().requires_grad_(n) for t, n in zip((x0, w0, r0), needs))
+        out = logitless.rms_norm(x, w, residual=r if residual else None)
+        y, s = out if residual else (out, None)
+        total = (y * dy).sum() if use_y else 0
+        total = total + (s * ds).sum() if use_s else total
+        total.backward()
+        return [t.grad for t in (x, w, r)]
+
+    uses = [(True, False), (False, True), (True, True)] if residual else [(True, False)]
+    only_residual = [(False, False, True)] if residual else []
+    for needs in [(True, True, residual), (True, False, False), (False, True, False)] + only_residual:
+        for use_y, use_s in uses:
+            got = run(needs, use_y, use_s)
+            with _Dispatched():
+                want = run(needs, use_y, use_s)
+            for a, b in zip(got, want):
+                assert (a is None and b is None) or torch.equal(a, b)
