@@ -245,7 +245,6 @@ class _FusedCrossEntropy(torch.autograd.Function):
     any other node that saved them raises in its backward. No ctx.mark_dirty: the tensor it would have
     us return as a rebased output holds a gradient, which nothing could differentiate further.
 
-
     forward(logits, target, weight, inplace, direct, options): `direct` when the call is eager_ok (the ops'
     implementations then run without the ops' layers, see logitless._autograd), `options` the ops' option arguments.
     """
