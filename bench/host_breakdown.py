@@ -68,7 +68,7 @@ def main() -> None:
     y, rstd = torch.empty(4, 64, device=dev), torch.empty(4, device=dev)
     xd, wd, yd, rd = (descriptor(t, "t") for t in (x0, w, y, rstd))
     stream = _stream(x0.device)
-    gx = torch.empty_like(x0)
+    gx, gw = torch.empty_like(x0), torch.empty_like(w)
     parts = [
         ("rms_norm fwd+bwd, total", 1, lambda: logitless.rms_norm(x0.clone().requires_grad_(True), w).backward(dy)),
         ("F.rms_norm fwd+bwd, total (torch's CPU composite)", 1,
@@ -88,7 +88,7 @@ def main() -> None:
         ("C++ entry point (rms_norm_forward, 4 x 64)", 1,
          lambda: _C.rms_norm_forward(xd, None, wd, opts, yd, None, rd, None, stream)),
         ("the backward op's body (workspace, descriptors, C++ call)", 1,
-         lambda: rn._run_backward(dy, None, x0, w, rstd, opts, gx, True)),
+         lambda: rn._run_backward(dy, None, x0, w, rstd, opts, gx, gw)),
         ("stream lookup", 3, lambda: _stream(x0.device)),
         ("torch.compiler.is_compiling()", 4, torch.compiler.is_compiling),
     ]

@@ -10,6 +10,11 @@ parsing, the Python dispatcher, the autograd wrapper, alias and mutation checks)
 GPU at small shapes; the direct path is the same implementation and the same formula, so both agree to the bit
 (tested), and opcheck, fake kernels, torch.compile(fullgraph=True) and CUDA graphs keep the op.
 
+The generic layers still cost more than torch's own fused ops take on the host, for the most frequent small calls.
+rms_norm and cross_entropy therefore run their own autograd.Function on the direct path (`direct_autograd` says
+when): the same implementations and formula, without the layers, and their backward calls the backward op's
+implementation directly where the backward is eager_ok too (not under compiled autograd or a mode entered for it).
+
 Every op module imports from here at its top, and this module imports none of them, so the op modules need no
 import inside a function to break a cycle.
 
@@ -30,7 +35,8 @@ from ._checks import register_fake
 from ._tensor import descriptor, stream
 
 __all__ = ["REDUCTIONS", "REDUCTION_NONE", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "enum", "no_double_backward",
-           "scale_saved", "custom_op", "DirectOp", "eager_ok", "cached", "checkpointed"]
+           "scale_saved", "custom_op", "DirectOp", "eager_ok", "direct_autograd", "direct_apply", "empty_rows",
+           "cached", "checkpointed"]
 
 # Must match logitless::Reduction (include/logitless/cross_entropy.h); the linear cross-entropy and the
 # vocabulary-parallel path use the same enum.
@@ -69,6 +75,34 @@ def eager_ok(tensors) -> bool:
         if t is not None and (type(t) not in _PLAIN or not (t.is_cuda or t.is_cpu)):
             return False
     return True
+
+
+def direct_autograd(tensors) -> bool:
+    """Whether a call over `tensors` (None entries allowed) records a graph and may skip the dispatcher: the test of
+    an op family whose eager path is its own autograd.Function (one that calls the ops' implementations and skips
+    the generic `_Direct` layers; rms_norm's and cross_entropy's)."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return eager_ok(tensors)
+    return False
+
+
+def direct_apply(run, name: str, *args):
+    """run(*args) (an autograd.Function's apply, or an op's implementation) as the direct call of the op `name`:
+    counted in `direct_calls` and named in a profile as the dispatcher would have named the op."""
+    direct_calls[name] = direct_calls.get(name, 0) + 1
+    if _profiling():
+        with torch.autograd.profiler.record_function(name):
+            return run(*args)
+    return run(*args)
+
+
+def empty_rows(t: Tensor) -> Tensor:
+    """A new contiguous tensor of t's shape, dtype and device: what torch.empty(t.shape, dtype=t.dtype,
+    device=t.device) makes, at a third of its Python cost (no shape, dtype and device parsed from arguments)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 class _Direct(torch.autograd.Function):
@@ -131,11 +165,14 @@ class DirectOp:
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
         if grad and self.backward is None:  # no formula: torch's own handling of the call (an error on backward)
             return self._overload(*args)
-        direct_calls[self.name] = direct_calls.get(self.name, 0) + 1
-        if _profiling():  # the op's name in the profile, as the dispatcher would have recorded it
-            with torch.autograd.profiler.record_function(self.name):
-                return _Direct.apply(*args, self, ctx_attrs or {}) if grad else self._run(args)
-        return _Direct.apply(*args, self, ctx_attrs or {}) if grad else self._run(args)
+        if grad:
+            return direct_apply(_Direct.apply, self.name, *args, self, ctx_attrs or {})
+        return self.run_direct(*args)
+
+    def run_direct(self, *args):
+        """The op's implementation over `args`, for a caller that found them eager_ok and records no graph of the
+        op (grad mode off, or inside its own autograd.Function)."""
+        return direct_apply(self._run, self.name, args)
 
 
 def custom_op(name: str, mutates_args=(), device_types=("cpu", "cuda")):
@@ -208,9 +245,10 @@ def _(grad, scale):
     return None
 
 
-def scale_saved(grad: Tensor, scale: Tensor) -> Tensor:
+def scale_saved(grad: Tensor, scale: Tensor, direct: bool = False) -> Tensor:
     """The backward of a gradient computed in the forward: `grad` times the upstream `scale` (float32, [] or one
     per row), in place in eager mode (free: rows with scale 1 are skipped) and out of place under torch.compile.
+    `direct`: the forward ran the ops' implementations directly (eager_ok); so does this where `scale` is eager_ok.
 
     Functionalization turns an in-place scale of a saved tensor into a copy plus a scale of the copy, so in place
     saves nothing there, and that copy goes wrong where inductor lays the saved tensor out differently from eager:
@@ -222,5 +260,8 @@ def scale_saved(grad: Tensor, scale: Tensor) -> Tensor:
     if torch.compiler.is_compiling():
         s = scale if scale.dim() == 0 else scale.reshape(scale.shape + (1,) * (grad.dim() - scale.dim()))
         return (grad * s).to(grad.dtype)
-    _scale_rows(grad, scale)
+    if direct and eager_ok((scale,)):
+        _scale_rows.run_direct(grad, scale)
+    else:
+        _scale_rows(grad, scale)
     return grad

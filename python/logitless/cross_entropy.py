@@ -12,7 +12,8 @@ Three schedules, chosen by `cross_entropy` from what autograd needs:
   its docstring says why).
 * reduction none with a gradient: `logitless::cross_entropy_forward` saves the per-row lse and its
   registered backward calls `logitless::cross_entropy_backward` with the per-row incoming gradient (that
-  gradient is not known in the forward, so it cannot be fused there).
+  gradient is not known in the forward, so it cannot be fused there). Eager calls run the same formula through
+  `_EagerCrossEntropy`, over the ops' implementations.
 
 In place, the op that overwrites the logits declares the mutation, so torch bumps their version counter
 and any other autograd node that saved them (tanh or softmax save their output) raises torch's "modified
@@ -25,8 +26,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _C
-from ._autograd import REDUCTION_NONE, REDUCTIONS, cached, custom_op, enum, no_double_backward, scale_saved
+from . import _C, _autograd
+from ._autograd import REDUCTION_NONE, REDUCTIONS, cached, custom_op, empty_rows, enum, no_double_backward, scale_saved
 from ._checks import (
     check_float,
     check_int64,
@@ -62,7 +63,9 @@ _cached_options = cached(_options)
 
 def _scratch(ld, td, wd, options: _C.CrossEntropyOptions, device: torch.device):
     """The call's workspace from the descriptors of logits, target and weight (made once per call: the call itself
-    takes the same ones)."""
+    takes the same ones). None on the CPU, whose size is always 0, without asking."""
+    if device.type != "cuda":
+        return None, None
     return workspace(_C.cross_entropy_workspace_bytes(ld, td, wd, options), device)
 
 
@@ -79,9 +82,19 @@ def _new_outputs(logits: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor
     return loss, torch.empty(target.shape, **f32), torch.empty(target.shape, **f32)
 
 
+def _outputs(logits: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """The implementations' `_new_outputs` (the same shapes, dtype and contiguous layout): empty_like of the target
+    costs a third of a torch.empty that parses shape, dtype and device (target shares the logits' device)."""
+    lse = torch.empty_like(target, dtype=torch.float32, memory_format=torch.contiguous_format)
+    z = torch.empty_like(target, dtype=torch.float32, memory_format=torch.contiguous_format)
+    if reduction == REDUCTION_NONE:
+        return torch.empty_like(target, dtype=torch.float32, memory_format=torch.contiguous_format), lse, z
+    return torch.empty((), dtype=torch.float32, device=logits.device), lse, z
+
+
 def _run_forward_backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], options: _C.CrossEntropyOptions,
                           grad: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    loss, lse, z = _new_outputs(logits, target, options.reduction)
+    loss, lse, z = _outputs(logits, target, options.reduction)
     ld, td, wd = descriptor(logits, "logits"), descriptor(target, "target"), descriptor(weight, "weight")
     owner, ws = _scratch(ld, td, wd, options, logits.device)
     _C.cross_entropy_forward_backward(ld, td, wd, options, descriptor(loss, "loss"), descriptor(lse, "lse"),
@@ -102,7 +115,7 @@ def _forward(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_in
              algo: int) -> Tuple[Tensor, Tensor, Tensor]:
     """(loss, lse, z_loss) with one read of the logits."""
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
-    loss, lse, z = _new_outputs(logits, target, reduction)
+    loss, lse, z = _outputs(logits, target, reduction)
     ld, td, wd = descriptor(logits, "logits"), descriptor(target, "target"), descriptor(weight, "weight")
     owner, ws = _scratch(ld, td, wd, options, logits.device)
     _C.cross_entropy_forward(ld, td, wd, options, descriptor(loss, "loss"), descriptor(lse, "lse"),
@@ -151,7 +164,7 @@ def _backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], lse: Ten
               check_targets: bool, algo: int) -> Tensor:
     """grad_logits from the forward's lse: float32 grad_loss is [] for sum/mean, [*] (contiguous) for none."""
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad = empty_rows(logits)
     ld, td, wd = descriptor(logits, "logits"), descriptor(target, "target"), descriptor(weight, "weight")
     owner, ws = _scratch(ld, td, wd, options, logits.device)
     _C.cross_entropy_backward(ld, td, wd, descriptor(lse, "lse"), descriptor(grad_loss, "grad_loss"), options,
@@ -182,17 +195,42 @@ def _forward_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _forward_grad(ctx, grad_loss, grad_lse, grad_z):
+def _forward_grad(ctx, grad_loss, grad_lse, grad_z, direct: bool = False):
+    """`direct`: the forward took the direct path (`_EagerCrossEntropy`); the backward op's implementation then runs
+    without the op's layers where the incoming gradient is eager_ok too."""
     no_double_backward("cross_entropy")
     if grad_loss is None:  # no gradient reached the loss
         return (None,) * 10
     logits, target, weight, lse = ctx.saved_tensors
-    grad = _backward(logits, target, weight, lse, _float32_rows(grad_loss),
-                     *ctx.options) if ctx.needs_input_grad[0] else None
+    if not ctx.needs_input_grad[0]:
+        return (None,) * 10
+    grad_loss = _float32_rows(grad_loss)
+    if direct and _autograd.eager_ok((grad_loss,)):
+        grad = _backward.run_direct(logits, target, weight, lse, grad_loss, *ctx.options)
+    else:
+        grad = _backward(logits, target, weight, lse, grad_loss, *ctx.options)
     return (grad,) + (None,) * 9
 
 
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
+
+
+class _EagerCrossEntropy(torch.autograd.Function):
+    """The forward op with its registered autograd formula, as one autograd.Function over the ops' implementations:
+    the direct path of an eager_ok call that needs a gradient through the per-row loss (reduction none). The generic
+    path (logitless._autograd's _Direct) runs the same code behind more layers per call.
+
+    forward(logits, target, weight, options): `options` the ops' option arguments."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, options):
+        out = _forward.run_direct(logits, target, weight, *options)
+        _forward_setup(ctx, (logits, target, weight, *options), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse, grad_z):
+        return _forward_grad(ctx, grad_loss, grad_lse, grad_z, direct=True)[:4]
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
@@ -206,16 +244,21 @@ class _FusedCrossEntropy(torch.autograd.Function):
     the op that overwrites them declares it (mutates_args), so torch bumps their version counter and
     any other node that saved them raises in its backward. No ctx.mark_dirty: the tensor it would have
     us return as a rebased output holds a gradient, which nothing could differentiate further.
+
+    forward(logits, target, weight, inplace, direct, options): `direct` when the call is eager_ok (the ops'
+    implementations then run without the ops' layers, see logitless._autograd), `options` the ops' option arguments.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, inplace, *options):
+    def forward(ctx, logits, target, weight, inplace, direct, options):
         if inplace:
-            loss, lse, z = _forward_backward_inplace(logits, target, weight, *options)
+            op, args = _forward_backward_inplace, (logits, target, weight, *options)
             grad = logits
         else:
-            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-            loss, lse, z = _forward_backward_out(logits, target, weight, *options, grad)
+            grad = empty_rows(logits)
+            op, args = _forward_backward_out, (logits, target, weight, *options, grad)
+        loss, lse, z = op.run_direct(*args) if direct else op(*args)
+        ctx.direct = direct
         ctx.mark_non_differentiable(lse, z)
         # Saved after the mutation: this node's own version check passes, and a later write to the
         # buffer (or a second backward over a retained graph, after the scaling below) is caught.
@@ -229,9 +272,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse, grad_z):
         no_double_backward("cross_entropy")
         if grad_loss is None:  # no gradient reached the loss (the other outputs carry none)
-            return (None,) * 11
+            return (None,) * 6
         (grad,) = ctx.saved_tensors
-        return (scale_saved(grad, _float32_rows(grad_loss)),) + (None,) * 10
+        return (scale_saved(grad, _float32_rows(grad_loss), ctx.direct),) + (None,) * 5
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -350,7 +393,9 @@ def cross_entropy(
         return (loss,) + ((lse,) if return_lse else ()) + ((z,) if return_z_loss else ())
 
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    if not needs_grad or red == REDUCTION_NONE:
+    if needs_grad and red == REDUCTION_NONE and _autograd.eager_ok((logits, target, weight)):
+        loss, lse, z = _EagerCrossEntropy.apply(logits, target, weight, params)
+    elif not needs_grad or red == REDUCTION_NONE:
         loss, lse, z = _forward(logits, target, weight, *params)
     else:
         # Overwriting a leaf that requires grad (or a view of one) would destroy a parameter and hand
@@ -362,7 +407,8 @@ def cross_entropy(
                              "overwrite")
         if inplace_backward:
             check_writable_rows(logits, "logits", "inplace_backward=True")
-        loss, lse, z = _FusedCrossEntropy.apply(logits, target, weight, inplace_backward, *params)
+        loss, lse, z = _FusedCrossEntropy.apply(logits, target, weight, inplace_backward,
+                                                _autograd.eager_ok((logits, target, weight)), params)
 
     if not (return_lse or return_z_loss):
         return loss

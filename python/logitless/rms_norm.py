@@ -16,7 +16,8 @@ callers that own their buffers).
 The forward's registered autograd saves what the forward normalized (x, or residual_out) and rstd.
 
 Eager calls run the ops' implementations directly, without the custom-op dispatch (`logitless._autograd.custom_op`
-says when and why); torch.compile and callers of torch.ops.logitless.* get the ops. Both are the same code.
+says when and why), those that need a gradient through `_EagerRMSNorm`; torch.compile and callers of
+torch.ops.logitless.* get the ops. Both are the same code.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _C, _norm_recipes
-from ._autograd import cached, checkpointed, custom_op, enum, no_double_backward
+from . import _C, _autograd, _norm_recipes
+from ._autograd import cached, checkpointed, custom_op, direct_apply, empty_rows, enum, no_double_backward
 from ._checks import check_float, check_int64, check_rows, check_tensors, register_fake, rows_collapse
 from ._tensor import descriptor, rows_ready, stream, workspace
 
@@ -66,18 +67,28 @@ def _run_forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], options:
 
 
 def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
-                  options: _C.RMSNormOptions, grad_x: Tensor, need_weight_grad: bool) -> Tensor:
-    """The C++ backward into grad_x (a fresh buffer); returns grad_weight (empty unless needed)."""
-    grad_weight = _weight_grad_output(weight, need_weight_grad)
+                  options: _C.RMSNormOptions, grad_x: Tensor, grad_weight: Optional[Tensor]) -> None:
+    """The C++ backward into grad_x (a fresh buffer) and grad_weight (None where not needed)."""
     xd, wd = descriptor(x, "x"), descriptor(weight, "weight")
     owner, ws = None, None
-    if need_weight_grad and x.is_cuda:
+    if grad_weight is not None and x.is_cuda:
         owner, ws = workspace(_C.rms_norm_backward_workspace_bytes(xd, wd, options), x.device)
     _C.rms_norm_backward(descriptor(grad_y, "grad_y"), descriptor(grad_residual_out, "grad_residual_out"), xd, wd,
                          descriptor(rstd, "rstd"), options, descriptor(grad_x, "grad_x"),
-                         descriptor(grad_weight, "grad_weight") if need_weight_grad else None, ws, stream(x.device))
+                         descriptor(grad_weight, "grad_weight"), ws, stream(x.device))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
-    return grad_weight
+
+
+def _backward_impl(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
+                   options: _C.RMSNormOptions, need_weight_grad: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """The backward op's body without the op's contract: (grad_x, grad_weight or None). grad_y and
+    grad_residual_out already rows_ready; x, weight and rstd made so here (a saved tensor comes back from a
+    saved-tensor hook in whatever layout the hook gives it)."""
+    grad_x = empty_rows(grad_y)
+    grad_weight = empty_rows(weight) if need_weight_grad else None
+    _run_backward(grad_y, grad_residual_out, rows_ready(x), weight.contiguous(), rstd.contiguous(), options, grad_x,
+                  grad_weight)
+    return grad_x, grad_weight
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -108,13 +119,11 @@ def _backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, we
               need_weight_grad: bool) -> Tuple[Tensor, Tensor]:
     """(grad_x, grad_weight); grad_weight is empty unless need_weight_grad. x is what the forward normalized
     (x, or residual_out), rstd the forward's."""
-    grad_y, x, weight = rows_ready(grad_y), rows_ready(x), weight.contiguous()
     grad_residual_out = None if grad_residual_out is None else rows_ready(grad_residual_out)
-    grad_x = torch.empty(grad_y.shape, dtype=grad_y.dtype, device=grad_y.device)
-    options = _cached_options(eps, offset, casting, algo, vectors_per_thread)
-    grad_weight = _run_backward(grad_y, grad_residual_out, x, weight, rstd.contiguous(), options, grad_x,
-                                need_weight_grad)
-    return grad_x, grad_weight
+    grad_x, grad_weight = _backward_impl(rows_ready(grad_y), grad_residual_out, x, weight, rstd,
+                                         _cached_options(eps, offset, casting, algo, vectors_per_thread),
+                                         need_weight_grad)
+    return grad_x, grad_weight if need_weight_grad else _weight_grad_output(weight, False)
 
 
 @register_fake(_backward)
@@ -123,12 +132,17 @@ def _(grad_y, grad_residual_out, x, weight, rstd, eps, offset, casting, algo, ve
                                                                                                    need_weight_grad)
 
 
+# The ops' names, as the direct path counts and profiles its calls.
+_FORWARD_NAME, _BACKWARD_NAME = _forward.name, _backward.name
+
 # ----------------------------------------------------------------------------------------------------
 # Autograd.
 
 
-def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor]):
-    """(grad_x, grad_weight, grad_residual) from the saved (what was normalized, weight, rstd)."""
+def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor], direct: bool = False):
+    """(grad_x, grad_weight, grad_residual) from the saved (what was normalized, weight, rstd). `direct`: the forward
+    took the direct path (`_EagerRMSNorm`); the backward op's implementation then runs without the op's layers
+    where the gradients are eager_ok too (not so under compiled autograd or a mode entered for the backward)."""
     no_double_backward("rms_norm")
     xs, weight, rstd = ctx.saved_tensors
     need_x = ctx.needs_input_grad[0] or (ctx.has_residual and ctx.needs_input_grad[2])
@@ -138,17 +152,29 @@ def _grads(ctx, grad_y: Optional[Tensor], grad_s: Optional[Tensor]):
     if grad_y is None:  # only residual_out was used
         grad_y = torch.zeros(xs.shape, dtype=xs.dtype, device=xs.device)
     grad_s = grad_s if ctx.has_residual else None
+    if not (grad_y.is_contiguous() and (grad_s is None or grad_s.is_contiguous())):
+        grad_y, grad_s = _strided_grads(xs, grad_y, grad_s)
+    if direct and _autograd.eager_ok((grad_y, grad_s)):
+        grad_x, grad_w = direct_apply(_backward_impl, _BACKWARD_NAME, grad_y, grad_s, xs, weight, rstd,
+                                      ctx.cpp_options, need_w)
+    else:
+        grad_x, grad_w = _backward(grad_y, grad_s, xs, weight, rstd, *ctx.options, need_w)
+    grad_x = grad_x if need_x else None
+    return grad_x, (grad_w if need_w else None), (grad_x if ctx.has_residual else None)
+
+
+def _strided_grads(xs: Tensor, grad_y: Tensor, grad_s: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """Incoming gradients that are not contiguous, as the kernels take them (contiguous ones are already: their rows
+    merge wherever those of what was normalized merge)."""
     grad_y = rows_ready(grad_y)
     grad_s = None if grad_s is None else rows_ready(grad_s)
-    # Incoming gradients have whatever layout autograd produced (e.g. a permuted view's gradient). Where their rows
-    # and those of what was normalized do not collapse jointly to the strided dimensions the kernels index, they are
-    # copied: they are not the caller's arguments to fix (contiguous ones merge wherever xs merges).
+    # They have whatever layout autograd produced (e.g. a permuted view's gradient). Where their rows and those of
+    # what was normalized do not collapse jointly to the strided dimensions the kernels index, they are copied: they
+    # are not the caller's arguments to fix.
     if not rows_collapse(xs.dim() - 1, xs, grad_y, *(() if grad_s is None else (grad_s,))):
         grad_y = grad_y.contiguous()
         grad_s = None if grad_s is None else grad_s.contiguous()
-    grad_x, grad_w = _backward(grad_y, grad_s, xs, weight, rstd, *ctx.options, need_w)
-    grad_x = grad_x if need_x else None
-    return grad_x, (grad_w if need_w else None), (grad_x if ctx.has_residual else None)
+    return grad_y, grad_s
 
 
 def _forward_setup(ctx, inputs, output):
@@ -171,6 +197,35 @@ def _forward_grad(ctx, grad_y, grad_s, grad_rstd):
 
 
 _forward.register_autograd(_forward_grad, setup_context=_forward_setup)
+
+
+class _EagerRMSNorm(torch.autograd.Function):
+    """rms_norm's direct path with a gradient: the forward op's registered autograd formula, as one
+    autograd.Function that calls the ops' implementations. The same C++ calls over the same tensors as the ops (the
+    same bits), without what the generic path repeats per call: the DirectOp and `_Direct` layers of both ops, an
+    empty residual_out and grad_weight made only because an op must return a tensor, rstd as an output to mark
+    non-differentiable, and re-readying tensors the forward already made ready.
+
+    forward(x, weight, residual, scalars): x already rows_ready; `scalars` the ops' option arguments. Returns y, or
+    (y, residual_out) with a residual."""
+
+    @staticmethod
+    def forward(ctx, x, weight, residual, scalars):
+        options = _cached_options(*scalars)
+        y = empty_rows(x)
+        s = None if residual is None else empty_rows(x)
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        _run_forward(x, weight.contiguous(), None if residual is None else rows_ready(residual), options, y, s, rstd)
+        # As _forward_setup saves (the generic backward below reads the same ctx).
+        ctx.save_for_backward(x if s is None else s, weight, rstd)
+        ctx.has_residual = residual is not None
+        ctx.options, ctx.cpp_options = scalars, options
+        ctx.set_materialize_grads(False)
+        return y if s is None else (y, s)
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_s=None):
+        return _grads(ctx, grad_y, grad_s, direct=True) + (None,)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -242,7 +297,11 @@ def rms_norm(
     if x.dim() > 4:  # (rows of fewer dimensions always collapse) judged as the C++ side will see them
         res = None if residual is None else rows_ready(residual)
         check_rows(x.dim() - 1, (("x", x), ("residual", res)))
-    y, s, rstd = _forward(x, weight, residual, *scalars)
+    if _autograd.direct_autograd((x, weight, residual)):
+        out = direct_apply(_EagerRMSNorm.apply, _FORWARD_NAME, x, weight, residual, scalars)
+        y, s = (out, None) if residual is None else out
+    else:
+        y, s, _ = _forward(x, weight, residual, *scalars)
     if y.requires_grad and not torch.compiler.is_compiling() and not checkpointed():
         # What the backward keeps (what was normalized, the weight) recomputes y for an op that would save it (not
         # under activation checkpointing, where saving y costs no memory past the layer's backward).

@@ -4,6 +4,7 @@ same results and gradients, bit for bit, as the dispatched op."""
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import logitless
 from logitless import _autograd
@@ -13,6 +14,13 @@ class _PassThrough(TorchFunctionMode):
     """A function mode that changes nothing: with it active every call takes the dispatched op."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _PassThroughDispatch(TorchDispatchMode):
+    """A dispatch mode that changes nothing; unlike a function mode it stays on through a backward it encloses."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 
@@ -49,6 +57,20 @@ def _rms_norm(residual):
         out = logitless.rms_norm(x, w, residual=r if residual else None)
         y = out[0] if residual else out
         return (y * dy).sum() + (out[1].square().sum() if residual else 0)
+
+    return run, [x, w, r]
+
+
+def _rms_norm_strided_grads(residual):
+    """The outputs used transposed: their incoming gradients arrive with a strided last dimension."""
+    g = _gen()
+    x, w, r = torch.randn(6, 32, generator=g), torch.randn(32, generator=g), torch.randn(6, 32, generator=g)
+    dy, ds = torch.randn(32, 6, generator=g), torch.randn(32, 6, generator=g)
+
+    def run(x, w, r):
+        out = logitless.rms_norm(x, w, residual=r if residual else None)
+        y = out[0] if residual else out
+        return (y.t() * dy).sum() + ((out[1].t() * ds).sum() if residual else 0)
 
     return run, [x, w, r]
 
@@ -122,6 +144,8 @@ def _linear():
 
 CASES = {
     "rms_norm": lambda: _rms_norm(False), "rms_norm_residual": lambda: _rms_norm(True),
+    "rms_norm_strided_grads": lambda: _rms_norm_strided_grads(False),
+    "rms_norm_residual_strided_grads": lambda: _rms_norm_strided_grads(True),
     "cross_entropy_mean": lambda: _cross_entropy("mean"), "cross_entropy_none": lambda: _cross_entropy("none"),
     "glu": lambda: _glu(False, False), "glu_inplace": lambda: _glu(False, True),
     "glu_gate_up": lambda: _glu(True, False),
@@ -159,6 +183,23 @@ def test_forward_and_backward_ops_both_go_direct():
     assert direct == {"logitless::rms_norm_forward": 1, "logitless::rms_norm_backward": 1}
     _, _, direct = _run("cross_entropy_mean")
     assert direct == {"logitless::cross_entropy_forward_backward_out": 1, "logitless::scale_rows_": 1}
+
+
+@pytest.mark.parametrize("case", ["rms_norm", "rms_norm_residual", "cross_entropy_none"])
+def test_a_mode_entered_for_the_backward_takes_the_backward_op(case):
+    """A direct forward's backward runs the backward op where the backward is not eager_ok itself (as under a
+    mode entered only for it), with the same bits."""
+    fn, inputs = CASES[case]()
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    before = _counts()
+    out = fn(*leaves)
+    forward = _grown(before)
+    with _PassThroughDispatch():
+        out.backward()
+    assert forward and _grown(before) == forward
+    _, ref_grads, _ = _run(case)
+    for a, b in zip([t.grad for t in leaves], ref_grads):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_no_grad_call_goes_direct_without_a_graph():
@@ -245,3 +286,30 @@ def _check_dtensor(mesh, DTensor, Replicate):
     with pytest.raises((NotImplementedError, RuntimeError)):
         _forward(x, w, None, 1e-6, 0.0, 0, 0, 0)
     assert not _grown(before)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_every_needed_gradient_and_used_output_matches_the_op_bitwise(residual):
+    """Which inputs need a gradient and which outputs reach the loss (y unused: no incoming gradient for it)."""
+    g = _gen()
+    x0, w0, r0 = torch.randn(2, 3, 16, generator=g), torch.randn(16, generator=g), torch.randn(2, 3, 16, generator=g)
+    dy, ds = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 16, generator=g)
+
+    def run(needs, use_y, use_s):
+        x, w, r = (t.clone().requires_grad_(n) for t, n in zip((x0, w0, r0), needs))
+        out = logitless.rms_norm(x, w, residual=r if residual else None)
+        y, s = out if residual else (out, None)
+        total = (y * dy).sum() if use_y else 0
+        total = total + (s * ds).sum() if use_s else total
+        total.backward()
+        return [t.grad for t in (x, w, r)]
+
+    uses = [(True, False), (False, True), (True, True)] if residual else [(True, False)]
+    only_residual = [(False, False, True)] if residual else []
+    for needs in [(True, True, residual), (True, False, False), (False, True, False)] + only_residual:
+        for use_y, use_s in uses:
+            got = run(needs, use_y, use_s)
+            with _Dispatched():
+                want = run(needs, use_y, use_s)
+            for a, b in zip(got, want):
+                assert (a is None and b is None) or torch.equal(a, b)
