@@ -70,6 +70,14 @@ struct GemmParts {
     return {mt, nt, static_cast<int64_t>(mt) * kBM, static_cast<int64_t>(nt) * kBN};
   }
 
+  // v, which the compiler may not treat as the same value from one tile to the next: what a consumer derives from
+  // it in the tile loop (the coordinates of its accumulators, a few additions away) it then recomputes per tile,
+  // instead of hoisting some 64 column indices out of the loop and holding them, or their spills, across it.
+  __device__ __forceinline__ static int per_tile(int v) {
+    asm volatile("" : "+r"(v));
+    return v;
+  }
+
   // Neither CTA leaves while its peer may still multicast into its shared memory or arrive on its barriers.
   __device__ __forceinline__ static void leave_cluster() {
     __syncwarp();

@@ -67,7 +67,6 @@ struct PingPongGemm : GemmParts<MainloopT, EpilogueT, SchedulerT> {
   __device__ __forceinline__ static void consume(const Params& params, Pipeline& pipeline, OrderBarrier& order,
                                                  SharedStorage& smem, int rank, int wgl, int tw) {
     auto acc = Mainloop::make_accumulators();
-    const auto crd = Mainloop::accumulator_coords(128 * wgl + tw);  // rows 64 wgl .. of the tile
     const auto k_tiles = static_cast<uint32_t>(params.mainloop.k_tiles);
     PipelineState next;  // the first stage of this warpgroup's next part: read and release meet there
     next.advance(wgl * k_tiles);
@@ -77,6 +76,7 @@ struct PingPongGemm : GemmParts<MainloopT, EpilogueT, SchedulerT> {
       order.wait();
       Mainloop::mma(params.mainloop, pipeline, read, release, smem.mainloop, acc, tw);
       order.arrive();  // every WGMMA of this part issued: the other warpgroup's turn
+      const auto crd = Mainloop::accumulator_coords(Parts::per_tile(128 * wgl + tw));  // rows 64 wgl .. of the tile
       const TileAt at = Parts::tile_at(tile.mt, tile.nt);
       const auto rows = Epilogue::load_rows(params.epilogue, crd, at.m0);  // while the last WGMMAs run
       Mainloop::mma_tail(pipeline, release, acc);
