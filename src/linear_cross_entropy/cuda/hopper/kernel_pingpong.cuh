@@ -8,7 +8,8 @@
 // The turns: an ordered sequence barrier in shared memory (mbarriers: no named barrier id, so none shared with the
 // epilogue's, TileStore::kBarrier + warpgroup). A warpgroup waits for its turn before its first WGMMA of a tile and
 // gives the turn away once it has issued its last, before it waits for them and runs the epilogue. Both warpgroups
-// take part in every work unit of the CTA, so they take as many turns, whatever the count.
+// take part in every work unit of the CTA, so they take as many turns, odd counts of units included; the last turn
+// warpgroup 1 gives away is never taken, which leaves an mbarrier phase open at exit and nothing waiting on it.
 //
 // The ring: each stage has one reading warpgroup per CTA; a warpgroup's read and release positions skip the other
 // warpgroup's k_tiles stages of every tile (warpgroup 1 starts past warpgroup 0's first ones).
