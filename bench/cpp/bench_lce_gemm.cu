@@ -6,6 +6,8 @@
 //   stats     per-tile softmax statistics (the recompute forward)
 //   exp       statistics and E = exp(z - shift) in bfloat16 (the gradient in forward)
 //   grad      d(loss)/dZ in bfloat16 from a given lse (the recompute backward)
+//   mainloop_pp, exp_pp  mainloop and exp on the ping-pong schedule (the consumer warpgroups alternate: one's epilogue
+//             under the other's WGMMAs; common/debug_hooks.h, kLceFusedPingPong), the others cooperative
 // and, for the gradient in forward's other two products, cuBLAS's dX = E W (dx_f32, dx_bf16: its output dtype) and
 // dW = E^T X (dw_bf16), 2 N H V each.
 //
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "bench_util.cuh"
+#include "common/debug_hooks.h"
 #include "linear_cross_entropy/cuda/kernels.h"
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
 
@@ -137,6 +140,14 @@ int main(int argc, char** argv) {
     const char* name;
     std::function<void()> run;
   };
+  // The launch on the ping-pong schedule, the hook as it was after it.
+  const auto pingpong = [](const std::function<void()>& launch) {
+    using logitless::debug::Hook;
+    const int64_t before = logitless::debug::hook(Hook::kLceFusedPingPong);
+    logitless::debug::set_hook(Hook::kLceFusedPingPong, 1);
+    launch();
+    logitless::debug::set_hook(Hook::kLceFusedPingPong, before);
+  };
   std::vector<Variant> all = {
       {"cublas",
        [&] {
@@ -145,6 +156,7 @@ int main(int argc, char** argv) {
                          CUDA_R_16BF, static_cast<int>(V), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
        }},
       {"mainloop", [&] { lce::debug::launch_fused_mainloop(f, sms, nullptr); }},
+      {"mainloop_pp", [&] { pingpong([&] { lce::debug::launch_fused_mainloop(f, sms, nullptr); }); }},
       {"spin1000",
        [&] {
          FusedGemmParams g = f;
@@ -170,6 +182,7 @@ int main(int argc, char** argv) {
       {"dw_bf16", [&] { gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, V, N, x, H, z, V, dw, CUDA_R_16BF, H); }},
       {"stats", [&] { launch_fused_stats(f, sms, nullptr); }},
       {"exp", [&] { launch_fused_exp(f, sms, nullptr); }},
+      {"exp_pp", [&] { pingpong([&] { launch_fused_exp(f, sms, nullptr); }); }},
       {"grad", [&] { launch_fused_grad(f, sms, nullptr); }},
   };
   std::vector<Variant> vs;
@@ -199,7 +212,7 @@ int main(int argc, char** argv) {
     std::sort(t[i].begin(), t[i].end());
     const float ms = t[i][t[i].size() / 2];
     if (std::strcmp(vs[i].name, "cublas") == 0) base = ms;
-    std::printf("%-9s %9.3f ms  %6.1f TFLOP/s", vs[i].name, ms, 2.0 * N * H * V / ms / 1e9);
+    std::printf("%-11s %9.3f ms  %6.1f TFLOP/s", vs[i].name, ms, 2.0 * N * H * V / ms / 1e9);
     if (base > 0) std::printf("  %.3fx cublas", ms / base);
     std::printf("\n");
   }

@@ -1,8 +1,9 @@
 // The Hopper logits GEMM with the cross-entropy in its epilogue (see kernels_hopper.h): the kernels this build
-// instantiates, and their host launchers. The kernel is FusedGemm<Mainloop, Epilogue, Scheduler> (hopper/kernel.cuh):
-// TMA loads and WGMMAs over k in 2-CTA clusters (hopper/mainloop.cuh), a persistent grouped tile order
-// (hopper/scheduler.cuh), and one epilogue per mode (hopper/epilogue_*.cuh), each with its own parameters, built
-// here from FusedGemmParams.
+// instantiates, and their host launchers. The kernel is FusedGemm<Mainloop, Epilogue, Scheduler> (hopper/kernel.cuh,
+// the cooperative schedule) or, for the exponentials and the bare mainloop where the kLceFusedPingPong hook asks,
+// PingPongGemm (hopper/kernel_pingpong.cuh): TMA loads and WGMMAs over k in 2-CTA clusters (hopper/mainloop.cuh), a
+// persistent grouped tile order (hopper/scheduler.cuh), and one epilogue per mode (hopper/epilogue_*.cuh), each with
+// its own parameters, built here from FusedGemmParams.
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
 
 #include "common/cuda/check.cuh"
@@ -14,6 +15,7 @@
 #include "linear_cross_entropy/cuda/hopper/epilogue_none.cuh"
 #include "linear_cross_entropy/cuda/hopper/epilogue_stats.cuh"
 #include "linear_cross_entropy/cuda/hopper/kernel.cuh"
+#include "linear_cross_entropy/cuda/hopper/kernel_pingpong.cuh"
 #include "linear_cross_entropy/cuda/hopper/mainloop.cuh"
 #include "linear_cross_entropy/cuda/hopper/scheduler.cuh"
 #endif
@@ -29,15 +31,19 @@ using f16 = cutlass::half_t;
 using Scheduler = GroupedPairScheduler<kBM, kBN, kCluster>;
 template <typename T, class Epilogue>
 using Gemm = FusedGemm<Mainloop<T>, Epilogue, Scheduler>;
+template <typename T, class Epilogue>
+using PingPong = PingPongGemm<Mainloop<T, kWarpgroupRows>, Epilogue, Scheduler>;
 
-// The kernels of this file (eleven): statistics and gradient for {bfloat16, float16} x {plain, general (soft cap or
-// label smoothing)}; exponentials (with and without the row statistics) and the bare mainloop for plain bfloat16
-// only.
+// The kernels of this file (fourteen): statistics and gradient for {bfloat16, float16} x {plain, general (soft cap
+// or label smoothing)}; exponentials (with and without the row statistics) and the bare mainloop for plain bfloat16
+// only, on either schedule.
 // The largest shared memory of them: the output-writing epilogues' (TileStore's buffers).
 constexpr size_t kMaxSmemBytes = Gemm<bf16, EpilogueGrad<bf16, false>>::kSmemBytes;
 static_assert(Gemm<f16, EpilogueGrad<f16, true>>::kSmemBytes <= kMaxSmemBytes);
 static_assert(Gemm<bf16, EpilogueExp<bf16>>::kSmemBytes <= kMaxSmemBytes);
 static_assert(Gemm<bf16, EpilogueExpRowStats<bf16>>::kSmemBytes <= kMaxSmemBytes);
+static_assert(PingPong<bf16, EpilogueExp<bf16>>::kSmemBytes <= kMaxSmemBytes);
+static_assert(PingPong<bf16, EpilogueExpRowStats<bf16>>::kSmemBytes <= kMaxSmemBytes);
 
 LogitRows logit_rows(const FusedGemmParams& p) {
   LogitRows r;
@@ -52,11 +58,12 @@ LogitRows logit_rows(const FusedGemmParams& p) {
   return r;
 }
 
-template <typename T, class Epilogue>
-void launch_gemm(const FusedGemmParams& p, const typename Epilogue::Arguments& epilogue, int sm_count,
-                 cudaStream_t stream) {
-  using Kernel = Gemm<T, Epilogue>;
-  typename Mainloop<T>::Arguments mainloop;
+template <class Kernel>
+void launch_kernel(const FusedGemmParams& p, const typename Kernel::Epilogue::Arguments& epilogue, int sm_count,
+                   cudaStream_t stream) {
+  using T = typename Kernel::Mainloop::Element;
+  using Epilogue = typename Kernel::Epilogue;
+  typename Kernel::Mainloop::Arguments mainloop;
   mainloop.x = static_cast<const T*>(p.x);
   mainloop.ldx = p.ldx;
   mainloop.w = static_cast<const T*>(p.w);
@@ -64,10 +71,26 @@ void launch_gemm(const FusedGemmParams& p, const typename Epilogue::Arguments& e
   mainloop.m = static_cast<int>(p.m);
   mainloop.n = static_cast<int>(p.n);
   mainloop.k = static_cast<int>(p.k);
-  const typename Kernel::Params params{Mainloop<T>::to_underlying_arguments(mainloop),
+  const typename Kernel::Params params{Kernel::Mainloop::to_underlying_arguments(mainloop),
                                        Epilogue::to_underlying_arguments(epilogue),
                                        Scheduler::to_underlying_arguments(p.m, p.n)};
   launch_fused_gemm<Kernel>(params, sm_count, stream);
+}
+
+template <typename T, class Epilogue>
+void launch_gemm(const FusedGemmParams& p, const typename Epilogue::Arguments& epilogue, int sm_count,
+                 cudaStream_t stream) {
+  launch_kernel<Gemm<T, Epilogue>>(p, epilogue, sm_count, stream);
+}
+
+// The schedule the kLceFusedPingPong hook names, read at the call.
+template <typename T, class Epilogue>
+void launch_either_schedule(const FusedGemmParams& p, const typename Epilogue::Arguments& epilogue, int sm_count,
+                            cudaStream_t stream) {
+  if (logitless::debug::hook(logitless::debug::Hook::kLceFusedPingPong) != 0)
+    launch_kernel<PingPong<T, Epilogue>>(p, epilogue, sm_count, stream);
+  else
+    launch_kernel<Gemm<T, Epilogue>>(p, epilogue, sm_count, stream);
 }
 
 // The epilogues templated on the input dtype and on the general options (soft cap or label smoothing).
@@ -122,7 +145,7 @@ void debug::launch_fused_mainloop(const FusedGemmParams& p, int sm_count, cudaSt
   EpilogueNone::Arguments a;
   a.sink = p.partials;
   a.debug_spin = p.debug_spin;
-  launch_gemm<bf16, EpilogueNone>(p, a, sm_count, stream);
+  launch_either_schedule<bf16, EpilogueNone>(p, a, sm_count, stream);
 }
 
 void launch_fused_exp(const FusedGemmParams& p, int sm_count, cudaStream_t stream) {
@@ -137,9 +160,9 @@ void launch_fused_exp(const FusedGemmParams& p, int sm_count, cudaStream_t strea
   a.ld_e = p.ld_dlogits;
   a.row_partials = p.row_partials;
   if (p.row_partials)
-    launch_gemm<bf16, EpilogueExpRowStats<bf16>>(p, a, sm_count, stream);
+    launch_either_schedule<bf16, EpilogueExpRowStats<bf16>>(p, a, sm_count, stream);
   else
-    launch_gemm<bf16, EpilogueExp<bf16>>(p, a, sm_count, stream);
+    launch_either_schedule<bf16, EpilogueExp<bf16>>(p, a, sm_count, stream);
 }
 
 #else  // built without CUTLASS: the generic path serves every device

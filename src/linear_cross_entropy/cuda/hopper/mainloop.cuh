@@ -1,12 +1,14 @@
 // The mainloop of the Hopper logits GEMM: Z[mt, nt] = X[mt] · W[nt]ᵀ over k for one [128, 256] output tile, by a
-// producer thread issuing TMA loads and two consumer warpgroups issuing WGMMAs (float32 accumulators).
+// producer thread issuing TMA loads and consumer warpgroups issuing WGMMAs (float32 accumulators).
 //
-// A (tokens, [128, 64] tiles) and B (classes, [256, 64] tiles) go through a kStages ring of 128-byte-swizzled shared
-// memory. CTAs run in clusters of two on adjacent token tiles of one class tile: each loads its own A and half of B,
-// multicast to both, so a CTA reads 32 KB per k step from L2 instead of 48. The ring is a PipelineTmaAsync: a stage
-// is refilled only once the consumers of both CTAs have released it (its empty barrier counts one arrival per
-// consumer warpgroup of the cluster), and a consumer warpgroup releases a stage as soon as its WGMMAs on it have
-// retired, so the loads of the next tile overlap the epilogue of this one.
+// A (tokens) and B (classes, [256, 64] tiles) go through a kStages ring of 128-byte-swizzled shared memory. A stage
+// holds kRowsA rows of A: the whole tile's 128 for the cooperative kernel (both consumer warpgroups read every
+// stage), or one consumer warpgroup's 64 for the ping-pong kernel (a tile's k loop is streamed once per warpgroup,
+// its B with it). CTAs run in clusters of two on adjacent token tiles of one class tile: each loads its own A and
+// half of B, multicast to both, so a CTA reads 32 KB per 128-row k step from L2 instead of 48. The ring is a
+// PipelineTmaAsync: a stage is refilled only once its consumers in both CTAs have released it (its empty barrier
+// counts one arrival per reading warpgroup of the cluster), and a consumer warpgroup releases a stage as soon as its
+// WGMMAs on it have retired, so the loads of the next tile overlap the epilogue of this one.
 #pragma once
 
 #include <cutlass/numeric_types.h>
@@ -14,6 +16,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "linear_cross_entropy/cuda/plan.h"  // kFusedTileCols
 
@@ -25,6 +28,8 @@ constexpr int kBM = 128, kBN = static_cast<int>(kFusedTileCols), kBK = 64;  // t
 constexpr int kCluster = 2;                       // CTAs per cluster: token tiles sharing one class tile
 constexpr int kConsumerThreads = 256;             // two consumer warpgroups, 64 rows of the tile each
 constexpr int kThreads = 128 + kConsumerThreads;  // and a producer warpgroup
+// The rows of the tile one consumer warpgroup owns, and a WGMMA atom's.
+constexpr int kWarpgroupRows = kBM * 128 / kConsumerThreads;
 
 template <typename T>
 struct MmaOf;
@@ -37,23 +42,48 @@ struct MmaOf<cutlass::half_t> {
   using Op = SM90_64x256x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>;
 };
 
-template <typename T>
+// kRowsA: the rows of A in a stage, kBM (every consumer warpgroup reads every stage) or kWarpgroupRows (one reads
+// it, computing its rows of the tile alone).
+template <typename T, int kRowsA_ = kBM>
 struct Mainloop {
   static constexpr int kStages = 4;
+  static constexpr int kRowsA = kRowsA_;
+  static_assert(kRowsA == kBM || kRowsA == kWarpgroupRows, "a stage holds the tile's rows or one warpgroup's");
+  static constexpr int kSplits = kBM / kRowsA;                           // stage sequences per tile: one per A part
+  static constexpr int kStageConsumers = kRowsA / kWarpgroupRows * 128;  // consumer threads reading a stage
   using Element = T;
   using SmemLayoutA =
-      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, make_shape(Int<kBM>{}, Int<kBK>{}, Int<kStages>{})));
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, make_shape(Int<kRowsA>{}, Int<kBK>{}, Int<kStages>{})));
   using SmemLayoutB =
       decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, make_shape(Int<kBN>{}, Int<kBK>{}, Int<kStages>{})));
-  using TiledMma = decltype(make_tiled_mma(typename MmaOf<T>::Op{}, Layout<Shape<_2, _1, _1>>{}));
+  // The WGMMAs of a stage: one 64 x 256 atom per warpgroup reading it.
+  using TiledMma =
+      decltype(make_tiled_mma(typename MmaOf<T>::Op{}, Layout<Shape<Int<kRowsA / kWarpgroupRows>, _1, _1>>{}));
+  // The whole tile's WGMMAs, one atom per consumer warpgroup: the accumulator layout the epilogues index by.
+  using TileMma = decltype(make_tiled_mma(typename MmaOf<T>::Op{}, Layout<Shape<Int<kBM / kWarpgroupRows>, _1, _1>>{}));
   using ClusterShape = Shape<Int<kCluster>, _1, _1>;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
-  // Bytes landing in a CTA's stage per k step: A, our half of B and the peer's.
-  static constexpr uint32_t kStageBytes = (kBM + kBN) * kBK * sizeof(T);
+  // Bytes landing in a CTA's stage: A, our half of B and the peer's.
+  static constexpr uint32_t kStageBytes = (kRowsA + kBN) * kBK * sizeof(T);
+
+  // A consumer thread's accumulators: TiledMma's fragment of its warpgroup's kRowsA rows. With one warpgroup per
+  // stage that is the one WGMMA atom's fragment, which is also what TileMma gives thread 128 * wg + t of the whole
+  // tile (atom wg covers rows 64 wg ..): the same values in the same order, TileMma's coordinates offset by 64 wg
+  // rows, which that thread's slice of TileMma carries. So the epilogues take TileMma's coordinates in either
+  // schedule. The layouts below (fragment shape, and value -> coordinate offset of a thread's slice) say so.
+  using TileShape = Shape<Int<kBM>, Int<kBN>>;
+  using PartShape = Shape<Int<kRowsA>, Int<kBN>>;
+  static_assert(std::is_same_v<decltype(partition_fragment_C(TiledMma{}, PartShape{}).layout()),
+                               decltype(partition_fragment_C(TileMma{}, TileShape{}).layout())>,
+                "one accumulator fragment for both schedules");
+  static_assert(
+      std::is_same_v<decltype(TiledMma{}.get_thread_slice(0).partition_C(make_identity_tensor(PartShape{})).layout()),
+                     decltype(TileMma{}.get_thread_slice(0).partition_C(make_identity_tensor(TileShape{})).layout())>,
+      "the same coordinates of each accumulator, up to the thread's offset");
 
   struct SharedStorage {
-    alignas(1024) cute::array_aligned<T, kBM * kBK * kStages, 1024> a;
+    alignas(1024) cute::array_aligned<T, kRowsA * kBK * kStages, 1024> a;
     alignas(1024) cute::array_aligned<T, kBN * kBK * kStages, 1024> b;
   };
 
@@ -88,28 +118,35 @@ struct Mainloop {
   }
 
   // Every thread of the CTA builds the pipeline (warp 0 initializes its barriers); the caller synchronizes the
-  // cluster before any barrier is used. For a 2 x 1 cluster PipelineTmaAsync counts (2 + 1 - 1) x 2 arrivals on an
-  // empty barrier, one per consumer warpgroup of either CTA (each sends one to both CTAs): what the multicast of B
-  // needs, since the peer writes into this CTA's stage too.
+  // cluster before any barrier is used. For a 2 x 1 cluster PipelineTmaAsync counts (2 + 1 - 1) x (warpgroups per
+  // stage) arrivals on an empty barrier, one per reading warpgroup of either CTA (each sends one to both CTAs): what
+  // the multicast of B needs, since the peer writes into this CTA's stage too.
   __device__ __forceinline__ static Pipeline make_pipeline(typename Pipeline::SharedStorage& storage, bool producer) {
     typename Pipeline::Params pp;
     pp.transaction_bytes = kStageBytes;
     pp.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
     pp.is_leader = threadIdx.x == 0;
-    pp.num_consumers = kConsumerThreads;
+    pp.num_consumers = kStageConsumers;
     return Pipeline(storage, pp, ClusterShape{});
   }
 
-  // Producer (one thread): the k loop of tile (mt, nt) into the ring. mt may be one past the last token tile when
-  // their count is odd: TMA fills zeros, and the epilogue stores nothing.
+  // Producer (one thread): tile (mt, nt) into the ring, its k loop once per part of kRowsA rows of A (B each time).
+  // mt may be one past the last token tile when their count is odd, and a part may start past m: TMA fills zeros,
+  // and the epilogue stores nothing there.
+  __device__ __forceinline__ static void load_tile(const Params& p, Pipeline& pipeline, PipelineState& write,
+                                                   SharedStorage& smem, int mt, int nt, int rank) {
+    for (int part = 0; part < kSplits; ++part) load(p, pipeline, write, smem, mt * kSplits + part, nt, rank);
+  }
+
+  // The k loop of A rows [at * kRowsA, + kRowsA) against class tile nt.
   __device__ __forceinline__ static void load(const Params& p, Pipeline& pipeline, PipelineState& write,
-                                              SharedStorage& smem, int mt, int nt, int rank) {
-    Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), SmemLayoutA{});  // (BM, BK, stage)
+                                              SharedStorage& smem, int at, int nt, int rank) {
+    Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), SmemLayoutA{});  // (rows A, BK, stage)
     Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), SmemLayoutB{});  // (BN, BK, stage)
     Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m, p.k));
     Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k));
-    Tensor gA = local_tile(mA, make_shape(Int<kBM>{}, Int<kBK>{}), make_coord(mt, _));  // (BM, BK, k)
-    Tensor gB = local_tile(mB, make_shape(Int<kBN>{}, Int<kBK>{}), make_coord(nt, _));  // (BN, BK, k)
+    Tensor gA = local_tile(mA, make_shape(Int<kRowsA>{}, Int<kBK>{}), make_coord(at, _));  // (rows A, BK, k)
+    Tensor gB = local_tile(mB, make_shape(Int<kBN>{}, Int<kBK>{}), make_coord(nt, _));     // (BN, BK, k)
     auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA), group_modes<0, 2>(gA));
     auto [tBgB, tBsB] =
         tma_partition(p.tma_b, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
@@ -122,25 +159,24 @@ struct Mainloop {
     }
   }
 
-  // The accumulators of a consumer thread, and their (row, column) coordinates in the tile.
-  __device__ __forceinline__ static auto make_accumulators() {
-    return partition_fragment_C(TiledMma{}, Shape<Int<kBM>, Int<kBN>>{});
-  }
-  __device__ __forceinline__ static auto accumulator_coords(int consumer_thread) {
-    return TiledMma{}.get_thread_slice(consumer_thread).partition_C(make_identity_tensor(Shape<Int<kBM>, Int<kBN>>{}));
+  // The accumulators of a consumer thread, and their (row, column) coordinates in the tile (ct: the thread among
+  // the consumers' 256, 128 x its warpgroup + its thread in it).
+  __device__ __forceinline__ static auto make_accumulators() { return partition_fragment_C(TiledMma{}, PartShape{}); }
+  __device__ __forceinline__ static auto accumulator_coords(int ct) {
+    return TileMma{}.get_thread_slice(ct).partition_C(make_identity_tensor(TileShape{}));
   }
 
-  // Consumer: the k loop of one tile into acc. Returns with the last k step's WGMMAs still in flight (the epilogue
+  // Consumer: the k loop of one tile (or of its warpgroup's part of it) into acc; mma_thread: the thread among the
+  // warpgroups reading a stage. Returns with the last k step's WGMMAs still in flight (the epilogue
   // loads its row data meanwhile); mma_tail waits for them. A stage is released once the WGMMAs of the next one
   // have been issued and its own have retired.
   template <class Acc>
   __device__ __forceinline__ static void mma(const Params& p, Pipeline& pipeline, PipelineState& read,
-                                             PipelineState& release, SharedStorage& smem, Acc& acc,
-                                             int consumer_thread) {
+                                             PipelineState& release, SharedStorage& smem, Acc& acc, int mma_thread) {
     Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), SmemLayoutB{});
     TiledMma tiled_mma;
-    auto thr = tiled_mma.get_thread_slice(consumer_thread);
+    auto thr = tiled_mma.get_thread_slice(mma_thread);
     Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage): descriptors
     Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
