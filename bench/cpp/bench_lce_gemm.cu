@@ -8,6 +8,7 @@
 //   grad      d(loss)/dZ in bfloat16 from a given lse (the recompute backward)
 //   mainloop_pp, exp_pp  mainloop and exp on the ping-pong schedule (the consumer warpgroups alternate: one's epilogue
 //             under the other's WGMMAs; common/debug_hooks.h, kLceFusedPingPong), the others cooperative
+//             whatever the library's default for the shape
 // and, for the gradient in forward's other two products, cuBLAS's dX = E W (dx_f32, dx_bf16: its output dtype) and
 // dW = E^T X (dw_bf16), 2 N H V each.
 //
@@ -140,14 +141,17 @@ int main(int argc, char** argv) {
     const char* name;
     std::function<void()> run;
   };
-  // The launch on the ping-pong schedule, the hook as it was after it.
-  const auto pingpong = [](const std::function<void()>& launch) {
+  // The launch on one schedule (0 cooperative, 1 ping-pong), the hook as it was after it: the library's default picks
+  // by k, and each variant here names its schedule.
+  const auto on_schedule = [](int64_t schedule, const std::function<void()>& launch) {
     using logitless::debug::Hook;
     const int64_t before = logitless::debug::hook(Hook::kLceFusedPingPong);
-    logitless::debug::set_hook(Hook::kLceFusedPingPong, 1);
+    logitless::debug::set_hook(Hook::kLceFusedPingPong, schedule);
     launch();
     logitless::debug::set_hook(Hook::kLceFusedPingPong, before);
   };
+  const auto cooperative = [&](const std::function<void()>& launch) { on_schedule(0, launch); };
+  const auto pingpong = [&](const std::function<void()>& launch) { on_schedule(1, launch); };
   std::vector<Variant> all = {
       {"cublas",
        [&] {
@@ -155,25 +159,25 @@ int main(int argc, char** argv) {
                          &one, w, CUDA_R_16BF, static_cast<int>(H), x, CUDA_R_16BF, static_cast<int>(H), &zero, z,
                          CUDA_R_16BF, static_cast<int>(V), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
        }},
-      {"mainloop", [&] { lce::debug::launch_fused_mainloop(f, sms, nullptr); }},
+      {"mainloop", [&] { cooperative([&] { lce::debug::launch_fused_mainloop(f, sms, nullptr); }); }},
       {"mainloop_pp", [&] { pingpong([&] { lce::debug::launch_fused_mainloop(f, sms, nullptr); }); }},
       {"spin1000",
        [&] {
          FusedGemmParams g = f;
          g.debug_spin = 1000;
-         lce::debug::launch_fused_mainloop(g, sms, nullptr);
+         cooperative([&] { lce::debug::launch_fused_mainloop(g, sms, nullptr); });
        }},
       {"spin2000",
        [&] {
          FusedGemmParams g = f;
          g.debug_spin = 2000;
-         lce::debug::launch_fused_mainloop(g, sms, nullptr);
+         cooperative([&] { lce::debug::launch_fused_mainloop(g, sms, nullptr); });
        }},
       {"spin4000",
        [&] {
          FusedGemmParams g = f;
          g.debug_spin = 4000;
-         lce::debug::launch_fused_mainloop(g, sms, nullptr);
+         cooperative([&] { lce::debug::launch_fused_mainloop(g, sms, nullptr); });
        }},
       // The gradient in forward's other two products, on the E the exp variant wrote: dX = E W (float32 out, as
       // the library runs it, and bfloat16 out) and dW = E^T X (bfloat16 out).
@@ -181,7 +185,7 @@ int main(int argc, char** argv) {
       {"dx_bf16", [&] { gemm(CUBLAS_OP_N, CUBLAS_OP_N, H, N, V, w, H, z, V, dx, CUDA_R_16BF, H); }},
       {"dw_bf16", [&] { gemm(CUBLAS_OP_N, CUBLAS_OP_T, H, V, N, x, H, z, V, dw, CUDA_R_16BF, H); }},
       {"stats", [&] { launch_fused_stats(f, sms, nullptr); }},
-      {"exp", [&] { launch_fused_exp(f, sms, nullptr); }},
+      {"exp", [&] { cooperative([&] { launch_fused_exp(f, sms, nullptr); }); }},
       {"exp_pp", [&] { pingpong([&] { launch_fused_exp(f, sms, nullptr); }); }},
       {"grad", [&] { launch_fused_grad(f, sms, nullptr); }},
   };

@@ -689,26 +689,29 @@ TEST(LinearCrossEntropyCudaFused, RewrittenRowsMatchCpuBackend) {
   }
 }
 
-// The gradient in forward on the ping-pong schedule of the fused exponentials (common/debug_hooks.h,
-// kLceFusedPingPong; test_lce_fused_pingpong.cpp compares the kernels, row statistics' included, to the bit) against
-// the CPU backend; the hook as it was afterwards.
+// The gradient in forward on each schedule of the fused exponentials (common/debug_hooks.h, kLceFusedPingPong: 0
+// cooperative, 1 ping-pong; by default small k such as these takes ping-pong; test_lce_fused_pingpong.cpp compares
+// the kernels, row statistics' included, to the bit) against the CPU backend; the hook as it was afterwards.
 TEST(LinearCrossEntropyCudaFusedPingPong, GradientInForwardMatchesCpuBackend) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   using logitless::debug::Hook;
   const int64_t before = logitless::debug::hook(Hook::kLceFusedPingPong);
-  logitless::debug::set_hook(Hook::kLceFusedPingPong, 1);
   const LceCase cases[] = {
       {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
       {256, 128, 4099, DType::kBFloat16, Layout::kPadded, Preset::kIgnore, Reduction::kSum, true}};
-  for (const LceCase& c : cases) {
-    SCOPED_TRACE(case_name(c));
-    LceInputs in(c, seed_of(c));
-    const auto up = upstream_for(in, seed_of(c) + 1);
-    const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
-    for (Chunking ch : {Chunking::kDefault, Chunking::kSmall}) {
-      SCOPED_TRACE(chunking_name(ch));
-      const Outputs got = run_backend(in, Entry::kForwardBackward, /*dev=*/true, up, &want.lse, ch);
-      expect_outputs(in, Entry::kForwardBackward, got, want, "cuda ping-pong", in.c.dtype);
+  for (const int64_t schedule : {0, 1}) {
+    SCOPED_TRACE(schedule == 0 ? "cooperative" : "ping-pong");
+    logitless::debug::set_hook(Hook::kLceFusedPingPong, schedule);
+    for (const LceCase& c : cases) {
+      SCOPED_TRACE(case_name(c));
+      LceInputs in(c, seed_of(c));
+      const auto up = upstream_for(in, seed_of(c) + 1);
+      const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+      for (Chunking ch : {Chunking::kDefault, Chunking::kSmall}) {
+        SCOPED_TRACE(chunking_name(ch));
+        const Outputs got = run_backend(in, Entry::kForwardBackward, /*dev=*/true, up, &want.lse, ch);
+        expect_outputs(in, Entry::kForwardBackward, got, want, "cuda fused", in.c.dtype);
+      }
     }
   }
   logitless::debug::set_hook(Hook::kLceFusedPingPong, before);

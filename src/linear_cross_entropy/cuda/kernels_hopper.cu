@@ -1,7 +1,7 @@
 // The Hopper logits GEMM with the cross-entropy in its epilogue (see kernels_hopper.h): the kernels this build
 // instantiates, and their host launchers. The kernel is FusedGemm<Mainloop, Epilogue, Scheduler> (hopper/kernel.cuh,
-// the cooperative schedule) or, for the exponentials and the bare mainloop where the kLceFusedPingPong hook asks,
-// PingPongGemm (hopper/kernel_pingpong.cuh): TMA loads and WGMMAs over k in 2-CTA clusters (hopper/mainloop.cuh), a
+// the cooperative schedule) or, for the exponentials and the bare mainloop at small k (use_pingpong), PingPongGemm
+// (hopper/kernel_pingpong.cuh): TMA loads and WGMMAs over k in 2-CTA clusters (hopper/mainloop.cuh), a
 // persistent grouped tile order (hopper/scheduler.cuh), and one epilogue per mode (hopper/epilogue_*.cuh), each with
 // its own parameters, built here from FusedGemmParams.
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
@@ -83,11 +83,21 @@ void launch_gemm(const FusedGemmParams& p, const typename Epilogue::Arguments& e
   launch_kernel<Gemm<T, Epilogue>>(p, epilogue, sm_count, stream);
 }
 
-// The schedule the kLceFusedPingPong hook names, read at the call.
+// The ping-pong schedule fills shared memory with B twice per tile, 1.5x the cooperative kernel's bytes per FLOP,
+// and wins only where the exponential epilogue it hides is a large share of a tile's time: at small k (hidden
+// sizes). The largest k at which it was measured faster end to end (bench/RESULTS.md).
+constexpr int64_t kPingPongMaxK = 2304;
+
+// The schedule the kLceFusedPingPong hook names (read at the call), or, by default, the one k calls for.
+bool use_pingpong(const FusedGemmParams& p) {
+  const int64_t schedule = logitless::debug::hook(logitless::debug::Hook::kLceFusedPingPong);
+  return schedule == 2 ? p.k <= kPingPongMaxK : schedule != 0;
+}
+
 template <typename T, class Epilogue>
 void launch_either_schedule(const FusedGemmParams& p, const typename Epilogue::Arguments& epilogue, int sm_count,
                             cudaStream_t stream) {
-  if (logitless::debug::hook(logitless::debug::Hook::kLceFusedPingPong) != 0)
+  if (use_pingpong(p))
     launch_kernel<PingPong<T, Epilogue>>(p, epilogue, sm_count, stream);
   else
     launch_kernel<Gemm<T, Epilogue>>(p, epilogue, sm_count, stream);
