@@ -11,9 +11,8 @@ inputs (dX and dW included). Medians of 7 rounds after one warm-up, each round t
 schedule once in turn (so that all see the same clocks of a GPU under load). On an H100 the library's fused
 Hopper kernels run where they apply; LOGITLESS_LCE_KERNEL=generic in the environment measures the cuBLAS path
 instead, LOGITLESS_LCE_EXP_FORM=0 the generic gradient in forward (the exponential form is the default), and
-LOGITLESS_HEAD_ACCUMULATE_GEMM=0 cuBLAS for grad_weight's accumulating products, and LOGITLESS_LCE_PINGPONG=1 or 0 the
-ping-pong or the cooperative schedule of the fused exponentials' kernel at every hidden size (by default the library
-picks by hidden size). This harness sets the library's
+LOGITLESS_HEAD_ACCUMULATE_GEMM=0 cuBLAS for grad_weight's accumulating products, and LOGITLESS_LCE_PINGPONG=1 the
+ping-pong schedule of the fused exponentials' kernel (cooperative by default). This harness sets the library's
 debug hooks from them (src/common/debug_hooks.h), through the extension's _set_debug_hook.
 --kernels adds a profile of 3 more rounds (torch.profiler): per function, the host time of a call, the GPU's busy
 time and span, and its largest kernels.
@@ -96,7 +95,7 @@ def profile_rounds(names, fns, rounds=3):
 
 
 # The library's defaults of the hooks this harness sets (src/common/debug_hooks.cpp).
-DEFAULT_HOOKS = {"lce_fused_kernels": 1, "lce_exp_form": 1, "head_accumulate_gemm": 1, "lce_fused_pingpong": 2}
+DEFAULT_HOOKS = {"lce_fused_kernels": 1, "lce_exp_form": 1, "head_accumulate_gemm": 1, "lce_fused_pingpong": 0}
 
 
 def set_hooks_from_environment():
@@ -104,7 +103,7 @@ def set_hooks_from_environment():
     hooks = {"lce_fused_kernels": int(os.environ.get("LOGITLESS_LCE_KERNEL", "") != "generic"),
              "lce_exp_form": int(os.environ.get("LOGITLESS_LCE_EXP_FORM", "") != "0"),
              "head_accumulate_gemm": int(os.environ.get("LOGITLESS_HEAD_ACCUMULATE_GEMM", "") != "0"),
-             "lce_fused_pingpong": {"0": 0, "1": 1}.get(os.environ.get("LOGITLESS_LCE_PINGPONG", ""), 2)}
+             "lce_fused_pingpong": int(os.environ.get("LOGITLESS_LCE_PINGPONG", "") == "1")}
     setter = getattr(logitless._C, "_set_debug_hook", None)
     if setter is None:
         if hooks != DEFAULT_HOOKS:

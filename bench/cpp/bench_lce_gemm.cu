@@ -8,7 +8,6 @@
 //   grad      d(loss)/dZ in bfloat16 from a given lse (the recompute backward)
 //   mainloop_pp, exp_pp  mainloop and exp on the ping-pong schedule (the consumer warpgroups alternate: one's epilogue
 //             under the other's WGMMAs; common/debug_hooks.h, kLceFusedPingPong), the others cooperative
-//             whatever the library's default for the shape
 // and, for the gradient in forward's other two products, cuBLAS's dX = E W (dx_f32, dx_bf16: its output dtype) and
 // dW = E^T X (dw_bf16), 2 N H V each.
 //
@@ -141,8 +140,8 @@ int main(int argc, char** argv) {
     const char* name;
     std::function<void()> run;
   };
-  // The launch on one schedule (0 cooperative, 1 ping-pong), the hook as it was after it: the library's default picks
-  // by k, and each variant here names its schedule.
+  // The launch on one schedule (0 cooperative, 1 ping-pong), the hook as it was after it: each variant names its
+  // schedule, whatever the library's default.
   const auto on_schedule = [](int64_t schedule, const std::function<void()>& launch) {
     using logitless::debug::Hook;
     const int64_t before = logitless::debug::hook(Hook::kLceFusedPingPong);

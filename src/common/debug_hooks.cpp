@@ -14,7 +14,7 @@ constexpr Entry kEntries[] = {{"lce_fused_kernels", 1},
                               {"lce_exp_form", 1},
                               {"lce_exp_fixup_all", 0},
                               {"head_accumulate_gemm", 1},
-                              {"lce_fused_pingpong", 2}};
+                              {"lce_fused_pingpong", 0}};
 constexpr int kHooks = static_cast<int>(Hook::kCount);
 static_assert(sizeof(kEntries) / sizeof(kEntries[0]) == kHooks, "one entry per hook");
 

@@ -22,8 +22,8 @@ enum class Hook : int {
   // (1, the default), or cuBLAS for every product (tests, benchmarks).
   kHeadAccumulateGemm,
   // Linear cross-entropy: the fused exponentials (with or without row statistics) and the bare mainloop on the
-  // ping-pong schedule (1: linear_cross_entropy/cuda/hopper/kernel_pingpong.cuh), the cooperative one (0:
-  // hopper/kernel.cuh), or the one the hidden size calls for (2, the default: kernels_hopper.cu).
+  // ping-pong schedule (1: linear_cross_entropy/cuda/hopper/kernel_pingpong.cuh) or the cooperative one (0, the
+  // default: hopper/kernel.cuh).
   kLceFusedPingPong,
   kCount
 };

@@ -690,8 +690,8 @@ TEST(LinearCrossEntropyCudaFused, RewrittenRowsMatchCpuBackend) {
 }
 
 // The gradient in forward on each schedule of the fused exponentials (common/debug_hooks.h, kLceFusedPingPong: 0
-// cooperative, 1 ping-pong; by default small k such as these takes ping-pong; test_lce_fused_pingpong.cpp compares
-// the kernels, row statistics' included, to the bit) against the CPU backend; the hook as it was afterwards.
+// cooperative, the default, 1 ping-pong; test_lce_fused_pingpong.cpp compares the kernels, row statistics'
+// included, to the bit) against the CPU backend; the hook as it was afterwards.
 TEST(LinearCrossEntropyCudaFusedPingPong, GradientInForwardMatchesCpuBackend) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   using logitless::debug::Hook;

@@ -1,9 +1,9 @@
 // The Hopper logits GEMM with the cross-entropy in its epilogue (see kernels_hopper.h): the kernels this build
 // instantiates, and their host launchers. The kernel is FusedGemm<Mainloop, Epilogue, Scheduler> (hopper/kernel.cuh,
-// the cooperative schedule) or, for the exponentials and the bare mainloop at small k (use_pingpong), PingPongGemm
-// (hopper/kernel_pingpong.cuh): TMA loads and WGMMAs over k in 2-CTA clusters (hopper/mainloop.cuh), a
-// persistent grouped tile order (hopper/scheduler.cuh), and one epilogue per mode (hopper/epilogue_*.cuh), each with
-// its own parameters, built here from FusedGemmParams.
+// the cooperative schedule) or, for the exponentials and the bare mainloop where a test or benchmark asks
+// (use_pingpong), PingPongGemm (hopper/kernel_pingpong.cuh): TMA loads and WGMMAs over k in 2-CTA clusters
+// (hopper/mainloop.cuh), a persistent grouped tile order (hopper/scheduler.cuh), and one epilogue per mode
+// (hopper/epilogue_*.cuh), each with its own parameters, built here from FusedGemmParams.
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
 
 #include "common/cuda/check.cuh"
@@ -83,21 +83,15 @@ void launch_gemm(const FusedGemmParams& p, const typename Epilogue::Arguments& e
   launch_kernel<Gemm<T, Epilogue>>(p, epilogue, sm_count, stream);
 }
 
-// The ping-pong schedule fills shared memory with B twice per tile, 1.5x the cooperative kernel's bytes per FLOP,
-// and wins only where the exponential epilogue it hides is a large share of a tile's time: at small k (hidden
-// sizes). The largest k at which it was measured faster end to end (bench/RESULTS.md).
-constexpr int64_t kPingPongMaxK = 2304;
-
-// The schedule the kLceFusedPingPong hook names (read at the call), or, by default, the one k calls for.
-bool use_pingpong(const FusedGemmParams& p) {
-  const int64_t schedule = logitless::debug::hook(logitless::debug::Hook::kLceFusedPingPong);
-  return schedule == 2 ? p.k <= kPingPongMaxK : schedule != 0;
-}
+// The schedule the kLceFusedPingPong hook names, read at the call. Cooperative by default: the ping-pong schedule
+// hides the exponential epilogue but fills shared memory with B twice per tile (1.5x the bytes per FLOP), and on
+// an H100 that costs more than it hides even at k = 2048 (bench/RESULTS.md).
+bool use_pingpong() { return logitless::debug::hook(logitless::debug::Hook::kLceFusedPingPong) != 0; }
 
 template <typename T, class Epilogue>
 void launch_either_schedule(const FusedGemmParams& p, const typename Epilogue::Arguments& epilogue, int sm_count,
                             cudaStream_t stream) {
-  if (use_pingpong(p))
+  if (use_pingpong())
     launch_kernel<PingPong<T, Epilogue>>(p, epilogue, sm_count, stream);
   else
     launch_kernel<Gemm<T, Epilogue>>(p, epilogue, sm_count, stream);

@@ -11,8 +11,8 @@
 //               the row statistics (LinearCrossEntropyOptions::row_stats; hopper/epilogue_exp_row_stats.cuh).
 // Host interface only (no CUTLASS types): the kernel is FusedGemm<Mainloop, Epilogue, Scheduler> (hopper/kernel.cuh),
 // one epilogue per mode above (hopper/epilogue_*.cuh), instantiated and launched in kernels_hopper.cu; the
-// exponentials and the bare mainloop also have a ping-pong schedule (hopper/kernel_pingpong.cuh), taken at small k
-// unless the kLceFusedPingPong hook of common/debug_hooks.h names one.
+// exponentials and the bare mainloop also have a ping-pong schedule (hopper/kernel_pingpong.cuh), which the
+// kLceFusedPingPong hook of common/debug_hooks.h selects.
 #pragma once
 
 #include <cuda_runtime.h>
