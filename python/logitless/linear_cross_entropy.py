@@ -448,9 +448,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 class _UniformTokenLosses(torch.autograd.Function):
     """Per-token losses (reduction none) with the gradient of their sum computed in the forward (three GEMMs, as
-    gradient_in_forward), for callers whose upstream gradient is one value for every token, as that of
-    ``-sum(log_probs) / count``: the backward scales the saved gradients by the upstream gradient's mean, which is
-    that value. A caller with another upstream gradient must not use it (its gradient would be the uniform one)."""
+    gradient_in_forward), for callers whose upstream gradient is one value for every scored token, as that of
+    ``-sum(log_probs) / count``: the backward scales the saved gradients by that value. Another upstream gradient
+    cannot be applied to the saved sums, so it is refused (`_uniform_scale`) rather than turned into a wrong one."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, scalars):
@@ -462,17 +462,35 @@ class _UniformTokenLosses(torch.autograd.Function):
         ctx.mark_non_differentiable(entropy, top1)
         ctx.set_materialize_grads(False)
         ctx.needs = need
-        ctx.save_for_backward(gh, gw, gb)
+        ctx.save_for_backward(gh, gw, gb, target)
         return loss, entropy, top1
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
         no_double_backward("linear_cross_entropy")
-        grads = ctx.saved_tensors
+        *grads, target = ctx.saved_tensors
         if grad_loss is None or grad_loss.numel() == 0:
             return (None,) * 5
-        scale = grad_loss.to(torch.float32).mean()
+        scale = _uniform_scale(grad_loss, target != -100)
         return tuple(scale_saved(g, scale) if n else None for g, n in zip(grads, ctx.needs)) + (None, None)
+
+
+def _uniform_scale(grad_loss: Tensor, scored: Tensor) -> Tensor:
+    """The one upstream gradient of the scored tokens (0 where none is scored: the saved gradients are 0 then). The
+    ignored tokens' upstream does not matter (their saved gradient rows are 0). A non-uniform one raises where the
+    check can wait for the device; while torch.compile traces or a CUDA graph captures it cannot, and the scale is
+    NaN instead, so that the gradients show it."""
+    g = grad_loss.to(torch.float32)
+    hi = torch.where(scored, g, float("-inf")).amax()
+    lo = torch.where(scored, g, float("inf")).amin()
+    any_scored = scored.any()
+    uniform = (hi == lo) | ~any_scored
+    capturing = g.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not (torch.compiler.is_compiling() or capturing) and not bool(uniform):
+        raise ValueError("token_losses_uniform_grad: the per-token losses got upstream gradients that differ between "
+                         "scored tokens; it serves only reductions that weigh every token alike (loss.sum() / count). "
+                         "Use linear_cross_entropy(reduction='none') for any other")
+    return torch.where(any_scored, torch.where(uniform, hi, torch.full_like(hi, float("nan"))), torch.zeros_like(hi))
 
 
 def token_losses_uniform_grad(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
@@ -482,8 +500,9 @@ def token_losses_uniform_grad(hidden: Tensor, weight: Tensor, target: Tensor, bi
     options; -100 ignored) with ``return_row_stats``, for a caller that reduces the losses with one weight for every
     token (``loss.sum() / count``: supervised fine-tuning). Where a gradient is needed it is computed in the forward
     (gradient_in_forward's three GEMMs, where reduction "none" otherwise takes the recompute schedule's four), and
-    the backward takes the mean of the upstream gradient over the tokens as that one weight: a non-uniform upstream
-    gradient gets a wrong gradient. Not under autocast or with a DTensor weight (the caller casts and gathers)."""
+    the backward applies the upstream gradient's one value over the scored tokens: upstream gradients that differ
+    between scored tokens raise a ValueError in the backward. Not under autocast or with a DTensor weight (the caller
+    casts and gathers)."""
     check_tensors((("hidden", hidden), ("weight", weight), ("target", target), ("bias", bias)), optional=("bias",))
     hidden, weight = rows_ready(hidden), rows_ready(weight)
     check_bias(bias, weight, hidden)

@@ -26,6 +26,7 @@ from _helpers import (
     upstream_grad,
 )
 from logitless import linear_cross_entropy
+from logitless.linear_cross_entropy import token_losses_uniform_grad
 
 # Error budget against the float64 reference evaluated on the same (already rounded) inputs. The loss is
 # float32 whatever the dtype, from float32 logits (CUDA) or double sums (CPU). Gradients come in the inputs'
@@ -929,3 +930,35 @@ def test_cuda_row_stats_exact_ties(dtype):
 def test_cuda_row_stats_opcheck():
     for op, args in _row_stats_op_samples("cuda"):
         torch.library.opcheck(op, args)
+
+
+def _uniform_case(upstream_of_ignored):
+    hidden, weight, bias, target = make_inputs((5, 7), 16, 37, torch.float32, bias=True, seed=21)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    loss, _, _ = token_losses_uniform_grad(*leaves[:2], target, leaves[2])
+    upstream = torch.full_like(loss, -0.25)
+    upstream[target == -100] = upstream_of_ignored
+    loss.backward(upstream)
+    return (hidden, weight, bias, target), leaves, upstream
+
+
+@pytest.mark.parametrize("upstream_of_ignored", [-0.25, 3.0])
+def test_uniform_token_losses_match_reduction_none(upstream_of_ignored):
+    # The ignored tokens' upstream gradient does not count: their gradient rows are 0 either way.
+    (hidden, weight, bias, target), leaves, upstream = _uniform_case(upstream_of_ignored)
+    assert (target == -100).any() and (target != -100).any()
+    ref = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    want = linear_cross_entropy(ref[0], ref[1], target, ref[2], reduction="none")
+    want.backward(upstream)
+    for got, exp in zip(leaves, ref):
+        torch.testing.assert_close(got.grad, exp.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_uniform_token_losses_refuse_an_upstream_that_differs_between_scored_tokens():
+    hidden, weight, bias, target = make_inputs((5, 7), 16, 37, torch.float32, bias=True, seed=21)
+    h = hidden.clone().requires_grad_(True)
+    loss, _, _ = token_losses_uniform_grad(h, weight, target, bias)
+    upstream = torch.full_like(loss, -0.25)
+    upstream[(target != -100).nonzero()[0].tolist()] = -0.5
+    with pytest.raises(ValueError, match="differ between scored tokens"):
+        loss.backward(upstream)
