@@ -77,7 +77,9 @@ def check_tensors(named: Iterable[Tuple[str, Any]], optional: Sequence[str] = ()
 def check_int64(value: Any, name: str) -> int:
     """`value` as an int in int64's range (what the op schemas and the C++ options hold), or ValueError naming
     `name`. bools are refused: an integer argument given True is a mistake, not 1."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an integer, got bool")
+    if not isinstance(value, int):
         try:
             value = operator.index(value)  # numpy and 0-d integer tensors
         except TypeError:
