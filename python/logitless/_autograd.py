@@ -11,9 +11,12 @@ GPU at small shapes; the direct path is the same implementation and the same for
 (tested), and opcheck, fake kernels, torch.compile(fullgraph=True) and CUDA graphs keep the op.
 
 The generic layers still cost more than torch's own fused ops take on the host, for the most frequent small calls.
-rms_norm and cross_entropy therefore run their own autograd.Function on the direct path (`direct_autograd` says
-when): the same implementations and formula, without the layers, and their backward calls the backward op's
-implementation directly where the backward is eager_ok too (not under compiled autograd or a mode entered for it).
+rms_norm and cross_entropy therefore run their own autograd.Function on the direct path (where `eager_ok` and a
+gradient is needed): the same implementations and formula, without the layers, and their backward calls the backward
+op's implementation directly where the backward is eager_ok too (not under compiled autograd or a mode entered for
+it). Their scalar arguments are checked and turned into the binding's options once per distinct tuple
+(`cached_settings`), and their direct calls make only what is used: no rstd where rms_norm records no graph, no
+lse or z-loss where cross_entropy's caller asked for neither.
 
 Every op module imports from here at its top, and this module imports none of them, so the op modules need no
 import inside a function to break a cycle.
@@ -35,8 +38,8 @@ from ._checks import register_fake
 from ._tensor import descriptor, stream
 
 __all__ = ["REDUCTIONS", "REDUCTION_NONE", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "enum", "no_double_backward",
-           "scale_saved", "custom_op", "DirectOp", "eager_ok", "direct_autograd", "direct_apply", "empty_rows",
-           "cached", "checkpointed"]
+           "scale_saved", "custom_op", "DirectOp", "eager_ok", "direct_apply", "empty_rows",
+           "cached", "cached_settings", "checkpointed"]
 
 # Must match logitless::Reduction (include/logitless/cross_entropy.h); the linear cross-entropy and the
 # vocabulary-parallel path use the same enum.
@@ -75,18 +78,6 @@ def eager_ok(tensors) -> bool:
         if t is not None and (type(t) not in _PLAIN or not (t.is_cuda or t.is_cpu)):
             return False
     return True
-
-
-def direct_autograd(tensors) -> bool:
-    """Whether a call over `tensors` (None entries allowed) records a graph and may skip the dispatcher: the test of
-    an op family whose eager path is its own autograd.Function (one that calls the ops' implementations and skips
-    the generic `_Direct` layers; rms_norm's and cross_entropy's)."""
-    if not torch.is_grad_enabled():
-        return False
-    for t in tensors:
-        if t is not None and t.requires_grad:
-            return eager_ok(tensors)
-    return False
 
 
 def direct_apply(run, name: str, *args):
@@ -200,6 +191,31 @@ def cached(factory):
     get.__wrapped__ = factory
     # Emptied before the extension module is torn down, whose leak check would otherwise report the objects held.
     atexit.register(cache.clear)
+    return get
+
+
+def cached_settings(build):
+    """`build` (a public function's validation of its scalar arguments, returning what its calls use) behind a small
+    dictionary keyed by the arguments and their types, so that a call repeating earlier arguments skips the checks:
+    True, 1 and 1.0 are equal keys but stay apart here, as a check that refuses a bool or a float must see each.
+    Arguments that cannot be a key (an unhashable value) are built every time, and build raises their error."""
+    cache: dict = {}
+
+    def get(*args):
+        key = args + tuple(map(type, args))
+        try:
+            got = cache.get(key)
+        except TypeError:
+            return build(*args)
+        if got is None:
+            got = build(*args)
+            if len(cache) >= 256:
+                cache.clear()
+            cache[key] = got
+        return got
+
+    get.__wrapped__ = build
+    atexit.register(cache.clear)  # as in `cached`: nothing of the extension module left for its leak check
     return get
 
 

@@ -75,4 +75,12 @@ def stream(device: torch.device) -> int:
     return _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
 
 
+def stream_of(t: torch.Tensor) -> int:
+    """`stream(t.device)` for a CPU or CUDA tensor, without making a device object."""
+    index = t.get_device()
+    if index < 0:
+        return 0
+    return _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

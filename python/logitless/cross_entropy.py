@@ -27,7 +27,18 @@ import torch
 from torch import Tensor
 
 from . import _C, _autograd
-from ._autograd import REDUCTION_NONE, REDUCTIONS, cached, custom_op, empty_rows, enum, no_double_backward, scale_saved
+from ._autograd import (
+    REDUCTION_NONE,
+    REDUCTIONS,
+    cached,
+    cached_settings,
+    custom_op,
+    direct_apply,
+    empty_rows,
+    enum,
+    no_double_backward,
+    scale_saved,
+)
 from ._checks import (
     check_float,
     check_int64,
@@ -38,7 +49,7 @@ from ._checks import (
     is_dtensor,
     register_fake,
 )
-from ._tensor import descriptor, stream, workspace
+from ._tensor import descriptor, stream, stream_of, workspace
 
 __all__ = ["cross_entropy"]
 
@@ -61,12 +72,28 @@ def _options(ignore_index: int, reduction: int, label_smoothing: float, z_loss: 
 _cached_options = cached(_options)
 
 
-def _scratch(ld, td, wd, options: _C.CrossEntropyOptions, device: torch.device):
+def _params(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo) -> tuple:
+    """The public function's scalar arguments, checked, as the ops' option arguments (in `_options`' order)."""
+    red, algo_code = enum(REDUCTIONS, reduction, "reduction"), enum(ALGOS, algo, "algo")
+    return (check_int64(ignore_index, "ignore_index"), red, check_float(label_smoothing, "label_smoothing"),
+            check_float(z_loss, "z_loss"), check_float(0.0 if softcap is None else softcap, "softcap"),
+            bool(check_targets), algo_code)
+
+
+@cached_settings
+def _settings(*args) -> Tuple[tuple, _C.CrossEntropyOptions]:
+    """An eager call's (`_params`, the binding's options over them), checked once per distinct argument tuple.
+    torch.compile traces `_params` instead: the binding's objects are no values a graph can hold."""
+    params = _params(*args)
+    return params, _cached_options(*params)
+
+
+def _scratch(ld, td, wd, options: _C.CrossEntropyOptions, logits: Tensor):
     """The call's workspace from the descriptors of logits, target and weight (made once per call: the call itself
     takes the same ones). None on the CPU, whose size is always 0, without asking."""
-    if device.type != "cuda":
+    if not logits.is_cuda:
         return None, None
-    return workspace(_C.cross_entropy_workspace_bytes(ld, td, wd, options), device)
+    return workspace(_C.cross_entropy_workspace_bytes(ld, td, wd, options), logits.device)
 
 
 def _float32_rows(g: Tensor) -> Tensor:
@@ -93,13 +120,18 @@ def _outputs(logits: Tensor, target: Tensor, reduction: int) -> Tuple[Tensor, Te
 
 
 def _run_forward_backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], options: _C.CrossEntropyOptions,
-                          grad: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    loss, lse, z = _outputs(logits, target, options.reduction)
+                          grad: Tensor, stats: bool = True) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """(loss, lse, z_loss) and the gradient written into `grad`; without `stats`, lse and z_loss are not made
+    (None: optional outputs of the C++ call)."""
+    if stats:
+        loss, lse, z = _outputs(logits, target, options.reduction)
+    else:
+        loss, lse, z = torch.empty((), dtype=torch.float32, device=logits.device), None, None
     ld, td, wd = descriptor(logits, "logits"), descriptor(target, "target"), descriptor(weight, "weight")
-    owner, ws = _scratch(ld, td, wd, options, logits.device)
+    owner, ws = _scratch(ld, td, wd, options, logits)
     _C.cross_entropy_forward_backward(ld, td, wd, options, descriptor(loss, "loss"), descriptor(lse, "lse"),
                                       descriptor(z, "z_loss"), descriptor(grad, "grad_logits"), None, ws,
-                                      stream(logits.device))
+                                      stream_of(logits))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
     return loss, lse, z
 
@@ -117,7 +149,7 @@ def _forward(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_in
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     loss, lse, z = _outputs(logits, target, reduction)
     ld, td, wd = descriptor(logits, "logits"), descriptor(target, "target"), descriptor(weight, "weight")
-    owner, ws = _scratch(ld, td, wd, options, logits.device)
+    owner, ws = _scratch(ld, td, wd, options, logits)
     _C.cross_entropy_forward(ld, td, wd, options, descriptor(loss, "loss"), descriptor(lse, "lse"),
                              descriptor(z, "z_loss"), ws, stream(logits.device))
     del owner
@@ -166,7 +198,7 @@ def _backward(logits: Tensor, target: Tensor, weight: Optional[Tensor], lse: Ten
     options = _cached_options(ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
     grad = empty_rows(logits)
     ld, td, wd = descriptor(logits, "logits"), descriptor(target, "target"), descriptor(weight, "weight")
-    owner, ws = _scratch(ld, td, wd, options, logits.device)
+    owner, ws = _scratch(ld, td, wd, options, logits)
     _C.cross_entropy_backward(ld, td, wd, descriptor(lse, "lse"), descriptor(grad_loss, "grad_loss"), options,
                               descriptor(grad, "grad_logits"), ws, stream(logits.device))
     del owner
@@ -245,36 +277,43 @@ class _FusedCrossEntropy(torch.autograd.Function):
     any other node that saved them raises in its backward. No ctx.mark_dirty: the tensor it would have
     us return as a rebased output holds a gradient, which nothing could differentiate further.
 
-    forward(logits, target, weight, inplace, direct, options): `direct` when the call is eager_ok (the ops'
-    implementations then run without the ops' layers, see logitless._autograd), `options` the ops' option arguments.
+    forward(logits, target, weight, inplace, direct, params, options, stats): `direct` when the call is eager_ok
+    (the ops' implementations then run without the ops' layers, see logitless._autograd), `params` the ops' option
+    arguments, `options` the binding's over them. Returns (loss, lse, z_loss), or the loss alone without `stats` (a
+    direct call that returns neither lse nor z_loss, which are then not made).
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, inplace, direct, options):
+    def forward(ctx, logits, target, weight, inplace, direct, params, options, stats):
         if inplace:
-            op, args = _forward_backward_inplace, (logits, target, weight, *options)
+            op, args = _forward_backward_inplace, (logits, target, weight, *params)
             grad = logits
         else:
             grad = empty_rows(logits)
-            op, args = _forward_backward_out, (logits, target, weight, *options, grad)
-        loss, lse, z = op.run_direct(*args) if direct else op(*args)
+            op, args = _forward_backward_out, (logits, target, weight, *params, grad)
+        if direct and not inplace:  # a fresh buffer: no other node can have saved it, no version to bump
+            loss, lse, z = direct_apply(_run_forward_backward, op.name, logits, target, weight, options, grad, stats)
+        else:
+            loss, lse, z = op.run_direct(*args) if direct else op(*args)
         ctx.direct = direct
-        ctx.mark_non_differentiable(lse, z)
         # Saved after the mutation: this node's own version check passes, and a later write to the
         # buffer (or a second backward over a retained graph, after the scaling below) is caught.
         ctx.save_for_backward(grad)
         # lse and z never get a gradient (non-differentiable): without this, autograd would allocate and fill
         # a zero tensor for each of them on every backward, for nothing.
         ctx.set_materialize_grads(False)
+        if not stats:
+            return loss
+        ctx.mark_non_differentiable(lse, z)
         return loss, lse, z
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_lse, grad_z):
+    def backward(ctx, grad_loss, grad_lse=None, grad_z=None):
         no_double_backward("cross_entropy")
         if grad_loss is None:  # no gradient reached the loss (the other outputs carry none)
-            return (None,) * 6
+            return (None,) * 8
         (grad,) = ctx.saved_tensors
-        return (scale_saved(grad, _float32_rows(grad_loss), ctx.direct),) + (None,) * 5
+        return (scale_saved(grad, _float32_rows(grad_loss), ctx.direct),) + (None,) * 7
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -361,8 +400,9 @@ def cross_entropy(
     torch's "modified by an inplace operation" error; reduce a reduction="none" loss yourself if you need
     that. Double backward (create_graph=True) is not supported.
     """
-    red = enum(REDUCTIONS, reduction, "reduction")
-    algo_code = enum(ALGOS, algo, "algo")
+    scalars = (ignore_index, reduction, label_smoothing, z_loss, softcap, check_targets, algo)
+    params, options = (_params(*scalars), None) if torch.compiler.is_compiling() else _settings(*scalars)
+    red = params[1]
     check_process_group(process_group)
     # The vocabulary-parallel path takes DTensors (logits sharded; target and weight made local there).
     sharded = process_group is not None or is_dtensor(logits)
@@ -370,16 +410,11 @@ def cross_entropy(
                   dtensor_ok=("logits", "target", "weight") if sharded else ())
     if not sharded:
         check_rows(logits.dim() - 1, (("logits", logits), ("target", target)))
-    if softcap is None:
-        softcap = 0.0
     inplace_backward = bool(inplace_backward)
     if weight is not None:
         # A copy where the gradient overwrites the logits: a weight that shares their memory (a view of them, or a
         # float32 weight that .to() hands back as is) would be read while it is overwritten.
         weight = weight.detach().to(torch.float32, copy=inplace_backward)
-    # The ops' option arguments, in `_options`' order.
-    params = (check_int64(ignore_index, "ignore_index"), red, check_float(label_smoothing, "label_smoothing"),
-              check_float(z_loss, "z_loss"), check_float(softcap, "softcap"), bool(check_targets), algo_code)
 
     if sharded:
         # Imported here, not at the top, only so that `import logitless` does not load the vocabulary-parallel module
@@ -398,17 +433,21 @@ def cross_entropy(
     elif not needs_grad or red == REDUCTION_NONE:
         loss, lse, z = _forward(logits, target, weight, *params)
     else:
-        # Overwriting a leaf that requires grad (or a view of one) would destroy a parameter and hand
-        # autograd its own storage as the gradient; torch refuses in-place ops there too.
-        owner = logits._base if logits._base is not None else logits
-        if inplace_backward and owner.is_leaf and owner.requires_grad:
-            raise ValueError("logits: inplace_backward=True needs logits computed by an op (e.g. a matmul); "
-                             "got a leaf tensor that requires grad (or a view of one), whose values it would "
-                             "overwrite")
         if inplace_backward:
+            # Overwriting a leaf that requires grad (or a view of one) would destroy a parameter and hand
+            # autograd its own storage as the gradient; torch refuses in-place ops there too.
+            owner = logits._base if logits._base is not None else logits
+            if owner.is_leaf and owner.requires_grad:
+                raise ValueError("logits: inplace_backward=True needs logits computed by an op (e.g. a matmul); "
+                                 "got a leaf tensor that requires grad (or a view of one), whose values it would "
+                                 "overwrite")
             check_writable_rows(logits, "logits", "inplace_backward=True")
-        loss, lse, z = _FusedCrossEntropy.apply(logits, target, weight, inplace_backward,
-                                                _autograd.eager_ok((logits, target, weight)), params)
+        direct = _autograd.eager_ok((logits, target, weight))
+        stats = return_lse or return_z_loss or not direct
+        out = _FusedCrossEntropy.apply(logits, target, weight, inplace_backward, direct, params, options, stats)
+        if not stats:
+            return out
+        loss, lse, z = out
 
     if not (return_lse or return_z_loss):
         return loss

@@ -27,9 +27,18 @@ import torch
 from torch import Tensor
 
 from . import _C, _autograd, _norm_recipes
-from ._autograd import cached, checkpointed, custom_op, direct_apply, empty_rows, enum, no_double_backward
+from ._autograd import (
+    cached,
+    cached_settings,
+    checkpointed,
+    custom_op,
+    direct_apply,
+    empty_rows,
+    enum,
+    no_double_backward,
+)
 from ._checks import check_float, check_int64, check_rows, check_tensors, register_fake, rows_collapse
-from ._tensor import descriptor, rows_ready, stream, workspace
+from ._tensor import descriptor, rows_ready, stream_of, workspace
 
 __all__ = ["rms_norm", "CASTING_MODES"]
 
@@ -45,6 +54,20 @@ def _options(eps: float, offset: float, casting: int, algo: int, vectors_per_thr
 
 
 _cached_options = cached(_options)
+
+
+def _scalars(eps, offset, casting_mode, algo, vectors_per_thread) -> tuple:
+    """The public function's scalar arguments, checked, as the ops' option arguments (in `_options`' order)."""
+    return (check_float(eps, "eps"), check_float(offset, "offset"), enum(CASTING_MODES, casting_mode, "casting_mode"),
+            enum(ALGOS, algo, "algo"), check_int64(vectors_per_thread, "vectors_per_thread"))
+
+
+@cached_settings
+def _settings(*args) -> Tuple[tuple, _C.RMSNormOptions]:
+    """An eager call's (`_scalars`, the binding's options over them), checked once per distinct argument tuple.
+    torch.compile traces `_scalars` instead: the binding's objects are no values a graph can hold."""
+    scalars = _scalars(*args)
+    return scalars, _cached_options(*scalars)
 
 
 def _forward_outputs(x: Tensor, has_residual: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -63,7 +86,7 @@ def _run_forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], options:
     """The C++ forward into the given outputs; x, weight and residual already _rows_ready / contiguous."""
     _C.rms_norm_forward(descriptor(x, "x"), descriptor(residual, "residual"), descriptor(weight, "weight"),
                         options, descriptor(y, "y"), descriptor(s, "residual_out"), descriptor(rstd, "rstd"), None,
-                        stream(x.device))
+                        stream_of(x))
 
 
 def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
@@ -75,7 +98,7 @@ def _run_backward(grad_y: Tensor, grad_residual_out: Optional[Tensor], x: Tensor
         owner, ws = workspace(_C.rms_norm_backward_workspace_bytes(xd, wd, options), x.device)
     _C.rms_norm_backward(descriptor(grad_y, "grad_y"), descriptor(grad_residual_out, "grad_residual_out"), xd, wd,
                          descriptor(rstd, "rstd"), options, descriptor(grad_x, "grad_x"),
-                         descriptor(grad_weight, "grad_weight"), ws, stream(x.device))
+                         descriptor(grad_weight, "grad_weight"), ws, stream_of(x))
     del owner  # freed in stream order: the caching allocator reuses it only for later work on this stream
 
 
@@ -206,16 +229,17 @@ class _EagerRMSNorm(torch.autograd.Function):
     empty residual_out and grad_weight made only because an op must return a tensor, rstd as an output to mark
     non-differentiable, and re-readying tensors the forward already made ready.
 
-    forward(x, weight, residual, scalars): x already rows_ready; `scalars` the ops' option arguments. Returns y, or
-    (y, residual_out) with a residual."""
+    forward(x, weight, residual, scalars, options): x already rows_ready; `scalars` the ops' option arguments,
+    `options` the binding's over them. Returns y, or (y, residual_out) with a residual."""
 
     @staticmethod
-    def forward(ctx, x, weight, residual, scalars):
-        options = _cached_options(*scalars)
+    def forward(ctx, x, weight, residual, scalars, options):
+        weight = weight.contiguous()
         y = empty_rows(x)
         s = None if residual is None else empty_rows(x)
-        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-        _run_forward(x, weight.contiguous(), None if residual is None else rows_ready(residual), options, y, s, rstd)
+        # One float per row, flat: the C++ side counts its elements, and an int size is the cheapest to allocate.
+        rstd = torch.empty(x.shape[:-1].numel(), dtype=torch.float32, device=x.device)
+        _run_forward(x, weight, None if residual is None else rows_ready(residual), options, y, s, rstd)
         # As _forward_setup saves (the generic backward below reads the same ctx).
         ctx.save_for_backward(x if s is None else s, weight, rstd)
         ctx.has_residual = residual is not None
@@ -225,7 +249,23 @@ class _EagerRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_s=None):
-        return _grads(ctx, grad_y, grad_s, direct=True) + (None,)
+        return _grads(ctx, grad_y, grad_s, direct=True) + (None, None)
+
+
+def _forward_without_graph(x: Tensor, weight: Tensor, residual: Optional[Tensor],
+                           options: _C.RMSNormOptions) -> Tuple[Tensor, Optional[Tensor]]:
+    """The direct path of a call that records no graph: (y, residual_out or None), and no rstd (nothing will read
+    it; the C++ forward takes it as optional)."""
+    y = empty_rows(x)
+    s = None if residual is None else empty_rows(x)
+    _run_forward(x, weight.contiguous(), None if residual is None else rows_ready(residual), options, y, s, None)
+    return y, s
+
+
+def _remember(y: Tensor, normalized: Tensor, weight: Tensor, scalars: tuple) -> None:
+    """What the backward keeps (what was normalized, the weight) recomputes y, for an op that would save it (not
+    under activation checkpointing, where saving y costs no memory past the layer's backward)."""
+    _norm_recipes.remember(y, (normalized, weight), lambda n, w: _forward(n, w, None, *scalars)[0])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -286,10 +326,8 @@ def rms_norm(
     grad_weight is reduced in float32 without atomics: the same inputs on the same GPU give the same bits on
     every run. Double backward is not supported.
     """
-    # The ops' option arguments, in `_options`' order.
-    scalars = (check_float(eps, "eps"), check_float(offset, "offset"),
-               enum(CASTING_MODES, casting_mode, "casting_mode"), enum(ALGOS, algo, "algo"),
-               check_int64(vectors_per_thread, "vectors_per_thread"))
+    args = (eps, offset, casting_mode, algo, vectors_per_thread)
+    scalars, options = (_scalars(*args), None) if torch.compiler.is_compiling() else _settings(*args)
     check_tensors((("x", x), ("weight", weight), ("residual", residual)), optional=("residual",))
     # Made ready here rather than only inside the op: the op's autograd saves its x argument, and a backward that got
     # the caller's x with a strided last dimension would copy it a second time.
@@ -297,14 +335,17 @@ def rms_norm(
     if x.dim() > 4:  # (rows of fewer dimensions always collapse) judged as the C++ side will see them
         res = None if residual is None else rows_ready(residual)
         check_rows(x.dim() - 1, (("x", x), ("residual", res)))
-    if _autograd.direct_autograd((x, weight, residual)):
-        out = direct_apply(_EagerRMSNorm.apply, _FORWARD_NAME, x, weight, residual, scalars)
-        y, s = (out, None) if residual is None else out
-    else:
-        y, s, _ = _forward(x, weight, residual, *scalars)
+    if _autograd.eager_ok((x, weight, residual)):
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                        (residual is not None and residual.requires_grad)):
+            out = direct_apply(_EagerRMSNorm.apply, _FORWARD_NAME, x, weight, residual, scalars, options)
+            y, s = (out, None) if residual is None else out
+            if not checkpointed():
+                _remember(y, x if residual is None else s, weight, scalars)
+        else:
+            y, s = direct_apply(_forward_without_graph, _FORWARD_NAME, x, weight, residual, options)
+        return y if residual is None else (y, s)
+    y, s, _ = _forward(x, weight, residual, *scalars)
     if y.requires_grad and not torch.compiler.is_compiling() and not checkpointed():
-        # What the backward keeps (what was normalized, the weight) recomputes y for an op that would save it (not
-        # under activation checkpointing, where saving y costs no memory past the layer's backward).
-        _norm_recipes.remember(y, (x if residual is None else s, weight),
-                               lambda n, w: _forward(n, w, None, *scalars)[0])
+        _remember(y, x if residual is None else s, weight, scalars)
     return y if residual is None else (y, s)

@@ -313,3 +313,46 @@ def test_rms_norm_every_needed_gradient_and_used_output_matches_the_op_bitwise(r
                 want = run(needs, use_y, use_s)
             for a, b in zip(got, want):
                 assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_checked_settings_are_cached_by_value_and_type():
+    """The eager paths check their scalar arguments once per distinct tuple: True equals 1 as a key, and a check that
+    refuses a bool must still see it after an equal int passed."""
+    logits, target = torch.randn(4, 10, requires_grad=True), torch.randint(0, 10, (4,))
+    logitless.cross_entropy(logits, target, ignore_index=1).backward()
+    with pytest.raises(TypeError, match="ignore_index"):
+        logitless.cross_entropy(logits, target, ignore_index=True)
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8)
+    logitless.rms_norm(x, w, vectors_per_thread=0)
+    with pytest.raises(TypeError, match="vectors_per_thread"):
+        logitless.rms_norm(x, w, vectors_per_thread=False)
+    # An argument that cannot be a key is checked every time, with the argument's own error.
+    with pytest.raises(TypeError, match="eps"):
+        logitless.rms_norm(x, w, eps=[1e-6])
+
+
+@pytest.mark.parametrize("stats", [(False, False), (True, False), (False, True), (True, True)])
+def test_cross_entropy_direct_call_makes_only_the_statistics_asked_for(stats):
+    """The fused eager path skips lse and z-loss unless returned; loss and gradient are the op path's bits either
+    way, and what is returned is the op path's too."""
+    g = _gen(3)
+    logits0, target = torch.randn(6, 33, generator=g), torch.randint(0, 33, (6,), generator=g)
+    return_lse, return_z = stats
+
+    def run():
+        logits = logits0.clone().requires_grad_(True)
+        out = logitless.cross_entropy(logits, target, z_loss=1e-3, return_lse=return_lse, return_z_loss=return_z)
+        outs = out if isinstance(out, tuple) else (out,)
+        outs[0].backward()
+        return outs, logits.grad
+
+    before = _counts()
+    outs, grad = run()
+    assert _grown(before) == {"logitless::cross_entropy_forward_backward_out": 1, "logitless::scale_rows_": 1}
+    with _PassThrough():
+        ref_outs, ref_grad = run()
+    assert len(outs) == len(ref_outs) == 1 + return_lse + return_z
+    for a, b in zip(outs, ref_outs):
+        assert torch.equal(a, b)
+    assert all(not t.requires_grad for t in outs[1:])
+    assert torch.equal(grad, ref_grad)
