@@ -7,7 +7,9 @@ linear_selective_log_softmax BxLxHxV). The default shapes are the two small ones
 2048 x 2048, cross-entropy 1024 x 32000) and the smallest shape of each family's own suite.
 
 Every row is one eager forward + backward, timed per call as bench/common.py times everything (CUDA events around
-the call, so a GPU that waits for the host counts the wait; no CUDA graphs here: the host is what is measured). The
+the call, so a GPU that waits for the host counts the wait; no CUDA graphs here: the host is what is measured), in
+interleaved rounds (`_rounds`): the ms column is the median of the rounds, and the logitless row's ratio the median
+of the rounds' own ratios. The
 differentiable inputs come from `Source`, a node whose backward is free, so only the op's own backward is timed;
 weights are leaves whose .grad is cleared before each call. torch.compile of the torch composition runs on CUDA
 only (as in the other suites); the logitless row's note gives its time over the faster torch row, the targets being
@@ -19,6 +21,7 @@ host spends enqueueing one call, in the ms column, with the µs in the note.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Dict, List, Tuple
 
@@ -40,6 +43,8 @@ TINY = {"rms_norm": "4x64", "cross_entropy": "4x64", "glu": "4x64", "rope": "1x4
         "selective_log_softmax": "2x4x64", "linear_cross_entropy": "8x32x64", "linear_grpo_loss": "2x4x32x64",
         "linear_selective_log_softmax": "2x4x32x64"}
 HOST_CALLS = 200
+# Interleaved rounds per shape (see `_rounds`).
+ROUNDS = 7
 DTYPE = torch.bfloat16  # on CUDA (see _dtype)
 EPS = 1e-6
 BETA = 0.04
@@ -141,6 +146,9 @@ def _cross_entropy(ctx: Context, dims) -> Case:
     if cls is not None:
         liger = cls()
         fns["Liger"] = lambda a: liger(a.clone(), target)  # its forward writes over the logits
+    # Not a default: shows what the eager target check costs (the call waits for the check's result before it
+    # returns, so the GPU runs dry while the host enqueues what follows).
+    fns["logitless, check_targets=False"] = lambda a: logitless.cross_entropy(a, target, check_targets=False)
     return fns, _scalar, lambda i: (Source.apply(logits, anchor),)
 
 
@@ -315,54 +323,82 @@ def _steps(ctx: Context, case: Case, compile_torch: bool) -> Tuple[Dict[str, Ste
     return {name: make_step(fn) for name, fn in fns.items()}, setup
 
 
-def host_us(ctx: Context, step: Step, setup: Callable[[int], tuple], calls: int = HOST_CALLS,
-            repeats: int = 5) -> float:
-    """CPU wall µs per call of a loop of `calls` steps whose arguments were made beforehand; the least of `repeats`
-    loops, each started on an idle device (the least: other work on the host only ever adds time)."""
-    for i in range(3):
-        step(*setup(i))
-    times = []
-    for _ in range(repeats):
-        args = [setup(i) for i in range(calls)]
-        ctx.sync()
-        t0 = time.perf_counter()
-        for a in args:
-            step(*a)
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        ctx.sync()
-        del args
-    return min(times)
+def host_us(ctx: Context, step: Step, setup: Callable[[int], tuple], calls: int = HOST_CALLS) -> float:
+    """CPU wall µs per call of a loop of `calls` steps whose arguments were made beforehand, started on an idle
+    device."""
+    args = [setup(i) for i in range(calls)]
+    ctx.sync()
+    t0 = time.perf_counter()
+    for a in args:
+        step(*a)
+    us = (time.perf_counter() - t0) / calls * 1e6
+    ctx.sync()
+    return us
+
+
+def _rounds(steps: Dict[str, Step], measure: Callable[[Step], float]) -> Dict[str, List[float]]:
+    """`measure` of every step, in ROUNDS interleaved rounds (each round measures every step once, in turn): the host
+    time of these calls drifts by tens of percent within a minute on a shared host, so the steps compared are
+    measured close together, and each keeps one value per round. A step that fails keeps its exception."""
+    got: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(ROUNDS):
+        for name, step in steps.items():
+            if isinstance(got[name], Exception):
+                continue
+            try:
+                got[name].append(measure(step))
+            except Exception as e:  # one failing peer must not end the run
+                got[name] = e
+    return got
+
+
+def _failed(e: Exception) -> str:
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def _ratio_note(got: Dict[str, List[float]], ours: str) -> str:
+    """Ours over the faster torch row, round by round (the median of the rounds' ratios, and their range)."""
+    torch_rows = [v for k, v in got.items() if k.startswith("torch") and not isinstance(v, Exception)]
+    if isinstance(got[ours], Exception) or not torch_rows:
+        return ""
+    ratios = sorted(o / min(t[i] for t in torch_rows) for i, o in enumerate(got[ours]))
+    return f"{statistics.median(ratios):.2f}x the faster torch row (rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
 
 
 def _timed_rows(ctx: Context, family: str, shape: str, steps: Dict[str, Step], setup) -> List[Row]:
+    got = _rounds(steps, lambda step: time_call(ctx, step, setup))
     rows = []
-    for name, step in steps.items():
+    for name, v in got.items():
         row = Row(op=f"host: {family}", shape=shape, impl=f"{name} fwd+bwd")
-        try:
-            row.ms = time_call(ctx, step, setup)
-        except Exception as e:  # one failing peer must not end the run
-            row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if isinstance(v, Exception):
+            row.note = _failed(v)
+        else:
+            row.ms = statistics.median(v)
         rows.append(row)
-        release(ctx)
-    torch_ms = [r.ms for r in rows if r.ms is not None and r.impl.startswith("torch")]
-    ours = rows[0]
-    if ours.ms is not None and torch_ms:
-        ours.note = f"{ours.ms / min(torch_ms):.2f}x the faster torch row"
+    rows[0].note = rows[0].note or _ratio_note(got, next(iter(steps)))
+    release(ctx)
     return rows
 
 
 def _host_rows(ctx: Context, family: str) -> List[Row]:
     text = TINY[family]
     steps, setup = _steps(ctx, FAMILIES[family](ctx, _dims(text)), compile_torch=False)
+    for step in steps.values():  # warm-up
+        for i in range(3):
+            step(*setup(i))
+    got = _rounds(steps, lambda step: host_us(ctx, step, setup))
     rows = []
-    for name, step in steps.items():
+    for name, v in got.items():
         row = Row(op=f"host: {family}", shape=text, impl=f"{name} host")
-        try:
-            us = host_us(ctx, step, setup)
-            row.ms, row.note = us * 1e-3, f"{us:.1f} µs of host time per fwd+bwd call"
-        except Exception as e:
-            row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if isinstance(v, Exception):
+            row.note = _failed(v)
+        else:
+            # The least of the rounds: other work on the host only ever adds time.
+            row.ms, row.note = min(v) * 1e-3, f"{min(v):.1f} µs of host time per fwd+bwd call"
         rows.append(row)
+    ratio = _ratio_note(got, next(iter(steps)))
+    if ratio and rows[0].ms is not None:
+        rows[0].note += f"; {ratio}"
     release(ctx)
     return rows
 
