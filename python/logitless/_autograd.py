@@ -35,7 +35,7 @@ from torch import Tensor
 
 from . import _C
 from ._checks import register_fake
-from ._tensor import descriptor, stream
+from ._tensor import descriptor, stream_of
 
 __all__ = ["REDUCTIONS", "REDUCTION_NONE", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "enum", "no_double_backward",
            "scale_saved", "custom_op", "DirectOp", "eager_ok", "direct_apply", "empty_rows",
@@ -253,7 +253,14 @@ def no_double_backward(name: str) -> None:
 def _scale_rows(grad: Tensor, scale: Tensor) -> None:
     """grad[i, :] *= scale ([] or one per row, float32, on grad's device); rows with scale exactly 1 are
     not touched."""
-    _C.scale_rows(descriptor(grad, "grad"), descriptor(scale, "scale"), stream(grad.device))
+    _C.scale_rows(descriptor(grad, "grad"), descriptor(scale, "scale"), stream_of(grad))
+
+
+def _scale_rows_direct(grad: Tensor, scale: Tensor) -> None:
+    """The op's implementation and the version bump the dispatcher makes for its declared mutation, without the
+    DirectOp layers (every fused loss's backward runs this)."""
+    _scale_rows.impl(grad, scale)
+    torch.autograd.graph.increment_version(grad)
 
 
 @register_fake(_scale_rows)
@@ -277,7 +284,7 @@ def scale_saved(grad: Tensor, scale: Tensor, direct: bool = False) -> Tensor:
         s = scale if scale.dim() == 0 else scale.reshape(scale.shape + (1,) * (grad.dim() - scale.dim()))
         return (grad * s).to(grad.dtype)
     if direct and eager_ok((scale,)):
-        _scale_rows.run_direct(grad, scale)
+        direct_apply(_scale_rows_direct, _scale_rows.name, grad, scale)
     else:
         _scale_rows(grad, scale)
     return grad
