@@ -194,19 +194,23 @@ def cached(factory):
     return get
 
 
+_KEY_TYPES = frozenset((int, float, str, bool, type(None)))
+
+
 def cached_settings(build):
     """`build` (a public function's validation of its scalar arguments, returning what its calls use) behind a small
     dictionary keyed by the arguments and their types, so that a call repeating earlier arguments skips the checks:
     True, 1 and 1.0 are equal keys but stay apart here, as a check that refuses a bool or a float must see each.
-    Arguments that cannot be a key (an unhashable value) are built every time, and build raises their error."""
+    Only arguments of immutable built-in types are keys: anything else (a 0-d tensor, which could change in place
+    under the same key, an unhashable value) is built every time, and build raises its error."""
     cache: dict = {}
 
     def get(*args):
-        key = args + tuple(map(type, args))
-        try:
-            got = cache.get(key)
-        except TypeError:
+        types = tuple(map(type, args))
+        if not _KEY_TYPES.issuperset(types):
             return build(*args)
+        key = args + types
+        got = cache.get(key)
         if got is None:
             got = build(*args)
             if len(cache) >= 256:

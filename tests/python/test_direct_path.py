@@ -329,6 +329,13 @@ def test_checked_settings_are_cached_by_value_and_type():
     # An argument that cannot be a key is checked every time, with the argument's own error.
     with pytest.raises(TypeError, match="eps"):
         logitless.rms_norm(x, w, eps=[1e-6])
+    # A 0-d tensor is read on every call: changed in place, the next call sees its new value.
+    eps = torch.tensor(1e-6, dtype=torch.float64)
+    y1 = logitless.rms_norm(x * 1e-3, w, eps=eps)
+    eps.fill_(1.0)
+    y2 = logitless.rms_norm(x * 1e-3, w, eps=eps)
+    torch.testing.assert_close(y2, logitless.rms_norm(x * 1e-3, w, eps=1.0))
+    assert not torch.allclose(y1, y2)
 
 
 @pytest.mark.parametrize("stats", [(False, False), (True, False), (False, True), (True, True)])
