@@ -33,7 +33,8 @@ def available_suites():
 def header(args, device) -> dict:
     import logitless
 
-    commit = os.environ.get("LOGITLESS_COMMIT", "")  # set by tools/device-check.sh where git has no history
+    # Set by the caller (LOGITLESS_COMMIT=<sha> tools/device-check.sh ...) where git has no history of the tree.
+    commit = os.environ.get("LOGITLESS_COMMIT", "")
     try:
         commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                                           text=True, check=True).stdout.strip()
