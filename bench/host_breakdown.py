@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import logitless
+from host_floor import Identity, Least  # bench/ is on the path: this script runs from it
 from logitless import _C
 from logitless._tensor import descriptor
 from logitless._tensor import stream as _stream
@@ -39,39 +40,6 @@ def host_us(fn, cuda: bool, n: int = 3000, repeats: int = 7) -> float:
             torch.cuda.synchronize()
         best = min(best, (clock() - t0) / n * 1e6)
     return best
-
-
-class _Minimal(torch.autograd.Function):
-    """RMSNorm as the least an autograd.Function over the C++ entry points can do (no checks, no options, no
-    workspace): the floor of a Python autograd node for this op on this host."""
-
-    @staticmethod
-    def forward(ctx, x, w, opts):
-        y, rstd = torch.empty_like(x), torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        s = _stream(x.device)
-        _C.rms_norm_forward(descriptor(x, "x"), None, descriptor(w, "w"), opts, descriptor(y, "y"), None,
-                            descriptor(rstd, "rstd"), None, s)
-        ctx.save_for_backward(x, w, rstd)
-        ctx.opts = opts
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, w, rstd = ctx.saved_tensors
-        gx = torch.empty_like(x)
-        _C.rms_norm_backward(descriptor(gy, "g"), None, descriptor(x, "x"), descriptor(w, "w"),
-                             descriptor(rstd, "rstd"), ctx.opts, descriptor(gx, "gx"), None, None, _stream(x.device))
-        return gx, None, None
-
-
-class _Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a):
-        return a.view_as(a)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
 
 
 def main() -> None:
@@ -101,10 +69,10 @@ def main() -> None:
         ("F.cross_entropy fwd+bwd, total", 1,
          lambda: F.cross_entropy(logits0.clone().requires_grad_(True), target).backward()),
         ("input clone + requires_grad (in every total)", 1, lambda: x0.clone().requires_grad_(True)),
-        ("autograd: Function.apply + engine + Tensor.backward", 1, lambda: _Identity.apply(a).backward(g)),
+        ("autograd: Function.apply + engine + Tensor.backward", 1, lambda: Identity.apply(a).backward(g)),
         ("autograd: a view's C++ node + engine + Tensor.backward", 1, lambda: a.view_as(a).backward(g)),
         ("least autograd.Function over the C++ calls (no dW), fwd+bwd", 1,
-         lambda: _Minimal.apply(x0.clone().requires_grad_(True), w.detach(), opts).backward(dy)),
+         lambda: Least.apply(x0.clone().requires_grad_(True), w.detach(), opts).backward(dy)),
         ("custom-op dispatch, rms_norm_forward (op minus its impl)", 2,
          lambda: op(x0, w, None, 1e-6, 0.0, 0, 0, 0)),
         ("  its impl called directly", 2, lambda: impl(x0, w, None, 1e-6, 0.0, 0, 0, 0)),

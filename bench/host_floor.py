@@ -28,7 +28,7 @@ from logitless._tensor import descriptor, stream_of, workspace
 rms = importlib.import_module("logitless.rms_norm")
 
 
-class _Least(torch.autograd.Function):
+class Least(torch.autograd.Function):
     """RMSNorm as the least an autograd.Function over the C++ entry points does (grad_weight included)."""
 
     @staticmethod
@@ -54,7 +54,9 @@ class _Least(torch.autograd.Function):
         return gx, gw, None
 
 
-class _Identity(torch.autograd.Function):
+class Identity(torch.autograd.Function):
+    """An autograd.Function that does nothing: the cost of a Python autograd node itself."""
+
     @staticmethod
     def forward(ctx, a):
         return a.view_as(a)
@@ -79,9 +81,9 @@ def variants(dev: str):
     return {
         "input clone (in every row below)": lambda: x(),
         "a view's C++ node, fwd+bwd": lambda: x().view_as(x0).backward(dy),
-        "autograd.Function doing nothing, fwd+bwd": lambda: _Identity.apply(x()).backward(dy),
+        "autograd.Function doing nothing, fwd+bwd": lambda: Identity.apply(x()).backward(dy),
         "F.rms_norm fwd+bwd": lambda: F.rms_norm(x(), (64,), w, 1e-6).backward(dy),
-        "least autograd.Function over our C++ calls": lambda: _Least.apply(x(), w, opts).backward(dy),
+        "least autograd.Function over our C++ calls": lambda: Least.apply(x(), w, opts).backward(dy),
         "logitless.rms_norm fwd+bwd": lambda: logitless.rms_norm(x(), w).backward(dy),
         "F.rms_norm fwd, no graph": lambda: F.rms_norm(x0, (64,), w.detach(), 1e-6),
         "logitless.rms_norm fwd, no graph": lambda: logitless.rms_norm(x0, w.detach()),
