@@ -3,7 +3,7 @@ plan's chunking (memory_budget, chunk_tokens) that skips the peers of bench/benc
 
     python3 bench/lce_probe.py [--shapes 8192x4096x128256,4096x4096x128256] [--budgets-mib 512]
                                [--schedules auto,gradient_in_forward,recompute] [--tag NAME] [--kernels]
-                               [--inputs probe|bench]
+                               [--inputs probe|bench] [--hook NAME=V1,V2,...]
 
 Prints, per shape and budget: the GEMMs' time (X·Wᵀ, dZ·W, dZᵀ·X in bf16), the time of
 linear_cross_entropy(x, w, t).backward() (bf16, default options), their ratio, and the peak memory beyond the
@@ -16,6 +16,8 @@ ping-pong schedule of the fused exponentials' kernel (cooperative by default). T
 debug hooks from them (src/common/debug_hooks.h), through the extension's _set_debug_hook.
 --kernels adds a profile of 3 more rounds (torch.profiler): per function, the host time of a call, the GPU's busy
 time and span, and its largest kernels.
+--hook runs each schedule once per value of a library hook (src/common/debug_hooks.h), in the same interleaved
+rounds: two settings of one switch compared on the same clocks.
 --inputs bench draws hidden ~ N(0, 1) and weight ~ N(0, 4 / H) as bench.py does (logits of standard deviation 2)
 instead of hidden × 0.5 and weight × 0.02 (about 0.6): an H100's GEMMs run several percent slower on the former.
 """
@@ -114,6 +116,12 @@ def set_hooks_from_environment():
             raise SystemExit(f"this build's extension has no hook {name}: its switch cannot take effect")
 
 
+def label(budget, schedule, hook_value, chunk_tokens):
+    hook = "" if hook_value is None else f" hook={hook_value}"
+    chunks = f" chunk_tokens={chunk_tokens}" if chunk_tokens else ""
+    return f"budget {budget >> 20} MiB {schedule}{hook}{chunks}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8192x4096x128256,4096x4096x128256", help="NxHxV, comma-separated")
@@ -124,8 +132,14 @@ def main():
                     help="input scaling: the probe's (small logits) or bench.py's (logits of standard deviation 2)")
     ap.add_argument("--kernels", action="store_true",
                     help="per-kernel GPU time of 3 more interleaved rounds, the GEMMs included (torch.profiler)")
+    ap.add_argument("--chunk-tokens", default="0", help="chunk_tokens values, comma-separated (0: the plan's)")
+    ap.add_argument("--hook", default="", help="NAME=V1,V2,...: each schedule once per value of that hook")
     args = ap.parse_args()
     set_hooks_from_environment()
+    hook_name, _, hook_values = args.hook.partition("=")
+    hook_values = [int(v) for v in hook_values.split(",")] if hook_name else [None]
+    if hook_name and not logitless._C._set_debug_hook(hook_name, hook_values[0]):
+        raise SystemExit(f"this build's extension has no hook {hook_name}")
     for shape in args.shapes.split(","):
         n, h, v = (int(s) for s in shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -136,21 +150,25 @@ def main():
         z = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
         dz = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
         xd, wd = x.detach(), w.detach()
-        runs = [(int(b) << 20, s) for b in args.budgets_mib.split(",") for s in args.schedules.split(",")]
+        runs = [(int(b) << 20, s, hv, int(c)) for b in args.budgets_mib.split(",") for s in args.schedules.split(",")
+                for hv in hook_values for c in args.chunk_tokens.split(",")]
 
-        def make_run(budget, schedule):
+        def make_run(budget, schedule, hook_value, chunk_tokens):
             def run():
+                if hook_value is not None:
+                    logitless._C._set_debug_hook(hook_name, hook_value)
                 x.grad = w.grad = None
-                logitless.linear_cross_entropy(x, w, t, memory_budget=budget, schedule=schedule).backward()
+                logitless.linear_cross_entropy(x, w, t, memory_budget=budget, schedule=schedule,
+                                               chunk_tokens=chunk_tokens or None).backward()
             return run
 
-        fns = [make_run(b, s) for b, s in runs]
+        fns = [make_run(*r) for r in runs]
         all_fns = [lambda: (torch.mm(xd, wd.t(), out=z), dz @ wd, dz.t() @ xd)] + fns
         gemms, *times = interleaved_medians(all_fns)
         if args.kernels:
-            profile_rounds(["GEMMs"] + [f"{s} {b >> 20} MiB" for b, s in runs], all_fns)
+            profile_rounds(["GEMMs"] + [label(*r) for r in runs], all_fns)
         del z, dz, all_fns
-        for (budget, schedule), run, ms in zip(runs, fns, times):
+        for (budget, schedule, hv, ct), run, ms in zip(runs, fns, times):
             torch.cuda.synchronize()
             x.grad = w.grad = None
             torch.cuda.reset_peak_memory_stats()
@@ -158,7 +176,7 @@ def main():
             run()
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            print(f"{args.tag} N={n} H={h} V={v} budget {budget >> 20} MiB {schedule}: GEMMs {gemms:.2f} ms, "
+            print(f"{args.tag} N={n} H={h} V={v} {label(budget, schedule, hv, ct)}: GEMMs {gemms:.2f} ms, "
                   f"linear_cross_entropy {ms:.2f} ms = {ms / gemms:.3f}x, peak extra {peak:.0f} MiB (dX, dW included)",
                   flush=True)
 

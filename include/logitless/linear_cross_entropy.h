@@ -67,7 +67,11 @@
 // grad_weight accumulator (4·V·H bytes; none with GradWeightAccumulation::kWeightDtype); the gradient-in-forward
 // schedule holds the logits' gradient of every token at once instead whenever that takes no more than the budget
 // plus that accumulator (one weight-gradient GEMM, no accumulation), and its float32 chunk then grows into the rest
-// of that allowance (up to 1024 tokens: each chunk's logits GEMM re-reads the weight). The recompute backward's float32
+// of that allowance (up to 1024 tokens: each chunk's logits GEMM re-reads the weight). Where the fused Hopper gradient
+// in forward sums in that accumulator and grad_weight's rows are contiguous, a token group's other per-token scratch
+// (its statistics, scales, scaled hidden rows and float32 grad_hidden rows) lies in grad_weight's own storage, which
+// holds nothing until the accumulator is cast into it, so the budget holds the group's gradient alone; the token
+// groups are cut evenly (no short last group). The recompute backward's float32
 // grad_hidden accumulator (4·N·H bytes, when grad_hidden is 16-bit and the vocabulary takes more than one chunk) comes
 // on top of the budget likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB before), so the GEMMs
 // allocate nothing and the calls can be captured in a CUDA graph. cuBLAS runs through one handle per device and host

@@ -342,7 +342,8 @@ LinearCrossEntropyOptions chunked(const LceInputs& in, Chunking ch) {
 }
 
 struct GradDtypes {
-  bool f32 = false;  // float32 gradient outputs whatever the inputs' dtype
+  bool f32 = false;     // float32 gradient outputs whatever the inputs' dtype
+  int64_t dw_pad = 0;   // grad_weight's rows this many elements apart beyond H
 };
 
 Outputs run_backend(LceInputs& in, Entry e, bool dev, const std::vector<double>& upstream,
@@ -352,7 +353,7 @@ Outputs run_backend(LceInputs& in, Entry e, bool dev, const std::vector<double>&
   const DType gdt = gd.f32 ? DType::kFloat32 : in.c.dtype;
   TestTensor loss(DType::kFloat32, none ? in.lead : std::vector<int64_t>{});
   TestTensor lse(DType::kFloat32, in.lead);
-  TestTensor gx(gdt, with_last(in.lead, H)), gw(gdt, {V, H}), gb(gdt, {V});
+  TestTensor gx(gdt, with_last(in.lead, H)), gw(gdt, {V, H}, {H + gd.dw_pad, 1}), gb(gdt, {V});
   // The upstream factor: [] for sum/mean, one per token for none.
   TestTensor up(DType::kFloat32, none ? in.lead : std::vector<int64_t>{});
   for (int64_t i = 0; i < up.numel(); ++i) up.set(i, static_cast<float>(upstream[upstream.size() == 1 ? 0 : i]));
@@ -977,6 +978,38 @@ void expect_same_finite_bits(const Outputs& a, const Outputs& b, const std::stri
   EXPECT_TRUE(same_finite_bits(a.db, b.db, what + " grad_bias"));
 }
 
+#if defined(LOGITLESS_WITH_CUDA)
+// The fused gradient in forward over several token groups keeps its per-group regions in grad_weight's storage when
+// grad_weight's rows are contiguous, in the workspace when they are padded (plan.h, Plan::exp_in_grad_weight): the
+// same groups (explicit chunk_tokens) give the same bits either way, and both match the CPU backend.
+TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  const bool fused = major == 9 && minor == 0 && lce::debug::fused_kernels_built();
+  const LceCase cases[] = {
+      {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
+      {256, 128, 4099, DType::kBFloat16, Layout::kShifted, Preset::kWeights, Reduction::kSum, false},
+      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kZLoss, Reduction::kNone, false}};
+  for (const LceCase& c : cases) {
+    SCOPED_TRACE(case_name(c));
+    LceInputs in(c, seed_of(c));
+    in.opt.chunk_tokens = 64;
+    const auto up = upstream_for(in, seed_of(c) + 1);
+    const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+    const Outputs in_gw = run_backend(in, Entry::kForwardBackward, true, up, nullptr);
+    EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(), fused);
+    GradDtypes padded;
+    padded.dw_pad = 8;
+    const Outputs in_ws = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, padded);
+    EXPECT_FALSE(lce::debug::last_exp_in_grad_weight.get());
+    expect_outputs(in, Entry::kForwardBackward, in_gw, want, "regions in grad_weight", c.dtype);
+    expect_same_finite_bits(in_gw, in_ws, "regions in grad_weight against the workspace");
+  }
+}
+#endif
+
 // Same inputs, same GPU: the same bits (fixed-order reductions, cuBLAS without atomics). The backward gets the
 // lse that the gradient-in-forward run produced, as a training step's backward gets its forward's.
 TEST(LinearCrossEntropyCudaNumerics, Deterministic) {
@@ -1393,6 +1426,74 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   in = llama_inputs(lce::Pass::kBackward, 8192, 4096, 128256);
   EXPECT_EQ(lay(in).kernel, lce::Kernel::kCublasChunked);
   EXPECT_EQ(lay(in).vocab_cols, 10880);
+}
+
+// With the float32 grad_weight accumulator, grad_weight's own storage holds nothing until the accumulator is cast into
+// it: the exponential form's per-group regions go there (Plan::exp_in_grad_weight) and the budget holds the
+// exponentials alone. At the fine-tuning shape that makes 8 groups of 2048 tokens instead of 9; at 256000 classes 8
+// of 1024 instead of 9. Groups are cut evenly, so that no short last group costs a whole accumulator pass.
+TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
+  lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 16384, 2048, 128256);
+  in.fused = in.fused_exp = true;
+  in.target_sort_bytes = size_t{1} << 20;
+  in.grad_weight_scratch = size_t{128256} * 2048 * 2 - 256;
+  const auto laid = [](const lce::PlanInputs& i, lce::Plan* p, lce::Buffers* b, head::WorkspaceLayout* scratch) {
+    *p = lce::plan_linear_cross_entropy(i);
+    head::WorkspaceLayout L;
+    lce::declare_workspace(i, *p, L, b, scratch);
+    EXPECT_EQ(L.bytes(), p->bytes);
+    L.carve(reinterpret_cast<void*>(uintptr_t{1} << 40));
+    scratch->carve(reinterpret_cast<void*>(uintptr_t{1} << 44));
+  };
+  lce::Plan p;
+  lce::Buffers b;
+  head::WorkspaceLayout S;
+  laid(in, &p, &b, &S);
+  EXPECT_TRUE(p.exp_in_grad_weight);
+  EXPECT_TRUE(p.dw_accumulator);
+  EXPECT_EQ(p.group_rows, 2048);
+  EXPECT_LE(static_cast<size_t>(p.group_rows * p.ld_dlogits * 2), size_t{512} << 20);
+  // The workspace: the exponentials, the accumulator, cuBLAS's and the per-token loss state; the rest in the scratch.
+  EXPECT_LE(p.bytes, size_t{512 + 1002 + 32 + 2} << 20);
+  EXPECT_LE(S.bytes(), in.grad_weight_scratch);
+  const auto in_scratch = [&](const void* ptr) {
+    const auto a = reinterpret_cast<uintptr_t>(ptr);
+    return a >= (uintptr_t{1} << 44) && a < (uintptr_t{1} << 44) + S.bytes();
+  };
+  for (const void* ptr : {static_cast<const void*>(b.fused.partials), static_cast<const void*>(b.fused.shift),
+                          static_cast<const void*>(b.fused.row_scale), static_cast<const void*>(b.fused.target_coef),
+                          static_cast<const void*>(b.fused.fixups), static_cast<const void*>(b.fused.class_keys[1]),
+                          static_cast<const void*>(b.fused.sort_temp), static_cast<const void*>(b.fused.scaled_hidden),
+                          static_cast<const void*>(b.fused.dx_rows)})
+    EXPECT_TRUE(in_scratch(ptr));
+  EXPECT_FALSE(in_scratch(b.head.dlogits));
+  EXPECT_FALSE(in_scratch(b.head.dw_acc));
+  // 256000 classes: 1024-token groups.
+  lce::PlanInputs wide = llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000);
+  wide.fused = wide.fused_exp = true;
+  wide.grad_weight_scratch = size_t{256000} * 2304 * 2 - 256;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 1024);
+  EXPECT_TRUE(lce::plan_linear_cross_entropy(wide).exp_in_grad_weight);
+  // Without the scratch (a grad_weight with padded rows): the per-token regions count in the budget (528032 bytes
+  // a token: 1016 fit), 9 even groups of 911 (1024-row tiles do not fit).
+  wide.grad_weight_scratch = 0;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 911);
+  EXPECT_FALSE(lce::plan_linear_cross_entropy(wide).exp_in_grad_weight);
+  // A scratch too small for the regions: in the workspace, groups as without it (2028 fit: 9 groups, 1920-row tiles).
+  in.grad_weight_scratch = 1000;
+  S = head::WorkspaceLayout{};
+  laid(in, &p, &b, &S);
+  EXPECT_FALSE(p.exp_in_grad_weight);
+  EXPECT_EQ(p.group_rows, 1920);
+  EXPECT_EQ(S.bytes(), 0u);
+  // grad_weight as the running sum (weight-dtype accumulation), or one group (no accumulator): no scratch there.
+  in.grad_weight_scratch = size_t{128256} * 2048 * 2 - 256;
+  in.dw_weight_dtype = true;
+  EXPECT_FALSE(lce::plan_linear_cross_entropy(in).exp_in_grad_weight);
+  in.dw_weight_dtype = false;
+  in.n = 1024;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).group_rows, 1024);
+  EXPECT_FALSE(lce::plan_linear_cross_entropy(in).exp_in_grad_weight);
 }
 
 TEST(LinearCrossEntropyPlan, ExplicitChunksAndTinyBudgets) {

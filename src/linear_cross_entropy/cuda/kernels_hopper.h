@@ -77,6 +77,9 @@ void set_exp_fixup_all(bool enabled);
 void set_exp_form(bool enabled);
 bool fused_kernels_enabled();
 inline logitless::debug::Slot<Kernel> last_kernel;
+// Whether the last gradient in forward on the fused path kept its per-group regions in grad_weight's storage
+// (plan.h, Plan::exp_in_grad_weight).
+inline logitless::debug::Slot<bool> last_exp_in_grad_weight;
 // The fused GEMM (bfloat16) without an epilogue: its accumulators are dropped. The mainloop's speed alone, for the
 // kernel micro-benchmark (bench/cpp/bench_lce_gemm.cu).
 void launch_fused_mainloop(const FusedGemmParams& p, int sm_count, cudaStream_t stream);

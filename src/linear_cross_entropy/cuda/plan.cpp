@@ -10,6 +10,25 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 using head::fit_rows;
 
+// Rows per token group: the fewest groups of at most `fit` rows, evenly cut (a short last group would cost a whole
+// pass of the float32 grad_weight accumulator for little math), in whole 128-row tiles of the fused GEMM where
+// that still fits.
+int64_t even_groups(int64_t n, int64_t fit) {
+  fit = std::max<int64_t>(fit, 1);
+  if (fit >= n) return n;
+  const int64_t rows = ceil_div(n, ceil_div(n, fit)), tiled = round_up(rows, 128);
+  return tiled <= fit ? tiled : rows;
+}
+
+// The exponential form's per-group regions (declare_exp) for groups of `rows` tokens, in bytes.
+size_t exp_bytes(const PlanInputs& in, Plan p, int64_t rows) {
+  p.group_rows = rows;
+  head::WorkspaceLayout L;
+  FusedBuffers f;
+  declare_exp(in, p, L, &f);
+  return L.bytes();
+}
+
 }  // namespace
 
 int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens, size_t memory_budget) {
@@ -47,6 +66,9 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   const int64_t xs_row = in.need_dw ? es * H : 0, dx_row = in.need_dx && !in.grad_hidden_f32 ? 4 * H : 0;
   const int64_t exp_shared_row = exp_form ? std::max({stats_row, xs_row, dx_row}) : 0;
   const int64_t exp_row = exp_form ? 16 + (in.need_dw ? 16 : 0) + exp_shared_row + (in.row_stats ? stats_row : 0) : 0;
+  p.stats_row = stats_row;
+  p.exp_shared_row = exp_shared_row;
+  p.sort_bytes = exp_form && in.need_dw ? in.target_sort_bytes : 0;
 
   if (in.steps) {
     // Chunks of exactly chunk_tokens (every rank's exchange pairs them up). float32 inputs form the gradient in
@@ -78,14 +100,25 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (fused && grads) {
       // Groups of whole rows, each one GEMM of exponentials (16-bit, the buffer the grad_hidden / grad_weight
       // GEMMs read) and statistics, with no float32 logits: the budget holds the group, or every token when that
-      // costs no more than the float32 grad_weight accumulator it saves (as below).
-      const int64_t row = es * p.ld_logits + exp_row;
+      // costs no more than the float32 grad_weight accumulator it saves (as below). With the accumulator, the
+      // group's other per-token regions go into grad_weight's own storage where they fit there (it holds nothing
+      // until the accumulator is cast into it at the end), and the budget holds the exponentials alone.
+      const int64_t e_row = es * p.ld_logits, row = e_row + exp_row;
       const int64_t max_rows = std::max<int64_t>(N, 1);
-      p.group_rows = std::min(in.chunk_tokens > 0 ? in.chunk_tokens : fit_rows(budget, row), max_rows);
       const size_t acc = dw_accumulator_bytes(in);
-      if (in.chunk_tokens <= 0 && p.group_rows < N && acc > 0 && static_cast<size_t>(N * row) <= budget + acc)
-        p.group_rows = N;
+      const auto rows_in = [](size_t bytes, int64_t per_row) { return static_cast<int64_t>(bytes / per_row); };
+      if (in.chunk_tokens > 0) {
+        p.group_rows = std::min(in.chunk_tokens, max_rows);
+      } else if (acc > 0 && static_cast<size_t>(N * row) <= budget + acc) {
+        p.group_rows = max_rows;
+      } else {
+        p.group_rows = even_groups(max_rows, rows_in(budget, row));
+        const int64_t lean = even_groups(max_rows, rows_in(budget, e_row));
+        if (acc > 0 && lean < N && exp_bytes(in, p, lean) <= in.grad_weight_scratch) p.group_rows = lean;
+      }
       p.chunk_rows = p.group_rows;
+      p.exp_in_grad_weight =
+          acc > 0 && p.group_rows < N && exp_bytes(in, p, p.group_rows) <= in.grad_weight_scratch;
     } else {
       head::ChunkInputs c;
       c.n = N;
@@ -124,9 +157,6 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (in.need_db) p.db_partial_rows = ceil_div(tokens, kGradRowsPerBlock);
   }
 
-  p.stats_row = stats_row;
-  p.exp_shared_row = exp_shared_row;
-  p.sort_bytes = exp_form && in.need_dw ? in.target_sort_bytes : 0;
   if (in.steps && !fused) p.slot_bytes = round_up(static_cast<int64_t>(p.chunk_rows * p.ld_logits * 4), 256);
   Buffers b;
   head::WorkspaceLayout L;
@@ -135,7 +165,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   return p;
 }
 
-void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b) {
+void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b,
+                       head::WorkspaceLayout* grad_weight_scratch) {
   const auto N = static_cast<size_t>(std::max<int64_t>(in.n, 0)), H = static_cast<size_t>(in.h);
   const auto V = static_cast<size_t>(in.v), es = static_cast<size_t>(in.elem_bytes);
   const bool grads = in.pass != Pass::kForward, fused = p.kernel == Kernel::kHopperFused;
@@ -168,19 +199,24 @@ void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayou
   FusedBuffers& f = b->fused;
   if (fused && !grads) L.add(&f.partials, rows * static_cast<size_t>(p.stats_row));
   if (!exp_form) return;
+  if (!p.exp_in_grad_weight) return declare_exp(in, p, L, &f);
+  if (grad_weight_scratch) declare_exp(in, p, *grad_weight_scratch, &f);
+}
+
+void declare_exp(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, FusedBuffers* f) {
   const auto G = static_cast<size_t>(p.group_rows);
-  L.add(&f.shift, G * 4);
-  L.add(&f.row_scale, G * 4);
-  L.add(&f.target_coef, G * 4);
-  L.add(&f.fixups, (G + 1) * 4);
-  if (in.row_stats) L.add(&f.row_partials, G * static_cast<size_t>(p.stats_row));
+  L.add(&f->shift, G * 4);
+  L.add(&f->row_scale, G * 4);
+  L.add(&f->target_coef, G * 4);
+  L.add(&f->fixups, (G + 1) * 4);
+  if (in.row_stats) L.add(&f->row_partials, G * static_cast<size_t>(p.stats_row));
   if (in.need_dw) {
-    for (int k = 0; k < 2; ++k) L.add(&f.class_keys[k], G * 4), L.add(&f.class_rows[k], G * 4);
-    L.add(&f.sort_temp, p.sort_bytes);
+    for (int k = 0; k < 2; ++k) L.add(&f->class_keys[k], G * 4), L.add(&f->class_rows[k], G * 4);
+    L.add(&f->sort_temp, p.sort_bytes);
   }
-  const size_t shared = L.add(&f.partials, G * static_cast<size_t>(p.exp_shared_row));
-  if (in.need_dw) L.alias(&f.scaled_hidden, shared);
-  if (in.need_dx && !in.grad_hidden_f32) L.alias(&f.dx_rows, shared);
+  const size_t shared = L.add(&f->partials, G * static_cast<size_t>(p.exp_shared_row));
+  if (in.need_dw) L.alias(&f->scaled_hidden, shared);
+  if (in.need_dx && !in.grad_hidden_f32) L.alias(&f->dx_rows, shared);
 }
 
 // Both schedules do the same three GEMMs' work and differ in what they add to it (N·V logits, V·H weight):

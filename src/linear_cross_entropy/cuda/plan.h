@@ -58,6 +58,9 @@ struct PlanInputs {
   // The call writes the row statistics (LinearCrossEntropyOptions::row_stats): the fused forward (whose epilogue
   // keeps none of them) gives way to the generic one; the exponential form keeps their tile partials too.
   bool row_stats = false;
+  // Bytes of grad_weight's storage a plan may use as scratch while the float32 accumulator holds the sums
+  // (16-bit, rows contiguous; 256 less than its size, so that the regions start 256-aligned wherever it does).
+  size_t grad_weight_scratch = 0;
 };
 
 // The float32 grad_weight accumulator that several token groups of the gradient in forward would need, in bytes:
@@ -84,6 +87,9 @@ struct Plan {
                                   // (without it, several groups sum in grad_weight itself)
   bool dx_accumulator = false;    // (backward) grad_hidden sums over vocabulary chunks in a float32 buffer
   int64_t db_partial_rows = 0;    // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
+  bool exp_in_grad_weight = false;  // exponential form with the accumulator: its per-group regions (declare_exp)
+                                    // lie in grad_weight's storage (PlanInputs::grad_weight_scratch), not in the
+                                    // workspace
 
   int64_t stats_row = 0;       // kHopperFused forward: bytes of tile statistics per token (16 per 256 columns)
   int64_t exp_shared_row = 0;  // exponential form: bytes per token of the region that the statistics, the scaled
@@ -129,8 +135,17 @@ struct Buffers {
 };
 
 // Every stage's regions of plan `p` in `L`, pointers into `b` (set by L.carve): the loss's, the engine's, the fused
-// path's.
-void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b);
+// path's; those of Plan::exp_in_grad_weight in `grad_weight_scratch` instead (carved at grad_weight's storage; none
+// declared where it is null).
+void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b,
+                       head::WorkspaceLayout* grad_weight_scratch);
+inline void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b) {
+  declare_workspace(in, p, L, b, nullptr);
+}
+// The exponential form's regions for one token group: shift, scale, target term, rewrite list, the sort's keys,
+// rows and storage, and one region holding in turn the statistics, the scaled hidden rows and the float32
+// grad_hidden rows.
+void declare_exp(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, FusedBuffers* f);
 
 Plan plan_linear_cross_entropy(const PlanInputs& in);
 

@@ -97,6 +97,9 @@ PlanInputs plan_inputs(const Problem& p) {
   in.cublas_workspace_bytes = head::cublas_workspace_for(device_info(p.device.index).sm_major);
   if (in.fused && in.fused_exp && in.pass == Pass::kForwardBackward && in.need_dw)
     in.target_sort_bytes = exp_target_sort_bytes(p.n_tokens);
+  const size_t gw_bytes = static_cast<size_t>(p.vocab) * static_cast<size_t>(p.hidden) * dtype_size(p.grad_weight.dtype);
+  if (in.need_dw && !in.grad_weight_f32 && p.grad_weight.ld == p.hidden && gw_bytes > 256)
+    in.grad_weight_scratch = gw_bytes - 256;
   return in;
 }
 
@@ -531,10 +534,15 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   const Plan plan = plan_linear_cross_entropy(in);
   check_workspace(ws, plan.bytes);
   debug::last_kernel.set(plan.kernel);
+  debug::last_exp_in_grad_weight.set(plan.exp_in_grad_weight);
   Buffers b;
-  head::WorkspaceLayout layout;
-  declare_workspace(in, plan, layout, &b);
+  head::WorkspaceLayout layout, scratch;
+  declare_workspace(in, plan, layout, &b, &scratch);
   layout.carve(ws.data);
+  if (plan.exp_in_grad_weight) {  // at grad_weight's first 256-aligned byte (grad_weight_scratch left room for it)
+    const uintptr_t gw = reinterpret_cast<uintptr_t>(p.grad_weight.data);
+    scratch.carve(reinterpret_cast<void*>((gw + 255) / 256 * 256));
+  }
   // Rows without one stride are read from their contiguous copy.
   const head::HeadIO io = b.head.hidden ? head::head_io(p, p.n_tokens, b.head.hidden, p.hidden)
                                         : head::head_io(p, p.n_tokens, p.hidden_data, p.hidden_ld);
