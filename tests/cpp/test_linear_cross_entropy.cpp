@@ -342,8 +342,8 @@ LinearCrossEntropyOptions chunked(const LceInputs& in, Chunking ch) {
 }
 
 struct GradDtypes {
-  bool f32 = false;     // float32 gradient outputs whatever the inputs' dtype
-  int64_t dw_pad = 0;   // grad_weight's rows this many elements apart beyond H
+  bool f32 = false;    // float32 gradient outputs whatever the inputs' dtype
+  int64_t dw_pad = 0;  // grad_weight's rows this many elements apart beyond H
 };
 
 Outputs run_backend(LceInputs& in, Entry e, bool dev, const std::vector<double>& upstream,

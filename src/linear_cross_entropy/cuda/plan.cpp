@@ -117,8 +117,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
         if (acc > 0 && lean < N && exp_bytes(in, p, lean) <= in.grad_weight_scratch) p.group_rows = lean;
       }
       p.chunk_rows = p.group_rows;
-      p.exp_in_grad_weight =
-          acc > 0 && p.group_rows < N && exp_bytes(in, p, p.group_rows) <= in.grad_weight_scratch;
+      p.exp_in_grad_weight = acc > 0 && p.group_rows < N && exp_bytes(in, p, p.group_rows) <= in.grad_weight_scratch;
     } else {
       head::ChunkInputs c;
       c.n = N;

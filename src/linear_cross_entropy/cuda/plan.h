@@ -80,13 +80,13 @@ struct Plan {
   int64_t chunk_rows = 0;
   int64_t group_rows = 0;
   int64_t vocab_cols = 0;
-  int64_t ld_logits = 0;          // elements per row of the float32 logits chunk (16-byte rows for vector loads)
-  int64_t ld_dlogits = 0;         // elements per row of the logits' gradient (its own buffer, or the logits' rows)
-  bool dlogits_in_place = false;  // float32 inputs: the gradient overwrites its float32 logits
-  bool dw_accumulator = false;    // grad_weight sums over token groups in a float32 buffer, cast at the end
-                                  // (without it, several groups sum in grad_weight itself)
-  bool dx_accumulator = false;    // (backward) grad_hidden sums over vocabulary chunks in a float32 buffer
-  int64_t db_partial_rows = 0;    // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
+  int64_t ld_logits = 0;            // elements per row of the float32 logits chunk (16-byte rows for vector loads)
+  int64_t ld_dlogits = 0;           // elements per row of the logits' gradient (its own buffer, or the logits' rows)
+  bool dlogits_in_place = false;    // float32 inputs: the gradient overwrites its float32 logits
+  bool dw_accumulator = false;      // grad_weight sums over token groups in a float32 buffer, cast at the end
+                                    // (without it, several groups sum in grad_weight itself)
+  bool dx_accumulator = false;      // (backward) grad_hidden sums over vocabulary chunks in a float32 buffer
+  int64_t db_partial_rows = 0;      // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
   bool exp_in_grad_weight = false;  // exponential form with the accumulator: its per-group regions (declare_exp)
                                     // lie in grad_weight's storage (PlanInputs::grad_weight_scratch), not in the
                                     // workspace

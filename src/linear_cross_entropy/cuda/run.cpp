@@ -97,7 +97,8 @@ PlanInputs plan_inputs(const Problem& p) {
   in.cublas_workspace_bytes = head::cublas_workspace_for(device_info(p.device.index).sm_major);
   if (in.fused && in.fused_exp && in.pass == Pass::kForwardBackward && in.need_dw)
     in.target_sort_bytes = exp_target_sort_bytes(p.n_tokens);
-  const size_t gw_bytes = static_cast<size_t>(p.vocab) * static_cast<size_t>(p.hidden) * dtype_size(p.grad_weight.dtype);
+  const size_t gw_bytes =
+      static_cast<size_t>(p.vocab) * static_cast<size_t>(p.hidden) * dtype_size(p.grad_weight.dtype);
   if (in.need_dw && !in.grad_weight_f32 && p.grad_weight.ld == p.hidden && gw_bytes > 256)
     in.grad_weight_scratch = gw_bytes - 256;
   return in;
