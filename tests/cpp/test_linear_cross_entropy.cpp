@@ -1496,6 +1496,58 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   EXPECT_FALSE(lce::plan_linear_cross_entropy(in).exp_in_grad_weight);
 }
 
+// The fused gradient in forward's groups over a sweep of shapes and budgets: what the budget holds (the group's
+// exponentials, and its other per-token regions unless they lie in grad_weight's storage) stays within it, those
+// regions fit the scratch they are put in, and no plan has more groups than the budget forces.
+TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
+  for (const int64_t n : {1, 127, 1000, 4097, 16384, 30001})
+    for (const int64_t h : {64, 2048, 4096})
+      for (const int64_t v : {1000, 32000, 128256, 256000})
+        for (const size_t budget : {size_t{1} << 20, size_t{64} << 20, size_t{512} << 20})
+          for (const bool scratch : {false, true}) {
+            lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, n, h, v);
+            in.fused = in.fused_exp = true;
+            in.memory_budget = budget;
+            in.target_sort_bytes = size_t{4} * static_cast<size_t>(n) + 4096;
+            in.grad_weight_scratch = scratch ? static_cast<size_t>(v * h * 2 - 256) : 0;
+            SCOPED_TRACE(::testing::Message()
+                         << n << " x " << h << " x " << v << ", budget " << budget << ", scratch " << scratch);
+            const lce::Plan p = lce::plan_linear_cross_entropy(in);
+            ASSERT_EQ(p.kernel, lce::Kernel::kHopperFused);
+            EXPECT_EQ(p.chunk_rows, p.group_rows);
+            EXPECT_GE(p.group_rows, 1);
+            EXPECT_LE(p.group_rows, n);
+            lce::Buffers b;
+            head::WorkspaceLayout L, S;
+            lce::declare_workspace(in, p, L, &b, &S);
+            EXPECT_EQ(L.bytes(), p.bytes);
+            EXPECT_EQ(S.bytes() > 0, p.exp_in_grad_weight);
+            EXPECT_LE(S.bytes(), in.grad_weight_scratch);
+            if (p.exp_in_grad_weight) EXPECT_TRUE(scratch && p.dw_accumulator);
+            if (p.group_rows == n) continue;  // one group (a budget that holds it, or every token for the accumulator)
+            // Several groups: the budget holds the group's exponentials and, unless they lie in grad_weight's storage,
+            // its other regions (32 + the shared region per token here: a grad_weight, no row statistics).
+            const auto e_row = static_cast<size_t>(p.ld_dlogits * 2), row = e_row + p.exp_shared_row + 32;
+            const auto fits = [&](int64_t rows, bool in_gw) {
+              if (!in_gw) return static_cast<size_t>(rows) * row <= budget;
+              lce::Plan q = p;
+              q.group_rows = rows;
+              head::WorkspaceLayout E;
+              lce::FusedBuffers f;
+              lce::declare_exp(in, q, E, &f);
+              return static_cast<size_t>(rows) * e_row <= budget && E.bytes() <= in.grad_weight_scratch;
+            };
+            EXPECT_TRUE(fits(p.group_rows, p.exp_in_grad_weight));
+            // And no fewer groups would do, either way.
+            const int64_t groups = (n + p.group_rows - 1) / p.group_rows;
+            if (groups > 1) {
+              const int64_t fewer = (n + groups - 2) / (groups - 1);
+              EXPECT_FALSE(fits(fewer, false));
+              if (p.dw_accumulator) EXPECT_FALSE(fits(fewer, true));
+            }
+          }
+}
+
 TEST(LinearCrossEntropyPlan, ExplicitChunksAndTinyBudgets) {
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 100, 16, 1000);
   in.chunk_tokens = 7;

@@ -29,6 +29,21 @@ size_t exp_bytes(const PlanInputs& in, Plan p, int64_t rows) {
   return L.bytes();
 }
 
+// The most rows (at most n) whose exponential-form regions fit in `bytes`; 0 if not even one's do. exp_bytes grows
+// with the rows, so a bisection finds it (a plan that needs it holds several 512-row groups' worth of logits: a few
+// microseconds beside milliseconds of GEMMs).
+int64_t exp_rows_within(const PlanInputs& in, const Plan& p, size_t bytes, int64_t n) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (exp_bytes(in, p, mid) <= bytes)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 }  // namespace
 
 int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens, size_t memory_budget) {
@@ -112,9 +127,13 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       } else if (acc > 0 && static_cast<size_t>(N * row) <= budget + acc) {
         p.group_rows = max_rows;
       } else {
-        p.group_rows = even_groups(max_rows, rows_in(budget, row));
-        const int64_t lean = even_groups(max_rows, rows_in(budget, e_row));
-        if (acc > 0 && lean < N && exp_bytes(in, p, lean) <= in.grad_weight_scratch) p.group_rows = lean;
+        // The regions in the workspace: the budget holds whole rows. In grad_weight's storage: the budget holds the
+        // exponentials of as many rows as the storage holds the regions of.
+        int64_t fit = rows_in(budget, row);
+        if (acc > 0 && in.grad_weight_scratch > 0)
+          fit =
+              std::max(fit, std::min(rows_in(budget, e_row), exp_rows_within(in, p, in.grad_weight_scratch, max_rows)));
+        p.group_rows = even_groups(max_rows, fit);
       }
       p.chunk_rows = p.group_rows;
       p.exp_in_grad_weight = acc > 0 && p.group_rows < N && exp_bytes(in, p, p.group_rows) <= in.grad_weight_scratch;
