@@ -583,15 +583,20 @@ TEST_P(LinearCrossEntropyCuda, GenericGradientInForwardMatchesCpuBackend) {
   lce::debug::set_exp_form(true);
 }
 
+// Where the fused Hopper kernels run: an sm_90 device 0 and a build that has them (it found the CUTLASS headers).
+bool fused_kernels_run() {
+  int major = 0, minor = 0;
+  EXPECT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  EXPECT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  return major == 9 && minor == 0 && lce::debug::fused_kernels_built();
+}
+
 // The Hopper accumulating grad_weight product (linear_head/cuda/accumulate_gemm.h): d += aᵀ b against float64 sums
 // of the same bf16 values, on row-padded operands whose m is no multiple of the tile; it runs on an sm_90 device
 // of a build with CUTLASS, and declines (leaving d alone) a row stride that is no multiple of 8 elements.
 TEST(LinearHeadAccumulateGemm, AddsTheProductOnHopper) {
   LOGITLESS_SKIP_WITHOUT_GPU();
-  int major = 0, minor = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
-  const bool runs = major == 9 && minor == 0 && lce::debug::fused_kernels_built();
+  const bool runs = fused_kernels_run();
   struct Shape {
     int64_t m, n, k;
   };
@@ -637,10 +642,7 @@ TEST(LinearHeadAccumulateGemm, AddsTheProductOnHopper) {
 // build has it and the shapes allow (H a multiple of 8: TMA row strides), so MatchesCpuBackend covers it there.
 TEST(LinearCrossEntropyCudaFused, RunsOnHopperFor16BitInputs) {
   LOGITLESS_SKIP_WITHOUT_GPU();
-  int major = 0, minor = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
-  const bool hopper = major == 9 && minor == 0;
+  const bool hopper = fused_kernels_run();
   for (const LceCase c :
        {LceCase{64, 128, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
         LceCase{7, 33, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
@@ -648,7 +650,7 @@ TEST(LinearCrossEntropyCudaFused, RunsOnHopperFor16BitInputs) {
     SCOPED_TRACE(case_name(c));
     LceInputs in(c, seed_of(c));
     const auto up = upstream_for(in, seed_of(c) + 1);
-    const bool fused = hopper && lce::debug::fused_kernels_built() && c.dtype == DType::kBFloat16 && c.h % 8 == 0;
+    const bool fused = hopper && c.dtype == DType::kBFloat16 && c.h % 8 == 0;
     for (Entry e : {Entry::kForward, Entry::kForwardBackward, Entry::kBackward}) {
       SCOPED_TRACE(entry_name(e));
       run_backend(in, e, /*dev=*/true, up, nullptr);
@@ -984,10 +986,7 @@ void expect_same_finite_bits(const Outputs& a, const Outputs& b, const std::stri
 // same groups (explicit chunk_tokens) give the same bits either way, and both match the CPU backend.
 TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
   LOGITLESS_SKIP_WITHOUT_GPU();
-  int major = 0, minor = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
-  const bool fused = major == 9 && minor == 0 && lce::debug::fused_kernels_built();
+  const bool fused = fused_kernels_run();
   const LceCase cases[] = {
       {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
       {256, 128, 4099, DType::kBFloat16, Layout::kShifted, Preset::kWeights, Reduction::kSum, false},
@@ -2132,10 +2131,7 @@ TEST(LinearCrossEntropyRowStatsCuda, ExactTiesInfinitiesAndOddRows) {
 // options on Hopper (with its row-statistics epilogue), the generic path otherwise.
 TEST(LinearCrossEntropyRowStatsCuda, FusedOnHopperForBfloat16) {
   LOGITLESS_SKIP_WITHOUT_GPU();
-  int major = 0, minor = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
-  const bool hopper = major == 9 && minor == 0 && lce::debug::fused_kernels_built();
+  const bool hopper = fused_kernels_run();
   LceInputs in(LceCase{64, 128, 1000, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
                11);
   run_row_stats(in, Entry::kForwardBackward, /*dev=*/true);
