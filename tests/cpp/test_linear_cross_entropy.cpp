@@ -593,7 +593,8 @@ bool fused_kernels_run() {
 
 // The Hopper accumulating grad_weight product (linear_head/cuda/accumulate_gemm.h): d += aᵀ b against float64 sums
 // of the same bf16 values, on row-padded operands whose m is no multiple of the tile; it runs on an sm_90 device
-// of a build with CUTLASS, and declines (leaving d alone) a row stride that is no multiple of 8 elements.
+// of a build with CUTLASS, and declines (leaving d alone) a row stride that is no multiple of 8 elements and a k of
+// kCublasAccumulatesFrom or more.
 TEST(LinearHeadAccumulateGemm, AddsTheProductOnHopper) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const bool runs = fused_kernels_run();
@@ -623,9 +624,11 @@ TEST(LinearHeadAccumulateGemm, AddsTheProductOnHopper) {
     d.to_device();
     const TensorView avw = a.view(true), bvw = b.view(true), dvw = d.view(true);
     head::AccumulateGemm g{DType::kBFloat16, M, N, K, avw.data, lda, bvw.data, ldb, static_cast<float*>(dvw.data), ldd};
-    head::AccumulateGemm misaligned = g;
+    head::AccumulateGemm misaligned = g, long_k = g;
     misaligned.lda = lda - 1;
     EXPECT_FALSE(head::launch_accumulate_gemm(misaligned, 0, 1, nullptr));
+    long_k.k = head::kCublasAccumulatesFrom;  // cuBLAS's from there on (reads no operand: declined before)
+    EXPECT_FALSE(head::launch_accumulate_gemm(long_k, 0, 132, nullptr));
     ASSERT_EQ(head::launch_accumulate_gemm(g, 0, 132, nullptr), runs);
     device_synchronize();
     d.to_host();

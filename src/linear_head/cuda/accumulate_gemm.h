@@ -2,7 +2,9 @@
 // B = x [k, n], both 16-bit and row-major. cuBLAS reads and writes the float32 D in an epilogue that does not
 // overlap its math, which costs a product with a short k (a token group: one read and one write of V · H floats
 // against 2 V H k FLOPs) a large share of its time. This one is CUTLASS's warp-specialized ping-pong kernel: one
-// warp group's epilogue (D loaded by TMA ahead of it) runs while the other's math does.
+// warp group's epilogue (D loaded by TMA ahead of it) runs while the other's math does. It serves groups of fewer
+// than kCublasAccumulatesFrom tokens: from there on, cuBLAS's own accumulating kernel is the faster one (H100,
+// bench/cpp/bench_accumulate_gemm.cu; bench/RESULTS.md, "the accumulating grad_weight product").
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +14,8 @@
 #include "logitless/tensor.h"
 
 namespace logitless::head {
+
+inline constexpr int64_t kCublasAccumulatesFrom = 2048;
 
 struct AccumulateGemm {
   DType dtype = DType::kBFloat16;  // of a and b
@@ -25,8 +29,8 @@ struct AccumulateGemm {
 };
 
 // Runs it and returns true where this build has the kernel and the device and operands suit it (compute
-// capability 9.0, bfloat16, what the kernel's TMA descriptors take); false, having done nothing, otherwise (the
-// caller runs cuBLAS).
+// capability 9.0, bfloat16, k below kCublasAccumulatesFrom, what the kernel's TMA descriptors take); false, having
+// done nothing, otherwise (the caller runs cuBLAS).
 bool launch_accumulate_gemm(const AccumulateGemm& g, int device, int sm_count, cudaStream_t stream);
 
 }  // namespace logitless::head

@@ -1,0 +1,115 @@
+// The accumulating grad_weight product (accumulate_gemm.h) as a type over its tiling and its epilogue's staging, so
+// that the library's choice (accumulate_gemm.cu) and the micro-benchmark's alternatives (bench/cpp) are one code:
+// m = vocabulary rows of dW, n = hidden size, k = tokens. A (dZᵀ) is m-contiguous (column-major [m, k]) and B (x)
+// n-contiguous: both reach the tensor cores through transposed shared-memory layouts, as 16-bit operands may.
+// Requires LOGITLESS_WITH_CUTLASS and a CUDA translation unit.
+#pragma once
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "linear_head/cuda/accumulate_gemm.h"
+
+namespace logitless::head::accumulate {
+
+// How D = αAᵀB + βC (C = D, float32) is staged through shared memory.
+//   kAuto:     CUTLASS's builder: 64 × 32 subtiles for a ping-pong 128 × 128 tile, 4 C buffers that D's stores
+//              reuse (a subtile's load then waits for the store that last used its buffer).
+//   kSeparate: StagesC buffers for C and StagesD for D, apart (more of C in flight per SM, less for the mainloop).
+//   kNoSmem:   C read and D written straight from the accumulator registers.
+enum class Staging { kAuto, kSeparate, kNoSmem };
+
+template <class TileShape_, class ClusterShape_, bool kCooperative_, Staging kStaging_, class EpiTile_ = void,
+          int kStagesC_ = 0, int kStagesD_ = 0>
+struct Config {
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+  using EpiTile = EpiTile_;  // void: the builder's
+  static constexpr bool kCooperative = kCooperative_;
+  static constexpr Staging kStaging = kStaging_;
+  static constexpr int kStagesC = kStagesC_, kStagesD = kStagesD_;
+};
+
+namespace detail {
+using RowMajor = cutlass::layout::RowMajor;
+constexpr int kAlign16 = 8;  // 16 bytes of bfloat16
+constexpr int kAlign32 = 4;  // 16 bytes of float
+using Fusion = cutlass::epilogue::fusion::LinearCombination<float, float, float, float>;
+
+template <class Cfg, Staging = Cfg::kStaging>
+struct EpilogueOf {  // kAuto, kNoSmem: CUTLASS's builder
+  using Schedule =
+      cute::conditional_t<Cfg::kStaging == Staging::kNoSmem, cutlass::epilogue::NoSmemWarpSpecialized,
+                          cute::conditional_t<Cfg::kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                              cutlass::epilogue::TmaWarpSpecialized>>;
+  using Tile = cute::conditional_t<cute::is_void_v<typename Cfg::EpiTile>,
+                                   cutlass::epilogue::collective::EpilogueTileAuto, typename Cfg::EpiTile>;
+  using type = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::TileShape, typename Cfg::ClusterShape, Tile,
+      float, float, float, RowMajor, kAlign32, float, RowMajor, kAlign32, Schedule, Fusion>::CollectiveOp;
+};
+
+template <class Cfg>
+struct EpilogueOf<Cfg, Staging::kSeparate> {  // the builder's own assembly with the staging named, not derived
+  using Tile = typename Cfg::EpiTile;
+  static constexpr int kFragment = int(cute::size(Tile{})) / (Cfg::kCooperative ? 256 : 128);
+  using Policy = cutlass::epilogue::Sm90TmaWarpSpecialized<Cfg::kStagesC, Cfg::kStagesD, kFragment,
+                                                           /*ReuseSmemC=*/false, /*DelayTmaStore=*/false>;
+  using type =
+      typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<typename Cfg::TileShape, Tile, float, float,
+                                                                         float, RowMajor, kAlign32, float, RowMajor,
+                                                                         kAlign32, Fusion, Policy>::CollectiveOp;
+};
+}  // namespace detail
+
+template <class Cfg>
+struct Kernel {
+  using Element = cutlass::bfloat16_t;
+  using TileShape = typename Cfg::TileShape;
+  using ClusterShape = typename Cfg::ClusterShape;
+  using MainSchedule = cute::conditional_t<Cfg::kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                           cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  using Epilogue = typename detail::EpilogueOf<Cfg>::type;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, detail::kAlign16,
+      Element, detail::RowMajor, detail::kAlign16, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      MainSchedule>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+  static typename Gemm::Arguments arguments(const AccumulateGemm& g, float beta, int device, int sm_count) {
+    typename GemmKernel::StrideA sa{};
+    typename GemmKernel::StrideB sb{};
+    typename GemmKernel::StrideC sc{};
+    // A (m, k): m-contiguous, k steps lda. B (n, k): n-contiguous, k steps ldb. C and D (m, n): row-major.
+    cute::get<1>(sa) = g.lda;
+    cute::get<1>(sb) = g.ldb;
+    cute::get<0>(sc) = g.ldd;
+    cutlass::KernelHardwareInfo hw{device, sm_count};
+    return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm,
+                                    {static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k), 1},
+                                    {static_cast<const Element*>(g.a), sa, static_cast<const Element*>(g.b), sb},
+                                    {{1.f, beta}, g.d, sc, g.d, sc},
+                                    hw};
+  }
+
+  // d = aᵀb + beta·d (beta 1 in the library; 0 lets a benchmark time the product without reading C). False, having
+  // done nothing, where CUTLASS cannot run it.
+  static bool run(const AccumulateGemm& g, float beta, int device, int sm_count, cudaStream_t stream) {
+    const typename Gemm::Arguments args = arguments(g, beta, device, sm_count);
+    if (Gemm::can_implement(args) != cutlass::Status::kSuccess || Gemm::get_workspace_size(args) != 0) return false;
+    Gemm gemm;
+    if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) return false;
+    return gemm.run(stream) == cutlass::Status::kSuccess;
+  }
+};
+
+}  // namespace logitless::head::accumulate
