@@ -19,19 +19,24 @@ enum class Hook : int {
   // Linear cross-entropy: every valid row through the exponential form's rewrite, a path real inputs seldom reach.
   kLceExpFixupAll,
   // Linear heads: the Hopper accumulating grad_weight product (linear_head/cuda/accumulate_gemm.h) where it applies
-  // (1, the default), or cuBLAS for every product (tests, benchmarks).
+  // (1, the default), at every group length it takes (2: benchmarks), or cuBLAS for every product (0: tests,
+  // benchmarks).
   kHeadAccumulateGemm,
   // Linear cross-entropy: the fused exponentials (with or without row statistics) and the bare mainloop on the
   // ping-pong schedule (1: linear_cross_entropy/cuda/hopper/kernel_pingpong.cuh) or the cooperative one (0, the
   // default: hopper/kernel.cuh).
   kLceFusedPingPong,
+  // Linear cross-entropy: the float32 grad_weight accumulator's last rows in grad_weight's own storage where it
+  // can hold them (1, the default: linear_cross_entropy/cuda/plan.h, Plan::dw_tail_rows), or all of it in the
+  // workspace (0: benchmarks).
+  kLceDwTail,
   kCount
 };
 
 int64_t hook(Hook h);
 void set_hook(Hook h, int64_t value);
 // The hook of that name ("lce_fused_kernels", "lce_exp_form", "lce_exp_fixup_all", "head_accumulate_gemm",
-// "lce_fused_pingpong") set; false if none has it.
+// "lce_fused_pingpong", "lce_dw_tail") set; false if none has it.
 bool set_hook(const char* name, int64_t value);
 
 // A typed hook or observer shared by every thread: a plan rewrite a test or benchmark sets and a launcher reads,

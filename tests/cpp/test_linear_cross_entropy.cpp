@@ -984,16 +984,19 @@ void expect_same_finite_bits(const Outputs& a, const Outputs& b, const std::stri
 }
 
 #if defined(LOGITLESS_WITH_CUDA)
-// The fused gradient in forward over several token groups keeps its per-group regions in grad_weight's storage when
-// grad_weight's rows are contiguous, in the workspace when they are padded (plan.h, Plan::exp_in_grad_weight): the
-// same groups (explicit chunk_tokens) give the same bits either way, and both match the CPU backend.
+// The gradient in forward over several token groups keeps the float32 accumulator's last rows and (fused) its
+// per-group regions in grad_weight's storage when grad_weight's rows are contiguous, in the workspace when they are
+// padded (plan.h, Plan::dw_tail_rows and exp_in_grad_weight): the same groups (explicit chunk_tokens) give the same
+// bits either way, and both match the CPU backend.
 TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const bool fused = fused_kernels_run();
   const LceCase cases[] = {
       {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
       {256, 128, 4099, DType::kBFloat16, Layout::kShifted, Preset::kWeights, Reduction::kSum, false},
-      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kZLoss, Reduction::kNone, false}};
+      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kZLoss, Reduction::kNone, false},
+      // the generic gradient in forward (soft cap, smoothing, bias): the accumulator's tail alone
+      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true}};
   for (const LceCase& c : cases) {
     SCOPED_TRACE(case_name(c));
     LceInputs in(c, seed_of(c));
@@ -1001,11 +1004,16 @@ TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
     const auto up = upstream_for(in, seed_of(c) + 1);
     const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
     const Outputs in_gw = run_backend(in, Entry::kForwardBackward, true, up, nullptr);
-    EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(), fused);
+    EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(), fused && c.preset != Preset::kAll);
+    // The accumulator's last rows too (plan.h, Plan::dw_tail_rows), on every GPU: whole 128-row tiles before them.
+    const int64_t tail = lce::debug::last_dw_tail_rows.get();
+    EXPECT_GT(tail, 0);
+    EXPECT_EQ((c.v - tail) % 128, 0);
     GradDtypes padded;
     padded.dw_pad = 8;
     const Outputs in_ws = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, padded);
     EXPECT_FALSE(lce::debug::last_exp_in_grad_weight.get());
+    EXPECT_EQ(lce::debug::last_dw_tail_rows.get(), 0);
     expect_outputs(in, Entry::kForwardBackward, in_gw, want, "regions in grad_weight", c.dtype);
     expect_same_finite_bits(in_gw, in_ws, "regions in grad_weight against the workspace");
   }
@@ -1523,9 +1531,15 @@ TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
             head::WorkspaceLayout L, S;
             lce::declare_workspace(in, p, L, &b, &S);
             EXPECT_EQ(L.bytes(), p.bytes);
-            EXPECT_EQ(S.bytes() > 0, p.exp_in_grad_weight);
+            EXPECT_EQ(S.bytes() > 0, p.exp_in_grad_weight || p.dw_tail_rows > 0);
             EXPECT_LE(S.bytes(), in.grad_weight_scratch);
-            if (p.exp_in_grad_weight) EXPECT_TRUE(scratch && p.dw_accumulator);
+            if (p.exp_in_grad_weight || p.dw_tail_rows > 0) EXPECT_TRUE(scratch && p.dw_accumulator);
+            // The regions' room in grad_weight's storage: what the accumulator's tail leaves (it has one with
+            // several groups).
+            const int64_t tail = scratch ? head::accumulator_tail_rows(v, h, in.grad_weight_scratch) : 0;
+            if (p.dw_accumulator) EXPECT_EQ(p.dw_tail_rows, tail);
+            const size_t taken = static_cast<size_t>((tail * h * 4 + 255) / 256 * 256);
+            const size_t room = in.grad_weight_scratch > taken ? in.grad_weight_scratch - taken : 0;
             if (p.group_rows == n) continue;  // one group (a budget that holds it, or every token for the accumulator)
             // Several groups: the budget holds the group's exponentials and, unless they lie in grad_weight's storage,
             // its other regions (32 + the shared region per token here: a grad_weight, no row statistics).
@@ -1537,7 +1551,7 @@ TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
               head::WorkspaceLayout E;
               lce::FusedBuffers f;
               lce::declare_exp(in, q, E, &f);
-              return static_cast<size_t>(rows) * e_row <= budget && E.bytes() <= in.grad_weight_scratch;
+              return static_cast<size_t>(rows) * e_row <= budget && E.bytes() <= room;
             };
             EXPECT_TRUE(fits(p.group_rows, p.exp_in_grad_weight));
             // And no fewer groups would do, either way.
@@ -1548,6 +1562,89 @@ TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
               if (p.dw_accumulator) EXPECT_FALSE(fits(fewer, true));
             }
           }
+}
+
+// head::accumulator_tail_rows: as many rows as fit, in whole 128-row tiles from the end, and no more than leave the
+// tail's float32 copy (from up to 256 bytes into grad_weight's storage) ending before the 16-bit rows it is cast into.
+TEST(LinearHeadPlan, AccumulatorTailRows) {
+  for (const int64_t v : {1, 100, 129, 1000, 7777, 128256, 256000})
+    for (const int64_t h : {1, 8, 96, 2048, 2304})
+      for (const size_t bytes : {size_t{0}, size_t{1000}, static_cast<size_t>(v * h), static_cast<size_t>(2 * v * h)}) {
+        SCOPED_TRACE(::testing::Message() << "v " << v << " h " << h << " bytes " << bytes);
+        const auto fits = [&](int64_t t) {
+          return t == 0 || (t <= v && static_cast<size_t>(4 * t * h) <= bytes && 256 + 4 * t * h <= 2 * (v - t) * h);
+        };
+        const int64_t t = head::accumulator_tail_rows(v, h, bytes);
+        EXPECT_GE(t, 0);
+        EXPECT_TRUE(fits(t));
+        if (t > 0) EXPECT_EQ((v - t) % 128, 0);
+        // The next whole tile would not fit.
+        const int64_t next = t > 0 ? t + 128 : v - (v - 1) / 128 * 128;
+        if (next > 0 && next < v) EXPECT_FALSE(fits(next)) << "next " << next;
+      }
+  // 128256 x 2048: a third of the rows at most (42751), from row 85632 on.
+  EXPECT_EQ(head::accumulator_tail_rows(128256, 2048, size_t{128256} * 2048 * 2 - 256), 128256 - 85632);
+}
+
+// The gradient in forward's float32 accumulator keeps its last rows in a contiguous 16-bit grad_weight's storage
+// (Plan::dw_tail_rows), before the fused path's regions there; the workspace holds the rest. Not for the steps,
+// weight-dtype accumulation, a float32 grad_weight or one group.
+TEST(LinearCrossEntropyPlan, AccumulatorTailInGradWeight) {
+  const size_t gw = size_t{128256} * 2048 * 2 - 256;
+  for (const bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "fused" : "generic");
+    lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 16384, 2048, 128256);
+    in.fused = in.fused_exp = fused;
+    in.target_sort_bytes = size_t{1} << 20;
+    in.grad_weight_scratch = gw;
+    const lce::Plan p = lce::plan_linear_cross_entropy(in);
+    ASSERT_TRUE(p.dw_accumulator);
+    EXPECT_EQ(p.dw_tail_rows, 128256 - 85632);
+    EXPECT_EQ(p.exp_in_grad_weight, fused);
+    lce::Buffers b;
+    head::WorkspaceLayout L, S;
+    lce::declare_workspace(in, p, L, &b, &S);
+    L.carve(reinterpret_cast<void*>(uintptr_t{1} << 40));
+    S.carve(reinterpret_cast<void*>(uintptr_t{1} << 44));
+    EXPECT_LE(S.bytes(), gw);
+    // The tail first in the storage, every other region there after it; the workspace's accumulator holds the rest.
+    const auto tail_end = (uintptr_t{1} << 44) + static_cast<uintptr_t>(p.dw_tail_rows) * 2048 * 4;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b.dw_tail), uintptr_t{1} << 44);
+    for (const auto& r : S.regions())
+      if (r.first > 0) EXPECT_GE((uintptr_t{1} << 44) + r.first, tail_end);
+    bool head_rows = false;
+    for (const auto& r : L.regions())
+      if ((uintptr_t{1} << 40) + r.first == reinterpret_cast<uintptr_t>(b.head.dw_acc))
+        head_rows = r.second == size_t{85632} * 2048 * 4;
+    EXPECT_TRUE(head_rows);
+    // Without the storage (padded rows): the whole accumulator in the workspace.
+    lce::PlanInputs padded = in;
+    padded.grad_weight_scratch = 0;
+    EXPECT_EQ(lce::plan_linear_cross_entropy(padded).dw_tail_rows, 0);
+    // The generic plan's workspace shrinks by the tail exactly; the fused one's budget then also holds the
+    // regions (a few groups' more).
+    const size_t tail_bytes = size_t{42624} * 2048 * 4, padded_bytes = lce::plan_linear_cross_entropy(padded).bytes;
+    if (fused)
+      EXPECT_GE(padded_bytes, p.bytes + tail_bytes - (size_t{32} << 20));
+    else
+      EXPECT_EQ(padded_bytes, p.bytes + tail_bytes);
+  }
+  lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 16384, 2048, 128256);
+  in.grad_weight_scratch = gw;
+  in.dw_weight_dtype = true;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).dw_tail_rows, 0);
+  in.dw_weight_dtype = false;
+  in.grad_weight_f32 = true;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).dw_tail_rows, 0);
+  in.grad_weight_f32 = false;
+  in.n = 1024;  // one group: no accumulator
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).dw_tail_rows, 0);
+  in.n = 16384;
+  in.steps = true;
+  in.chunk_tokens = 1024;
+  const lce::Plan steps = lce::plan_linear_cross_entropy(in);
+  EXPECT_TRUE(steps.dw_accumulator);
+  EXPECT_EQ(steps.dw_tail_rows, 0);
 }
 
 TEST(LinearCrossEntropyPlan, ExplicitChunksAndTinyBudgets) {

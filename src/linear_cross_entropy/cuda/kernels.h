@@ -50,8 +50,17 @@ struct TargetSort {
   void* temp = nullptr;
   size_t temp_bytes = 0;
 };
+// Where grad_weight's rows are summed: rows [0, split) at `head`, rows [split, v) at `tail` (head::DwAccumulator's
+// parts; split = v with no tail), one dtype and row stride.
+struct TargetRowsOut {
+  void* head = nullptr;
+  void* tail = nullptr;
+  int64_t split = 0;
+  DType dtype = DType::kFloat32;
+  int64_t ld = 0;
+};
 size_t exp_target_sort_bytes(int64_t rows);
-void launch_grad_weight_targets(const ExpGradParams& p, const TargetSort& sort, void* dw, DType dw_dtype, int64_t ld_dw,
+void launch_grad_weight_targets(const ExpGradParams& p, const TargetSort& sort, const TargetRowsOut& dw,
                                 cudaStream_t stream);
 // grad_hidden's rows from y = E W (float32 [rows, ldy]): scale ⊙ y + target_coef ⊙ W[t], in dx_dtype (in place
 // when dx is y).

@@ -194,8 +194,7 @@ constexpr int kTermCols = kTermThreads * kTermColsPerThread;  // columns of grad
 // starts class keys[i]'s run where keys[i - 1] differs; that CTA sums the whole run (in row order: deterministic)
 // and is the only writer of the class's row, so no atomics are needed. Grid: positions × column slices.
 __global__ void __launch_bounds__(kTermThreads)
-    grad_weight_targets_kernel(const ExpGradParams p, const int* keys, const int* rows, void* dw, DType dw_dtype,
-                               int64_t ld_dw) {
+    grad_weight_targets_kernel(const ExpGradParams p, const int* keys, const int* rows, const TargetRowsOut dw) {
   const int64_t i = blockIdx.x;
   const int key = keys[i];
   if (key >= p.v || (i > 0 && keys[i - 1] == key)) return;
@@ -211,10 +210,12 @@ __global__ void __launch_bounds__(kTermThreads)
       if (c < p.h) acc[q] = fmaf(coef, __bfloat162float(xr[c]), acc[q]);
     }
   }
+  void* out = key < dw.split ? dw.head : dw.tail;
+  const int64_t row = key < dw.split ? key : key - dw.split;
 #pragma unroll
   for (int q = 0; q < kTermColsPerThread; ++q) {
-    const int64_t c = c0 + q * kTermThreads, at = key * ld_dw + c;
-    if (c < p.h) store_as(dw, dw_dtype, at, load_as_float(dw, dw_dtype, at) + acc[q]);
+    const int64_t c = c0 + q * kTermThreads, at = row * dw.ld + c;
+    if (c < p.h) store_as(out, dw.dtype, at, load_as_float(out, dw.dtype, at) + acc[q]);
   }
 }
 
@@ -258,14 +259,14 @@ size_t exp_target_sort_bytes(int64_t rows) {
   return bytes;
 }
 
-void launch_grad_weight_targets(const ExpGradParams& p, const TargetSort& sort, void* dw, DType dw_dtype, int64_t ld_dw,
+void launch_grad_weight_targets(const ExpGradParams& p, const TargetSort& sort, const TargetRowsOut& dw,
                                 cudaStream_t stream) {
   if (p.rows <= 0) return;
   size_t bytes = sort.temp_bytes;
   LOGITLESS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort.temp, bytes, p.class_keys, sort.keys, p.class_rows,
                                                        sort.rows, static_cast<int>(p.rows), 0, key_bits(p.v), stream));
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>((p.h + kTermCols - 1) / kTermCols));
-  grad_weight_targets_kernel<<<grid, kTermThreads, 0, stream>>>(p, sort.keys, sort.rows, dw, dw_dtype, ld_dw);
+  grad_weight_targets_kernel<<<grid, kTermThreads, 0, stream>>>(p, sort.keys, sort.rows, dw);
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy grad_weight target terms");
 }
 

@@ -44,6 +44,15 @@ int64_t exp_rows_within(const PlanInputs& in, const Plan& p, size_t bytes, int64
   return lo;
 }
 
+// The accumulator's tail (head::accumulator_tail_rows) that one call's float32 sums would keep in a 16-bit,
+// contiguous grad_weight: its rows and bytes, whole 256-byte blocks. The steps keep none (their sums outlive a
+// call, and the caller's grad_weight may change between them).
+int64_t tail_rows(const PlanInputs& in) {
+  if (dw_accumulator_bytes(in) == 0 || in.steps || !in.dw_tail || in.grad_weight_scratch == 0) return 0;
+  return head::accumulator_tail_rows(in.v, in.h, in.grad_weight_scratch);
+}
+size_t tail_bytes(const PlanInputs& in, int64_t rows) { return static_cast<size_t>(round_up(rows * in.h * 4, 256)); }
+
 }  // namespace
 
 int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens, size_t memory_budget) {
@@ -120,7 +129,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       // until the accumulator is cast into it at the end), and the budget holds the exponentials alone.
       const int64_t e_row = es * p.ld_logits, row = e_row + exp_row;
       const int64_t max_rows = std::max<int64_t>(N, 1);
-      const size_t acc = dw_accumulator_bytes(in);
+      const size_t acc = dw_accumulator_bytes(in), taken = tail_bytes(in, tail_rows(in));
+      const size_t room = in.grad_weight_scratch > taken ? in.grad_weight_scratch - taken : 0;
       const auto rows_in = [](size_t bytes, int64_t per_row) { return static_cast<int64_t>(bytes / per_row); };
       if (in.chunk_tokens > 0) {
         p.group_rows = std::min(in.chunk_tokens, max_rows);
@@ -130,13 +140,12 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
         // The regions in the workspace: the budget holds whole rows. In grad_weight's storage: the budget holds the
         // exponentials of as many rows as the storage holds the regions of.
         int64_t fit = rows_in(budget, row);
-        if (acc > 0 && in.grad_weight_scratch > 0)
-          fit =
-              std::max(fit, std::min(rows_in(budget, e_row), exp_rows_within(in, p, in.grad_weight_scratch, max_rows)));
+        if (acc > 0 && room > 0)
+          fit = std::max(fit, std::min(rows_in(budget, e_row), exp_rows_within(in, p, room, max_rows)));
         p.group_rows = even_groups(max_rows, fit);
       }
       p.chunk_rows = p.group_rows;
-      p.exp_in_grad_weight = acc > 0 && p.group_rows < N && exp_bytes(in, p, p.group_rows) <= in.grad_weight_scratch;
+      p.exp_in_grad_weight = acc > 0 && p.group_rows < N && exp_bytes(in, p, p.group_rows) <= room;
     } else {
       head::ChunkInputs c;
       c.n = N;
@@ -151,6 +160,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     }
     p.ld_dlogits = p.ld_logits;  // in place (float32) or a 16-bit buffer of the same row length
     p.dw_accumulator = grads && dw_accumulator_bytes(in) > 0 && p.group_rows < N;
+    if (p.dw_accumulator) p.dw_tail_rows = tail_rows(in);
     if (grads && in.need_db) p.db_partial_rows = ceil_div(p.chunk_rows, kGradRowsPerBlock);
   } else {
     // Vocabulary chunks over every token: each chunk of grad_weight rows is complete when written (no
@@ -208,12 +218,13 @@ void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayou
   h.hidden = in.copy_hidden ? N * H * es : 0;
   h.logits = fused ? 0 : in.steps ? 2 * p.slot_bytes : rows * ld * 4;
   h.dlogits = grads && !p.dlogits_in_place ? grad_rows * ldd * es : 0;
-  h.dw_acc = p.dw_accumulator ? V * H * 4 : 0;
+  h.dw_acc = p.dw_accumulator ? (V - static_cast<size_t>(p.dw_tail_rows)) * H * 4 : 0;
   h.dx_acc = p.dx_accumulator ? N * H * 4 : 0;
   h.db = grads && !backward && in.need_db ? V * 4 : 0;
   h.db_partial = grads && in.need_db ? static_cast<size_t>(p.db_partial_rows) * ld * 4 : 0;
   b->head.declare(L, h);
 
+  if (grad_weight_scratch && p.dw_tail_rows > 0) grad_weight_scratch->add(&b->dw_tail, tail_bytes(in, p.dw_tail_rows));
   FusedBuffers& f = b->fused;
   if (fused && !grads) L.add(&f.partials, rows * static_cast<size_t>(p.stats_row));
   if (!exp_form) return;

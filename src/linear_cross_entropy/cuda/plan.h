@@ -61,6 +61,7 @@ struct PlanInputs {
   // Bytes of grad_weight's storage a plan may use as scratch while the float32 accumulator holds the sums
   // (16-bit, rows contiguous; 256 less than its size, so that the regions start 256-aligned wherever it does).
   size_t grad_weight_scratch = 0;
+  bool dw_tail = true;  // the accumulator's tail may use that storage (Plan::dw_tail_rows; off: benchmarks)
 };
 
 // The float32 grad_weight accumulator that several token groups of the gradient in forward would need, in bytes:
@@ -89,7 +90,9 @@ struct Plan {
   int64_t db_partial_rows = 0;      // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
   bool exp_in_grad_weight = false;  // exponential form with the accumulator: its per-group regions (declare_exp)
                                     // lie in grad_weight's storage (PlanInputs::grad_weight_scratch), not in the
-                                    // workspace
+                                    // workspace, after the accumulator's tail
+  int64_t dw_tail_rows = 0;         // the accumulator's last rows kept in grad_weight's storage (head::DwAccumulator;
+                                    // one call's sums only: not the steps, whose sums outlive a call)
 
   int64_t stats_row = 0;       // kHopperFused forward: bytes of tile statistics per token (16 per 256 columns)
   int64_t exp_shared_row = 0;  // exponential form: bytes per token of the region that the statistics, the scaled
@@ -132,11 +135,12 @@ struct Buffers {
   LossBuffers loss;
   head::HeadBuffers head;
   FusedBuffers fused;
+  float* dw_tail = nullptr;  // Plan::dw_tail_rows rows of float32 sums, at grad_weight's storage
 };
 
 // Every stage's regions of plan `p` in `L`, pointers into `b` (set by L.carve): the loss's, the engine's, the fused
-// path's; those of Plan::exp_in_grad_weight in `grad_weight_scratch` instead (carved at grad_weight's storage; none
-// declared where it is null).
+// path's; the accumulator's tail and those of Plan::exp_in_grad_weight in `grad_weight_scratch` instead, in that
+// order (carved at grad_weight's storage; none declared where it is null).
 void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b,
                        head::WorkspaceLayout* grad_weight_scratch);
 inline void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b) {

@@ -101,6 +101,7 @@ PlanInputs plan_inputs(const Problem& p) {
       static_cast<size_t>(p.vocab) * static_cast<size_t>(p.hidden) * dtype_size(p.grad_weight.dtype);
   if (in.need_dw && !in.grad_weight_f32 && p.grad_weight.ld == p.hidden && gw_bytes > 256)
     in.grad_weight_scratch = gw_bytes - 256;
+  in.dw_tail = hooks::hook(Hook::kLceDwTail) != 0;
   return in;
 }
 
@@ -243,7 +244,7 @@ struct Run {
     const int64_t N = p.n_tokens, H = p.hidden, V = p.vocab, G = plan.group_rows;
     const int64_t tiles = (V + kFusedTileCols - 1) / kFusedTileCols;
     float* lse = p.lse ? p.lse : b.loss.lse;
-    float* dw_acc = b.head.dw_acc;
+    const head::DwAccumulator acc = dw_accumulator();
     for (int64_t g0 = 0; g0 < N; g0 += G) {
       const int64_t rows = std::min(G, N - g0);
       const ExpGradParams x = exp_params(g0, rows, lse);
@@ -264,10 +265,12 @@ struct Run {
       // grad_weight first: the scaled hidden rows it reads share their region with the float32 grad_hidden
       // rows (plan.cpp), which the grad_hidden GEMM then writes.
       if (p.grad_weight.data) {  // dW (+)= E_gᵀ (s ⊙ X_g), then the target terms
-        const head::Matrix dw = dw_acc ? head::Matrix{dw_acc, DType::kFloat32, H} : p.grad_weight;
-        e.grad_weight_gemm(x.e, x.ld_e, rows, V, x.xs, H, dw, /*accumulate=*/g0 > 0);
+        e.grad_weight_sums(x.e, x.ld_e, rows, x.xs, H, acc, /*accumulate=*/g0 > 0);
         const TargetSort sort{b.fused.class_keys[1], b.fused.class_rows[1], b.fused.sort_temp, plan.sort_bytes};
-        launch_grad_weight_targets(x, sort, dw.data, dw.dtype, dw.ld, stream());
+        const TargetRowsOut dw =
+            acc ? TargetRowsOut{acc.head, acc.tail, acc.split, DType::kFloat32, H}
+                : TargetRowsOut{p.grad_weight.data, nullptr, V, p.grad_weight.dtype, p.grad_weight.ld};
+        launch_grad_weight_targets(x, sort, dw, stream());
       }
       if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W) + target terms: float32 rows (in place if float32)
         const head::Matrix dx = p.grad_hidden.rows_from(g0);
@@ -277,8 +280,15 @@ struct Run {
                                 stream());
       }
     }
-    e.finish(dw_acc, nullptr);
+    e.finish(acc, nullptr);
     reduce_loss();
+  }
+
+  // grad_weight's float32 sums over token groups (none without Plan::dw_accumulator): the workspace's rows and the
+  // plan's tail in grad_weight's storage.
+  head::DwAccumulator dw_accumulator() const {
+    if (!plan.dw_accumulator) return {};
+    return head::DwAccumulator{b.head.dw_acc, plan.dw_tail_rows > 0 ? b.dw_tail : nullptr, p.vocab - plan.dw_tail_rows};
   }
 
   GradParams grad_params() const {
@@ -336,7 +346,7 @@ struct Run {
     s.ld_logits = plan.ld_logits;
     s.dlogits = b.head.dlogits;  // nullptr when in place
     s.ld_dlogits = plan.ld_dlogits;
-    s.dw_acc = b.head.dw_acc;
+    s.dw_acc = dw_accumulator();
     s.db = b.head.db;
     s.db_partial = b.head.db_partial;
     return s;
@@ -536,11 +546,13 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   check_workspace(ws, plan.bytes);
   debug::last_kernel.set(plan.kernel);
   debug::last_exp_in_grad_weight.set(plan.exp_in_grad_weight);
+  debug::last_dw_tail_rows.set(plan.dw_tail_rows);
   Buffers b;
   head::WorkspaceLayout layout, scratch;
   declare_workspace(in, plan, layout, &b, &scratch);
   layout.carve(ws.data);
-  if (plan.exp_in_grad_weight) {  // at grad_weight's first 256-aligned byte (grad_weight_scratch left room for it)
+  if (plan.exp_in_grad_weight || plan.dw_tail_rows > 0) {  // at grad_weight's first 256-aligned byte
+                                                           // (grad_weight_scratch left room for it)
     const uintptr_t gw = reinterpret_cast<uintptr_t>(p.grad_weight.data);
     scratch.carve(reinterpret_cast<void*>((gw + 255) / 256 * 256));
   }

@@ -36,7 +36,7 @@ bool launch_accumulate_gemm(const AccumulateGemm& g, int device, int sm_count, c
   const DeviceInfo& info = device_info(device);
   if (info.sm_major != 9 || info.sm_minor != 0 || g.dtype != DType::kBFloat16) return false;
   if (g.m <= 0 || g.n <= 0 || g.k <= 0 || g.m > INT32_MAX || g.n > INT32_MAX || g.k > INT32_MAX) return false;
-  if (g.k >= kCublasAccumulatesFrom) return false;
+  if (g.k >= kCublasAccumulatesFrom && !g.any_k) return false;
   if (!tma_ready(g)) return false;
   return Chosen::run(g, /*beta=*/1.f, device, sm_count, stream);
 #else

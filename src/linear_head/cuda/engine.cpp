@@ -30,15 +30,27 @@ void Engine::grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
 void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
                               const Matrix& dw, bool accumulate) const {
   // A token group after the first: see accumulate_gemm.h.
-  if (accumulate && dw.dtype == DType::kFloat32 && debug::hook(debug::Hook::kHeadAccumulateGemm)) {
-    const AccumulateGemm g{io_.dtype, cols, io_.h, rows, dz, ld_dz, x, ldx, static_cast<float*>(dw.data), dw.ld};
+  const int64_t kernel = debug::hook(debug::Hook::kHeadAccumulateGemm);
+  if (accumulate && dw.dtype == DType::kFloat32 && kernel) {
+    AccumulateGemm g{io_.dtype, cols, io_.h, rows, dz, ld_dz, x, ldx, static_cast<float*>(dw.data), dw.ld};
+    g.any_k = kernel == 2;
     if (launch_accumulate_gemm(g, io_.device, sm_count_, stream_)) return;
   }
   gemm_row_major(blas_, true, false, cols, io_.h, rows, dz, ld_dz, x, ldx, io_.dtype, dw.data, dw.ld, dw.dtype,
                  accumulate);
 }
 
-void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, float* dw_acc) const {
+void Engine::grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const void* x, int64_t ldx,
+                              const DwAccumulator& acc, bool accumulate) const {
+  if (!acc) return grad_weight_gemm(dz, ld_dz, rows, io_.v, x, ldx, io_.grad_weight, accumulate);
+  const int64_t split = acc.tail ? acc.split : io_.v, es = static_cast<int64_t>(dtype_size(io_.dtype));
+  grad_weight_gemm(dz, ld_dz, rows, split, x, ldx, Matrix{acc.head, DType::kFloat32, io_.h}, accumulate);
+  if (acc.tail)
+    grad_weight_gemm(static_cast<const char*>(dz) + split * es, ld_dz, rows, io_.v - split, x, ldx,
+                     Matrix{acc.tail, DType::kFloat32, io_.h}, accumulate);
+}
+
+void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc) const {
   if (io_.grad_hidden.data) {
     const Matrix dx = io_.grad_hidden.rows_from(g0);
     if (io_.v == 0) {  // an empty vocabulary shard contributes nothing (a GEMM over k = 0 would leave dx unwritten)
@@ -47,10 +59,7 @@ void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows
       grad_hidden_gemm(dz, ld_dz, rows, 0, io_.v, dx, false);
     }
   }
-  if (io_.grad_weight.data) {
-    const Matrix dw = dw_acc ? Matrix{dw_acc, DType::kFloat32, io_.h} : io_.grad_weight;
-    grad_weight_gemm(dz, ld_dz, rows, io_.v, x_rows(g0), io_.ldx, dw, /*accumulate=*/g0 > 0);
-  }
+  if (io_.grad_weight.data) grad_weight_sums(dz, ld_dz, rows, x_rows(g0), io_.ldx, acc, /*accumulate=*/g0 > 0);
 }
 
 void Engine::bias_sums(const float* db_partial, int64_t rows, int64_t ld, float* db) const {
@@ -58,9 +67,14 @@ void Engine::bias_sums(const float* db_partial, int64_t rows, int64_t ld, float*
                      DType::kFloat32, 1, stream_);
 }
 
-void Engine::finish(const float* dw_acc, const float* db) const {
+void Engine::finish(const DwAccumulator& acc, const float* db) const {
   const Matrix& gw = io_.grad_weight;
-  if (dw_acc) launch_cast(dw_acc, io_.h, io_.v, io_.h, gw.data, gw.dtype, gw.ld, 1, sm_count_, stream_);
+  const int64_t split = acc.tail ? acc.split : io_.v;
+  if (acc.tail) {
+    const Matrix rows = gw.rows_from(split);
+    launch_cast(acc.tail, io_.h, io_.v - split, io_.h, rows.data, rows.dtype, rows.ld, 1, sm_count_, stream_);
+  }
+  if (acc) launch_cast(acc.head, io_.h, split, io_.h, gw.data, gw.dtype, gw.ld, 1, sm_count_, stream_);
   if (db)
     launch_cast(db, io_.v, 1, io_.v, io_.grad_bias, io_.grad_bias_dtype, 0, io_.grad_bias_stride, sm_count_, stream_);
 }

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "linear_head/cuda/plan.h"
 #include "linear_head/problem.h"
 #include "logitless/tensor.h"
 
@@ -77,8 +78,8 @@ struct SweepBuffers {
   int64_t ld_logits = 0;
   void* dlogits = nullptr;  // [group_rows, ld_dlogits] in the GEMMs' dtype; nullptr: in place over the logits
   int64_t ld_dlogits = 0;
-  float* dw_acc = nullptr;      // float32 [v, h] when grad_weight sums over several groups; nullptr: the group
-                                // GEMMs sum in grad_weight itself (beta = 1 from the second group on)
+  DwAccumulator dw_acc;         // float32 [v, h] when grad_weight sums over several groups; none: the group GEMMs
+                                // sum in grad_weight itself (beta = 1 from the second group on)
   float* db = nullptr;          // float32 [v] with a bias gradient
   float* db_partial = nullptr;  // float32 [ceil(chunk_rows / kGradRowsPerBlock), ld_logits]
 };
@@ -112,12 +113,16 @@ class Engine {
   // dw [cols, h] (+)= dZ [rows, cols]ᵀ · x [rows, h] (ldx).
   void grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
                         const Matrix& dw, bool accumulate) const;
-  // A token group's GEMMs: its rows of grad_hidden are final; grad_weight sums over groups (in dw_acc if given).
-  void group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, float* dw_acc) const;
+  // The same into every row of grad_weight's sums: the accumulator's parts where there is one, else grad_weight.
+  void grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const void* x, int64_t ldx,
+                        const DwAccumulator& acc, bool accumulate) const;
+  // A token group's GEMMs: its rows of grad_hidden are final; grad_weight sums over groups (in acc if given).
+  void group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc) const;
   // db (+)= the column sums of a gradient kernel's partials of `rows` rows.
   void bias_sums(const float* db_partial, int64_t rows, int64_t ld, float* db) const;
-  // The float32 sums cast into grad_weight and grad_bias (either may be nullptr).
-  void finish(const float* dw_acc, const float* db) const;
+  // The float32 sums cast into grad_weight and grad_bias (either may be absent): the accumulator's tail first
+  // (its 16-bit rows lie past its float32 copy), then its head.
+  void finish(const DwAccumulator& acc, const float* db) const;
   // No rows: grad_hidden's `dx_rows` rows, grad_weight and grad_bias are zero.
   void zero_grads(int64_t dx_rows) const;
   void clear(float* buffer, int64_t floats) const;

@@ -60,4 +60,15 @@ ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes) {
   return p;
 }
 
+int64_t accumulator_tail_rows(int64_t v, int64_t h, size_t bytes) {
+  if (v <= 0 || h <= 0) return 0;
+  // t tail rows: their float32 copy [256, 256 + 4 t h) must end by the 16-bit row v - t at byte 2 (v - t) h, and
+  // the rows before the tail start at a 128-row tile.
+  const int64_t row32 = 4 * h, by_order = (2 * v * h - 256) / (6 * h);
+  const int64_t by_room = static_cast<int64_t>(bytes / static_cast<size_t>(row32));
+  const int64_t most = std::max<int64_t>(0, std::min(by_order, by_room));
+  const int64_t split = (v - most + 127) / 128 * 128;
+  return split >= v ? 0 : v - split;
+}
+
 }  // namespace logitless::head

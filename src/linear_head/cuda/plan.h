@@ -49,6 +49,23 @@ struct ChunkPlan {
 // chunk_row_bytes: what a chunk holds per row (float32 logits, or a fused kernel's statistics).
 ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes);
 
+// grad_weight's float32 sums over token groups, in up to two parts: rows [0, split) in the workspace, rows
+// [split, v) at the start of a 16-bit grad_weight's own storage, which holds nothing else until the sums are cast
+// into it at the end. That cast writes the tail's 16-bit rows first, then the head's (engine.h, Engine::finish).
+struct DwAccumulator {
+  float* head = nullptr;  // rows [0, split), row stride h; nullptr: no accumulator
+  float* tail = nullptr;  // rows [split, v), row stride h; nullptr where split == v
+  int64_t split = 0;
+  explicit operator bool() const { return head != nullptr; }
+};
+
+// The most rows of float32 sums (a tail, as above) that a 16-bit grad_weight [v, h] with contiguous rows holds in
+// `bytes` of its storage from its first 256-aligned byte: whole 128-row tiles from the end, no more than fit, and
+// only as many as leave the tail's float32 copy ending before the 16-bit rows it is cast into begin (the tail's
+// cast then overwrites none of it; `bytes` is at most the storage less 256, so the copy starts within 255 bytes
+// of the rows' start).
+int64_t accumulator_tail_rows(int64_t v, int64_t h, size_t bytes);
+
 class WorkspaceLayout {
  public:
   static constexpr size_t kNone = ~size_t{0};

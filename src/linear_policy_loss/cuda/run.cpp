@@ -126,7 +126,7 @@ head::SweepBuffers sweep_buffers(const Plan& plan, const head::HeadBuffers& h) {
   b.ld_logits = plan.ld_logits;
   b.dlogits = h.dlogits;  // nullptr when in place
   b.ld_dlogits = plan.ld_dlogits;
-  b.dw_acc = h.dw_acc;
+  b.dw_acc.head = h.dw_acc;
   b.db = h.db;
   b.db_partial = h.db_partial;
   return b;
