@@ -28,12 +28,12 @@ void Engine::grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
 }
 
 void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
-                              const Matrix& dw, bool accumulate) const {
+                              const Matrix& dw, bool accumulate, bool any_k) const {
   // A token group after the first: see accumulate_gemm.h.
   const int64_t kernel = debug::hook(debug::Hook::kHeadAccumulateGemm);
   if (accumulate && dw.dtype == DType::kFloat32 && kernel) {
     AccumulateGemm g{io_.dtype, cols, io_.h, rows, dz, ld_dz, x, ldx, static_cast<float*>(dw.data), dw.ld};
-    g.any_k = kernel == 2;
+    g.any_k = any_k || kernel == 2;
     if (launch_accumulate_gemm(g, io_.device, sm_count_, stream_)) return;
   }
   gemm_row_major(blas_, true, false, cols, io_.h, rows, dz, ld_dz, x, ldx, io_.dtype, dw.data, dw.ld, dw.dtype,
@@ -45,9 +45,11 @@ void Engine::grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const
   if (!acc) return grad_weight_gemm(dz, ld_dz, rows, io_.v, x, ldx, io_.grad_weight, accumulate);
   const int64_t split = acc.tail ? acc.split : io_.v, es = static_cast<int64_t>(dtype_size(io_.dtype));
   grad_weight_gemm(dz, ld_dz, rows, split, x, ldx, Matrix{acc.head, DType::kFloat32, io_.h}, accumulate);
+  // The tail's rows on the Hopper kernel at every group length: for a third of the vocabulary cuBLAS picks a
+  // kernel 17% slower per row than its whole-vocabulary one (bench/RESULTS.md, "the accumulator's tail").
   if (acc.tail)
     grad_weight_gemm(static_cast<const char*>(dz) + split * es, ld_dz, rows, io_.v - split, x, ldx,
-                     Matrix{acc.tail, DType::kFloat32, io_.h}, accumulate);
+                     Matrix{acc.tail, DType::kFloat32, io_.h}, accumulate, /*any_k=*/true);
 }
 
 void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc) const {

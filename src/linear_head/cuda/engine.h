@@ -110,9 +110,10 @@ class Engine {
   // dx [rows, h] (+)= dZ [rows, cols] · W[v0 : v0 + cols].
   void grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t v0, int64_t cols, const Matrix& dx,
                         bool accumulate) const;
-  // dw [cols, h] (+)= dZ [rows, cols]ᵀ · x [rows, h] (ldx).
+  // dw [cols, h] (+)= dZ [rows, cols]ᵀ · x [rows, h] (ldx); any_k: a float32 sum on the Hopper kernel whatever
+  // the rows (accumulate_gemm.h).
   void grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
-                        const Matrix& dw, bool accumulate) const;
+                        const Matrix& dw, bool accumulate, bool any_k = false) const;
   // The same into every row of grad_weight's sums: the accumulator's parts where there is one, else grad_weight.
   void grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const void* x, int64_t ldx,
                         const DwAccumulator& acc, bool accumulate) const;
