@@ -26,7 +26,7 @@ struct AccumulateGemm {
   int64_t ldb = 0;
   float* d = nullptr;  // [m, n], row stride ldd: d += aᵀ b
   int64_t ldd = 0;
-  bool any_k = false;  // run it from kCublasAccumulatesFrom tokens on too (benchmarks)
+  bool any_k = false;  // run it from kCublasAccumulatesFrom tokens on too (an accumulator's tail: engine.cpp)
 };
 
 // Runs it and returns true where this build has the kernel and the device and operands suit it (compute
