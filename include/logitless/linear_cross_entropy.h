@@ -67,11 +67,12 @@
 // grad_weight accumulator (4·V·H bytes; none with GradWeightAccumulation::kWeightDtype); the gradient-in-forward
 // schedule holds the logits' gradient of every token at once instead whenever that takes no more than the budget
 // plus that accumulator (one weight-gradient GEMM, no accumulation), and its float32 chunk then grows into the rest
-// of that allowance (up to 1024 tokens: each chunk's logits GEMM re-reads the weight). Where the fused Hopper gradient
-// in forward sums in that accumulator and grad_weight's rows are contiguous, a token group's other per-token scratch
-// (its statistics, scales, scaled hidden rows and float32 grad_hidden rows) lies in grad_weight's own storage, which
-// holds nothing until the accumulator is cast into it, so the budget holds the group's gradient alone; the token
-// groups are cut evenly (no short last group). The recompute backward's float32
+// of that allowance (up to 1024 tokens: each chunk's logits GEMM re-reads the weight). Where one call sums in that
+// accumulator and grad_weight's rows are contiguous, grad_weight's own storage, which holds nothing until the
+// accumulator is cast into it, holds the accumulator's last third (so the workspace holds 4·V·H bytes less that:
+// about two thirds of it) and, on the fused Hopper gradient in forward, a token group's other per-token scratch
+// (its statistics, scales, scaled hidden rows and float32 grad_hidden rows), so the budget holds the group's gradient
+// alone; the token groups are cut evenly (no short last group). The recompute backward's float32
 // grad_hidden accumulator (4·N·H bytes, when grad_hidden is 16-bit and the vocabulary takes more than one chunk) comes
 // on top of the budget likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB before), so the GEMMs
 // allocate nothing and the calls can be captured in a CUDA graph. cuBLAS runs through one handle per device and host
@@ -88,9 +89,10 @@ namespace logitless {
 
 // Where the gradient-in-forward schedule sums a 16-bit grad_weight over token groups (it has several when the
 // tokens' gradient of the logits does not fit the budget at once):
-//  * kFloat32 (default): in a float32 accumulator of 4·V·H bytes in the workspace, rounded to grad_weight's dtype
-//    once at the end; the accumulator counts in the planner's trade, so the plan may hold every token's gradient
-//    instead (one group) where that costs no more.
+//  * kFloat32 (default): in a float32 accumulator of 4·V·H bytes (about a third of it in a contiguous grad_weight's
+//    own storage, the rest in the workspace), rounded to grad_weight's dtype once at the end; the accumulator
+//    counts in the planner's trade, so the plan may hold every token's gradient instead (one group) where that
+//    costs no more.
 //  * kWeightDtype: in grad_weight itself, each group's GEMM adding its float32 product to the 16-bit running sum
 //    (beta = 1) and rounding the result: no accumulator, so the workspace stays within the budget (groups from the
 //    budget alone), at the price of one rounding of the running sum per token group (its error grows with the

@@ -584,7 +584,8 @@ def linear_cross_entropy(
             comes on top (a float32 grad_weight accumulator where needed, cuBLAS's workspace).
         grad_weight_accumulation: where gradient_in_forward sums a 16-bit grad_weight over token groups (it has
             several where the budget does not hold every token's gradient of the logits): "float32" (default) in a
-            float32 accumulator of 4·V·H bytes on top of the budget, rounded once at the end; "weight_dtype" in the
+            float32 accumulator of 4·V·H bytes on top of the budget (about a third of it in grad_weight's own
+            storage where its rows are contiguous), rounded once at the end; "weight_dtype" in the
             16-bit grad_weight itself, each group's GEMM adding to it and rounding the running sum (as Liger
             does): no accumulator, so the extra memory stays within the budget, at the price of one rounding per
             token group (the error grows with their number). The CPU backend rounds alike after each group of the
