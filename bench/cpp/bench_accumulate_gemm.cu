@@ -59,15 +59,6 @@ struct ConfigEntry {
         accumulate_config_stages_##i()                                                     \
   }
 
-#define CB(x)                                              \
-  do {                                                     \
-    cublasStatus_t s = (x);                                \
-    if (s != CUBLAS_STATUS_SUCCESS) {                      \
-      std::fprintf(stderr, "%s failed: %d\n", #x, int(s)); \
-      std::exit(1);                                        \
-    }                                                      \
-  } while (0)
-
 __global__ void fill_uniform(__nv_bfloat16* x, int64_t n, float lo, float hi, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     x[i] = __float2bfloat16(lo + (hi - lo) * hash_uniform(i, seed));
@@ -89,11 +80,9 @@ static double now_ms() {
 }
 
 int main(int argc, char** argv) {
-  int64_t M = 128256, N = 2048, K = 2048;
-  int rounds = 7;
-  if (argc >= 4) M = std::atoll(argv[1]), N = std::atoll(argv[2]), K = std::atoll(argv[3]);
-  if (argc >= 5) rounds = std::max(1, std::atoi(argv[4]));
-  std::vector<std::string> only(argv + std::min(argc, 5), argv + argc);
+  const GemmBenchArgs args(argc, argv, 128256, 2048, 2048, 7);
+  const int64_t M = args.dims[0], N = args.dims[1], K = args.dims[2];
+  const int rounds = args.rounds;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -164,7 +153,7 @@ int main(int argc, char** argv) {
   }
   std::vector<Variant> vs;
   for (const Variant& v : all)
-    if (only.empty() || std::find(only.begin(), only.end(), v.name) != only.end()) vs.push_back(v);
+    if (args.wants(v.name)) vs.push_back(v);
 
   FILE* blocks = std::getenv("BENCH_BLOCK_LOG") ? std::fopen(std::getenv("BENCH_BLOCK_LOG"), "w") : nullptr;
   cudaEvent_t e0, e1;

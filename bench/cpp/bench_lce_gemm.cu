@@ -35,15 +35,6 @@
 using namespace logitless;
 using namespace logitless::lce;
 
-#define CB(x)                                              \
-  do {                                                     \
-    cublasStatus_t s = (x);                                \
-    if (s != CUBLAS_STATUS_SUCCESS) {                      \
-      std::fprintf(stderr, "%s failed: %d\n", #x, int(s)); \
-      std::exit(1);                                        \
-    }                                                      \
-  } while (0)
-
 // Normal-ish values of standard deviation `sd` (a sum of four uniforms), from a counter-based hash.
 __global__ void fill_normalish(__nv_bfloat16* x, int64_t n, float sd, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -54,11 +45,9 @@ __global__ void fill_normalish(__nv_bfloat16* x, int64_t n, float sd, uint64_t s
 }
 
 int main(int argc, char** argv) {
-  int64_t N = 8192, H = 4096, V = 128256;
-  int rounds = 7;
-  if (argc >= 4) N = std::atoll(argv[1]), H = std::atoll(argv[2]), V = std::atoll(argv[3]);
-  if (argc >= 5) rounds = std::max(1, std::atoi(argv[4]));
-  std::vector<std::string> only(argv + std::min(argc, 5), argv + argc);
+  const GemmBenchArgs args(argc, argv, 8192, 4096, 128256, 7);
+  const int64_t N = args.dims[0], H = args.dims[1], V = args.dims[2];
+  const int rounds = args.rounds;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -190,7 +179,7 @@ int main(int argc, char** argv) {
   };
   std::vector<Variant> vs;
   for (const Variant& v : all)
-    if (only.empty() || std::find(only.begin(), only.end(), v.name) != only.end()) vs.push_back(v);
+    if (args.wants(v.name)) vs.push_back(v);
 
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));

@@ -4,9 +4,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <vector>
 
 #define CK(x)                                                             \
   do {                                                                    \
@@ -16,6 +19,33 @@
       std::exit(1);                                                       \
     }                                                                     \
   } while (0)
+
+// The same for a cuBLAS call (where the including file has cublas_v2.h).
+#define CB(x)                                              \
+  do {                                                     \
+    cublasStatus_t s = (x);                                \
+    if (s != CUBLAS_STATUS_SUCCESS) {                      \
+      std::fprintf(stderr, "%s failed: %d\n", #x, int(s)); \
+      std::exit(1);                                        \
+    }                                                      \
+  } while (0)
+
+// The GEMM micro-benchmarks' command line: `[D0 D1 D2 [rounds [variant...]]]`, three problem sizes, the timed
+// rounds (at least 1) and the variants to run (none named: every one).
+struct GemmBenchArgs {
+  int64_t dims[3];
+  int rounds;
+  std::vector<std::string> only;
+  GemmBenchArgs(int argc, char** argv, int64_t d0, int64_t d1, int64_t d2, int default_rounds)
+      : dims{d0, d1, d2}, rounds(default_rounds), only(argv + std::min(argc, 5), argv + argc) {
+    if (argc >= 4)
+      for (int i = 0; i < 3; ++i) dims[i] = std::atoll(argv[1 + i]);
+    if (argc >= 5) rounds = std::max(1, std::atoi(argv[4]));
+  }
+  bool wants(const std::string& name) const {
+    return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  }
+};
 
 // A uniform number in [0, 1) for counter i under seed (splitmix64 of the counter).
 __device__ __forceinline__ float hash_uniform(uint64_t i, uint64_t seed) {

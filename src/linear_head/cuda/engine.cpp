@@ -43,7 +43,7 @@ void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
 void Engine::grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const void* x, int64_t ldx,
                               const DwAccumulator& acc, bool accumulate) const {
   if (!acc) return grad_weight_gemm(dz, ld_dz, rows, io_.v, x, ldx, io_.grad_weight, accumulate);
-  const int64_t split = acc.tail ? acc.split : io_.v, es = static_cast<int64_t>(dtype_size(io_.dtype));
+  const int64_t split = acc.head_rows(io_.v), es = static_cast<int64_t>(dtype_size(io_.dtype));
   grad_weight_gemm(dz, ld_dz, rows, split, x, ldx, Matrix{acc.head, DType::kFloat32, io_.h}, accumulate);
   // The tail's rows on the Hopper kernel at every group length: for a third of the vocabulary cuBLAS picks a
   // kernel 17% slower per row than its whole-vocabulary one (bench/RESULTS.md, "the accumulator's tail").
@@ -71,7 +71,7 @@ void Engine::bias_sums(const float* db_partial, int64_t rows, int64_t ld, float*
 
 void Engine::finish(const DwAccumulator& acc, const float* db) const {
   const Matrix& gw = io_.grad_weight;
-  const int64_t split = acc.tail ? acc.split : io_.v;
+  const int64_t split = acc.head_rows(io_.v);
   if (acc.tail) {
     const Matrix rows = gw.rows_from(split);
     launch_cast(acc.tail, io_.h, io_.v - split, io_.h, rows.data, rows.dtype, rows.ld, 1, sm_count_, stream_);

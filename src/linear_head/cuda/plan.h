@@ -57,6 +57,7 @@ struct DwAccumulator {
   float* tail = nullptr;  // rows [split, v), row stride h; nullptr where split == v
   int64_t split = 0;
   explicit operator bool() const { return head != nullptr; }
+  int64_t head_rows(int64_t v) const { return tail ? split : v; }  // rows [0, head_rows) at head
 };
 
 // The most rows of float32 sums (a tail, as above) that a 16-bit grad_weight [v, h] with contiguous rows holds in
