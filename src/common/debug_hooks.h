@@ -27,8 +27,9 @@ enum class Hook : int {
   // default: hopper/kernel.cuh).
   kLceFusedPingPong,
   // Linear cross-entropy: the float32 grad_weight accumulator's last rows in grad_weight's own storage where it
-  // can hold them (1, the default: linear_cross_entropy/cuda/plan.h, Plan::dw_tail_rows), or all of it in the
-  // workspace (0: benchmarks).
+  // can hold them, and the exponentials in their place where that makes fewer token groups (1, the default:
+  // linear_cross_entropy/cuda/plan.h, Plan::dw_tail_rows and dlogits_in_grad_weight), the tail alone (2) or all of
+  // the accumulator in the workspace (0) (benchmarks).
   kLceDwTail,
   kCount
 };

@@ -1018,6 +1018,39 @@ TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
     expect_same_finite_bits(in_gw, in_ws, "regions in grad_weight against the workspace");
   }
 }
+
+// A budget small beside grad_weight: the fused gradient in forward keeps the group's exponentials in grad_weight's
+// storage too, after a shorter accumulator tail (plan.h, Plan::dlogits_in_grad_weight), for fewer groups than the
+// budget alone holds. The same bits as those groups with every region in the workspace (grad_weight's rows padded),
+// and the CPU backend's values.
+TEST(LinearCrossEntropyCudaFused, ExponentialsInGradWeightMatchTheWorkspace) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const bool fused = fused_kernels_run();
+  const LceCase cases[] = {
+      {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
+      {256, 128, 4099, DType::kBFloat16, Layout::kShifted, Preset::kWeights, Reduction::kSum, false},
+      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kZLoss, Reduction::kNone, false}};
+  for (const LceCase& c : cases) {
+    SCOPED_TRACE(case_name(c));
+    LceInputs in(c, seed_of(c));
+    in.opt.memory_budget = static_cast<size_t>(16 * ((c.v + 7) / 8 * 8) * 2);  // 16 tokens' exponentials
+    const auto up = upstream_for(in, seed_of(c) + 1);
+    const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+    const Outputs in_gw = run_backend(in, Entry::kForwardBackward, true, up, nullptr);
+    EXPECT_EQ(lce::debug::last_dlogits_in_grad_weight.get(), fused);
+    const int64_t rows = lce::debug::last_group_rows.get();
+    EXPECT_LT(rows, c.n);
+    if (fused) EXPECT_GT(rows, 16);
+    expect_outputs(in, Entry::kForwardBackward, in_gw, want, "exponentials in grad_weight", c.dtype);
+    in.opt.chunk_tokens = rows;
+    GradDtypes padded;
+    padded.dw_pad = 8;
+    const Outputs in_ws = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, padded);
+    EXPECT_FALSE(lce::debug::last_dlogits_in_grad_weight.get());
+    EXPECT_EQ(lce::debug::last_group_rows.get(), rows);
+    expect_same_finite_bits(in_gw, in_ws, "exponentials in grad_weight against the workspace");
+  }
+}
 #endif
 
 // Same inputs, same GPU: the same bits (fixed-order reductions, cuBLAS without atomics). The backward gets the
@@ -1440,8 +1473,10 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
 
 // With the float32 grad_weight accumulator, grad_weight's own storage holds nothing until the accumulator is cast into
 // it: the exponential form's per-group regions go there (Plan::exp_in_grad_weight) and the budget holds the
-// exponentials alone. At the fine-tuning shape that makes 8 groups of 2048 tokens instead of 9; at 256000 classes 8
-// of 1024 instead of 9. Groups are cut evenly, so that no short last group costs a whole accumulator pass.
+// exponentials alone. At the fine-tuning shape that makes 8 groups of 2048 tokens instead of 9. At 256000 classes,
+// where grad_weight's storage outgrows the budget, the exponentials go there too (Plan::dlogits_in_grad_weight), in
+// the accumulator tail's place: 5 groups of 1664 instead of 8 of 1024, and no larger a workspace. Groups are cut
+// evenly, so that no short last group costs a whole accumulator pass.
 TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 16384, 2048, 128256);
   in.fused = in.fused_exp = true;
@@ -1478,17 +1513,47 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
     EXPECT_TRUE(in_scratch(ptr));
   EXPECT_FALSE(in_scratch(b.head.dlogits));
   EXPECT_FALSE(in_scratch(b.head.dw_acc));
-  // 256000 classes: 1024-token groups.
+  EXPECT_FALSE(p.dlogits_in_grad_weight);  // 512 MiB of exponentials would not fit its 501 MiB
+  // 256000 classes: the exponentials in grad_weight's storage too, after a shorter tail.
   lce::PlanInputs wide = llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000);
   wide.fused = wide.fused_exp = true;
+  wide.target_sort_bytes = size_t{1} << 20;
   wide.grad_weight_scratch = size_t{256000} * 2304 * 2 - 256;
+  S = head::WorkspaceLayout{};
+  laid(wide, &p, &b, &S);
+  EXPECT_EQ(p.group_rows, 1664);
+  EXPECT_TRUE(p.dlogits_in_grad_weight);
+  EXPECT_TRUE(p.exp_in_grad_weight);
+  EXPECT_LE(S.bytes(), wide.grad_weight_scratch);
+  EXPECT_TRUE(in_scratch(b.head.dlogits));
+  EXPECT_TRUE(in_scratch(b.fused.scaled_hidden));
+  EXPECT_FALSE(in_scratch(b.head.dw_acc));
+  // The tail first, then the exponentials, then the regions.
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b.dw_tail), uintptr_t{1} << 44);
+  EXPECT_GE(reinterpret_cast<uintptr_t>(b.head.dlogits),
+            (uintptr_t{1} << 44) + static_cast<uintptr_t>(p.dw_tail_rows) * 2304 * 4);
+  EXPECT_GE(reinterpret_cast<uintptr_t>(b.fused.shift),
+            reinterpret_cast<uintptr_t>(b.head.dlogits) + static_cast<uintptr_t>(1664 * p.ld_dlogits * 2));
+  EXPECT_EQ(p.dw_tail_rows, 256000 - 223488);
+  // A smaller workspace than with the exponentials in it beside the longest tail (2033 MiB).
+  EXPECT_LT(p.bytes, size_t{2000} << 20);
+  // Without the tail (a benchmark's switch): the budget holds the exponentials, 8 groups of 1024.
+  wide.dw_tail = false;
   EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 1024);
-  EXPECT_TRUE(lce::plan_linear_cross_entropy(wide).exp_in_grad_weight);
+  EXPECT_FALSE(lce::plan_linear_cross_entropy(wide).dlogits_in_grad_weight);
+  wide.dw_tail = true;
+  // The tail alone (the other benchmark setting): its longest, and the budget's groups.
+  wide.dlogits_in_grad_weight = false;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 1024);
+  EXPECT_EQ(lce::plan_linear_cross_entropy(wide).dw_tail_rows, 256000 - 170752);
+  wide.dlogits_in_grad_weight = true;
   // Without the scratch (a grad_weight with padded rows): the per-token regions count in the budget (528032 bytes
   // a token: 1016 fit), 9 even groups of 911 (1024-row tiles do not fit).
   wide.grad_weight_scratch = 0;
+  wide.target_sort_bytes = 0;
   EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 911);
   EXPECT_FALSE(lce::plan_linear_cross_entropy(wide).exp_in_grad_weight);
+  EXPECT_FALSE(lce::plan_linear_cross_entropy(wide).dlogits_in_grad_weight);
   // A scratch too small for the regions: in the workspace, groups as without it (2028 fit: 9 groups, 1920-row tiles).
   in.grad_weight_scratch = 1000;
   S = head::WorkspaceLayout{};
@@ -1510,6 +1575,7 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
 // exponentials, and its other per-token regions unless they lie in grad_weight's storage) stays within it, those
 // regions fit the scratch they are put in, and no plan has more groups than the budget forces.
 TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
+  int exponentials_in_grad_weight = 0;
   for (const int64_t n : {1, 127, 1000, 4097, 16384, 30001})
     for (const int64_t h : {64, 2048, 4096})
       for (const int64_t v : {1000, 32000, 128256, 256000})
@@ -1534,34 +1600,55 @@ TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
             EXPECT_EQ(S.bytes() > 0, p.exp_in_grad_weight || p.dw_tail_rows > 0);
             EXPECT_LE(S.bytes(), in.grad_weight_scratch);
             if (p.exp_in_grad_weight || p.dw_tail_rows > 0) EXPECT_TRUE(scratch && p.dw_accumulator);
-            // The regions' room in grad_weight's storage: what the accumulator's tail leaves (it has one with
-            // several groups).
+            if (p.dlogits_in_grad_weight) EXPECT_TRUE(p.exp_in_grad_weight && p.group_rows < n);
+            // The regions' room in grad_weight's storage: what the longest accumulator tail leaves (it has one
+            // with several groups).
             const int64_t tail = scratch ? head::accumulator_tail_rows(v, h, in.grad_weight_scratch) : 0;
-            if (p.dw_accumulator) EXPECT_EQ(p.dw_tail_rows, tail);
-            const size_t taken = static_cast<size_t>((tail * h * 4 + 255) / 256 * 256);
-            const size_t room = in.grad_weight_scratch > taken ? in.grad_weight_scratch - taken : 0;
-            if (p.group_rows == n) continue;  // one group (a budget that holds it, or every token for the accumulator)
-            // Several groups: the budget holds the group's exponentials and, unless they lie in grad_weight's storage,
-            // its other regions (32 + the shared region per token here: a grad_weight, no row statistics).
+            const auto bytes32 = [&](int64_t rows) { return static_cast<size_t>((rows * h * 4 + 255) / 256 * 256); };
+            const size_t room = in.grad_weight_scratch > bytes32(tail) ? in.grad_weight_scratch - bytes32(tail) : 0;
             const auto e_row = static_cast<size_t>(p.ld_dlogits * 2), row = e_row + p.exp_shared_row + 32;
-            const auto fits = [&](int64_t rows, bool in_gw) {
-              if (!in_gw) return static_cast<size_t>(rows) * row <= budget;
+            const auto regions = [&](int64_t rows) {
               lce::Plan q = p;
               q.group_rows = rows;
               head::WorkspaceLayout E;
               lce::FusedBuffers f;
               lce::declare_exp(in, q, E, &f);
-              return static_cast<size_t>(rows) * e_row <= budget && E.bytes() <= room;
+              return E.bytes();
             };
-            EXPECT_TRUE(fits(p.group_rows, p.exp_in_grad_weight));
-            // And no fewer groups would do, either way.
+            // With the exponentials there too, their bytes and the regions' come off the tail's room.
+            const auto with_dlogits = [&](int64_t rows) { return (rows * e_row + 255) / 256 * 256 + regions(rows); };
+            if (p.dw_accumulator && !p.dlogits_in_grad_weight) EXPECT_EQ(p.dw_tail_rows, tail);
+            if (p.dlogits_in_grad_weight) {
+              ++exponentials_in_grad_weight;
+              const size_t behind = with_dlogits(p.group_rows);
+              ASSERT_LE(behind, in.grad_weight_scratch);
+              EXPECT_EQ(p.dw_tail_rows,
+                        head::accumulator_tail_rows(v, h, (in.grad_weight_scratch - behind) / 256 * 256));
+              EXPECT_EQ(S.bytes(), bytes32(p.dw_tail_rows) + behind);
+              // The workspace's accumulator grows by no more than the budget (and a 128-row tile) over its rows
+              // beside the longest tail.
+              EXPECT_LE(bytes32(v - p.dw_tail_rows), bytes32(v - tail) + budget + bytes32(128));
+            }
+            if (p.group_rows == n) continue;  // one group (a budget that holds it, or every token for the accumulator)
+            // Several groups: the budget holds the group's exponentials and, unless they lie in grad_weight's storage,
+            // its other regions (32 + the shared region per token here: a grad_weight, no row statistics); or
+            // grad_weight's storage holds both, within the budget and the longest tail's room.
+            const auto fits = [&](int64_t rows, int where) {
+              if (where == 0) return static_cast<size_t>(rows) * row <= budget;
+              if (where == 1) return static_cast<size_t>(rows) * e_row <= budget && regions(rows) <= room;
+              return tail > 0 && rows < n && with_dlogits(rows) <= std::min(in.grad_weight_scratch, budget + room);
+            };
+            EXPECT_TRUE(fits(p.group_rows, p.dlogits_in_grad_weight ? 2 : p.exp_in_grad_weight ? 1 : 0));
+            // And no fewer groups would do, any way.
             const int64_t groups = (n + p.group_rows - 1) / p.group_rows;
             if (groups > 1) {
               const int64_t fewer = (n + groups - 2) / (groups - 1);
-              EXPECT_FALSE(fits(fewer, false));
-              if (p.dw_accumulator) EXPECT_FALSE(fits(fewer, true));
+              EXPECT_FALSE(fits(fewer, 0));
+              if (p.dw_accumulator) EXPECT_FALSE(fits(fewer, 1));
+              if (p.dw_accumulator) EXPECT_FALSE(fits(fewer, 2));
             }
           }
+  EXPECT_GT(exponentials_in_grad_weight, 0);  // the sweep reaches that plan
 }
 
 // head::accumulator_tail_rows: as many rows as fit, in whole 128-row tiles from the end, and no more than leave the

@@ -29,14 +29,21 @@ size_t exp_bytes(const PlanInputs& in, Plan p, int64_t rows) {
   return L.bytes();
 }
 
-// The most rows (at most n) whose exponential-form regions fit in `bytes`; 0 if not even one's do. exp_bytes grows
+// A group's bytes in grad_weight's storage when its exponentials lie there (Plan::dlogits_in_grad_weight): the
+// exponentials, then the other regions.
+size_t grad_weight_group_bytes(const PlanInputs& in, const Plan& p, int64_t rows) {
+  return static_cast<size_t>(round_up(rows * p.ld_logits * in.elem_bytes, 256)) + exp_bytes(in, p, rows);
+}
+
+// The most rows (at most n) whose `bytes_of(rows)` fit in `bytes`; 0 if not even one's do. The byte counts grow
 // with the rows, so a bisection finds it (a plan that needs it holds several 512-row groups' worth of logits: a few
 // microseconds beside milliseconds of GEMMs).
-int64_t exp_rows_within(const PlanInputs& in, const Plan& p, size_t bytes, int64_t n) {
+template <typename BytesOf>
+int64_t rows_within(size_t bytes, int64_t n, BytesOf bytes_of) {
   int64_t lo = 0, hi = n;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (exp_bytes(in, p, mid) <= bytes)
+    if (bytes_of(mid) <= bytes)
       lo = mid;
     else
       hi = mid - 1;
@@ -45,11 +52,11 @@ int64_t exp_rows_within(const PlanInputs& in, const Plan& p, size_t bytes, int64
 }
 
 // The accumulator's tail (head::accumulator_tail_rows) that one call's float32 sums would keep in a 16-bit,
-// contiguous grad_weight: its rows and bytes, whole 256-byte blocks. The steps keep none (their sums outlive a
-// call, and the caller's grad_weight may change between them).
-int64_t tail_rows(const PlanInputs& in) {
-  if (dw_accumulator_bytes(in) == 0 || in.steps || !in.dw_tail || in.grad_weight_scratch == 0) return 0;
-  return head::accumulator_tail_rows(in.v, in.h, in.grad_weight_scratch);
+// contiguous grad_weight, leaving `behind` bytes of its storage after it: its rows and bytes, whole 256-byte blocks.
+// The steps keep none (their sums outlive a call, and the caller's grad_weight may change between them).
+int64_t tail_rows(const PlanInputs& in, size_t behind = 0) {
+  if (dw_accumulator_bytes(in) == 0 || in.steps || !in.dw_tail || in.grad_weight_scratch <= behind) return 0;
+  return head::accumulator_tail_rows(in.v, in.h, (in.grad_weight_scratch - behind) / 256 * 256);
 }
 size_t tail_bytes(const PlanInputs& in, int64_t rows) { return static_cast<size_t>(round_up(rows * in.h * 4, 256)); }
 
@@ -140,12 +147,26 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
         // The regions in the workspace: the budget holds whole rows. In grad_weight's storage: the budget holds the
         // exponentials of as many rows as the storage holds the regions of.
         int64_t fit = rows_in(budget, row);
+        const auto regions = [&](int64_t r) { return exp_bytes(in, p, r); };
         if (acc > 0 && room > 0)
-          fit = std::max(fit, std::min(rows_in(budget, e_row), exp_rows_within(in, p, room, max_rows)));
-        p.group_rows = even_groups(max_rows, fit);
+          fit = std::max(fit, std::min(rows_in(budget, e_row), rows_within(room, max_rows, regions)));
+        // Or the exponentials there too, in the tail's place: each byte of theirs there moves a byte of sums into the
+        // workspace, so the group may take the budget and what the longest tail leaves of the storage (the
+        // workspace then grows by no more than the budget over the accumulator with that tail, as above). Taken
+        // where that makes fewer groups (fewer accumulator passes); never one group, whose grad_weight product
+        // would write grad_weight's storage while it reads the exponentials there.
+        const size_t gw_room = std::min(in.grad_weight_scratch, budget > SIZE_MAX - room ? SIZE_MAX : budget + room);
+        const int64_t gw_fit =
+            taken > 0 && in.dlogits_in_grad_weight
+                ? rows_within(gw_room, max_rows - 1, [&](int64_t r) { return grad_weight_group_bytes(in, p, r); })
+                : 0;
+        p.dlogits_in_grad_weight =
+            gw_fit > 0 && ceil_div(max_rows, gw_fit) < ceil_div(max_rows, std::max<int64_t>(fit, 1));
+        p.group_rows = even_groups(max_rows, p.dlogits_in_grad_weight ? gw_fit : fit);
       }
       p.chunk_rows = p.group_rows;
-      p.exp_in_grad_weight = acc > 0 && p.group_rows < N && exp_bytes(in, p, p.group_rows) <= room;
+      p.exp_in_grad_weight =
+          acc > 0 && p.group_rows < N && (p.dlogits_in_grad_weight || exp_bytes(in, p, p.group_rows) <= room);
     } else {
       head::ChunkInputs c;
       c.n = N;
@@ -160,7 +181,9 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     }
     p.ld_dlogits = p.ld_logits;  // in place (float32) or a 16-bit buffer of the same row length
     p.dw_accumulator = grads && dw_accumulator_bytes(in) > 0 && p.group_rows < N;
-    if (p.dw_accumulator) p.dw_tail_rows = tail_rows(in);
+    if (p.dw_accumulator)
+      p.dw_tail_rows =
+          p.dlogits_in_grad_weight ? tail_rows(in, grad_weight_group_bytes(in, p, p.group_rows)) : tail_rows(in);
     if (grads && in.need_db) p.db_partial_rows = ceil_div(p.chunk_rows, kGradRowsPerBlock);
   } else {
     // Vocabulary chunks over every token: each chunk of grad_weight rows is complete when written (no
@@ -217,7 +240,7 @@ void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayou
   h.cublas = in.cublas_workspace_bytes;
   h.hidden = in.copy_hidden ? N * H * es : 0;
   h.logits = fused ? 0 : in.steps ? 2 * p.slot_bytes : rows * ld * 4;
-  h.dlogits = grads && !p.dlogits_in_place ? grad_rows * ldd * es : 0;
+  h.dlogits = grads && !p.dlogits_in_place && !p.dlogits_in_grad_weight ? grad_rows * ldd * es : 0;
   h.dw_acc = p.dw_accumulator ? (V - static_cast<size_t>(p.dw_tail_rows)) * H * 4 : 0;
   h.dx_acc = p.dx_accumulator ? N * H * 4 : 0;
   h.db = grads && !backward && in.need_db ? V * 4 : 0;
@@ -225,6 +248,7 @@ void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayou
   b->head.declare(L, h);
 
   if (grad_weight_scratch && p.dw_tail_rows > 0) grad_weight_scratch->add(&b->dw_tail, tail_bytes(in, p.dw_tail_rows));
+  if (grad_weight_scratch && p.dlogits_in_grad_weight) grad_weight_scratch->add(&b->head.dlogits, grad_rows * ldd * es);
   FusedBuffers& f = b->fused;
   if (fused && !grads) L.add(&f.partials, rows * static_cast<size_t>(p.stats_row));
   if (!exp_form) return;

@@ -62,6 +62,7 @@ struct PlanInputs {
   // (16-bit, rows contiguous; 256 less than its size, so that the regions start 256-aligned wherever it does).
   size_t grad_weight_scratch = 0;
   bool dw_tail = true;  // the accumulator's tail may use that storage (Plan::dw_tail_rows; off: benchmarks)
+  bool dlogits_in_grad_weight = true;  // ... and the exponentials, in its place (Plan::dlogits_in_grad_weight)
 };
 
 // The float32 grad_weight accumulator that several token groups of the gradient in forward would need, in bytes:
@@ -93,6 +94,8 @@ struct Plan {
                                     // workspace, after the accumulator's tail
   int64_t dw_tail_rows = 0;         // the accumulator's last rows kept in grad_weight's storage (head::DwAccumulator;
                                     // one call's sums only: not the steps, whose sums outlive a call)
+  bool dlogits_in_grad_weight = false;  // exponential form: the group's exponentials lie in grad_weight's storage
+                                        // too, between the tail (shorter, for them) and the per-group regions
 
   int64_t stats_row = 0;       // kHopperFused forward: bytes of tile statistics per token (16 per 256 columns)
   int64_t exp_shared_row = 0;  // exponential form: bytes per token of the region that the statistics, the scaled
@@ -139,8 +142,9 @@ struct Buffers {
 };
 
 // Every stage's regions of plan `p` in `L`, pointers into `b` (set by L.carve): the loss's, the engine's, the fused
-// path's; the accumulator's tail and those of Plan::exp_in_grad_weight in `grad_weight_scratch` instead, in that
-// order (carved at grad_weight's storage; none declared where it is null).
+// path's; the accumulator's tail, the exponentials of Plan::dlogits_in_grad_weight and the regions of
+// Plan::exp_in_grad_weight in `grad_weight_scratch` instead, in that order (carved at grad_weight's storage; none
+// declared where it is null).
 void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b,
                        head::WorkspaceLayout* grad_weight_scratch);
 inline void declare_workspace(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, Buffers* b) {

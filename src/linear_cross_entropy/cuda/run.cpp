@@ -102,6 +102,7 @@ PlanInputs plan_inputs(const Problem& p) {
   if (in.need_dw && !in.grad_weight_f32 && p.grad_weight.ld == p.hidden && gw_bytes > 256)
     in.grad_weight_scratch = gw_bytes - 256;
   in.dw_tail = hooks::hook(Hook::kLceDwTail) != 0;
+  in.dlogits_in_grad_weight = hooks::hook(Hook::kLceDwTail) == 1;
   return in;
 }
 
@@ -547,6 +548,8 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   debug::last_kernel.set(plan.kernel);
   debug::last_exp_in_grad_weight.set(plan.exp_in_grad_weight);
   debug::last_dw_tail_rows.set(plan.dw_tail_rows);
+  debug::last_dlogits_in_grad_weight.set(plan.dlogits_in_grad_weight);
+  debug::last_group_rows.set(plan.group_rows);
   Buffers b;
   head::WorkspaceLayout layout, scratch;
   declare_workspace(in, plan, layout, &b, &scratch);
