@@ -146,12 +146,12 @@ size_t linear_cross_entropy_backward_workspace_bytes(const TensorView& hidden, c
 
 // Whether the recompute schedule is expected to finish a reduced (sum/mean) loss with these gradients sooner
 // than the gradient-in-forward schedule, for N tokens of hidden size H over V classes on `device`, with the
-// gradient outputs in the inputs' dtype and hidden rows a GEMM can read in place. A cost model of the two CUDA
-// plans (src/linear_cross_entropy/cuda/plan.cpp): the recompute schedule's fourth GEMM against the
-// gradient-in-forward schedule's grad_weight accumulation over token groups (float32, or 16-bit at half the bytes
-// with GradWeightAccumulation::kWeightDtype), which the budget forces at
-// large V·H (e.g. 8192 x 2304 x 256000 with 512 MiB, where recompute is faster on H100; bench/RESULTS.md). False on
-// the CPU and for float32 inputs. The Python package's schedule="auto" asks it for bfloat16.
+// gradient outputs in the inputs' dtype, grad_weight's rows contiguous and hidden rows a GEMM can read in place. A
+// cost model of the two CUDA plans (src/linear_cross_entropy/cuda/plan.cpp): the recompute schedule's fourth GEMM
+// against the gradient-in-forward schedule's grad_weight accumulation over token groups (float32, or 16-bit at half
+// the bytes with GradWeightAccumulation::kWeightDtype), which the budget forces at large V·H (bench/RESULTS.md has
+// the shapes measured). False on the CPU and for float32 inputs. The Python package's schedule="auto" asks it for
+// bfloat16.
 bool linear_cross_entropy_recompute_is_faster(int64_t n_tokens, int64_t hidden, int64_t vocab, DType dtype,
                                               Device device, bool need_grad_hidden, bool need_grad_weight,
                                               bool need_grad_bias, const LinearCrossEntropyOptions& options);

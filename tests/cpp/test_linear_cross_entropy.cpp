@@ -1019,10 +1019,25 @@ TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
   }
 }
 
+// Two bfloat16 results at most one rounding step apart (|a - b| <= 2^-7 max(|a|, |b|)), both finite.
+::testing::AssertionResult within_one_bf16_step(const std::vector<double>& a, const std::vector<double>& b,
+                                                const std::string& what) {
+  if (a.size() != b.size())
+    return ::testing::AssertionFailure() << what << ": " << a.size() << " vs " << b.size() << " elements";
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i]) ||
+        std::fabs(a[i] - b[i]) > std::ldexp(std::max(std::fabs(a[i]), std::fabs(b[i])), -7))
+      return ::testing::AssertionFailure() << what << "[" << i << "]: " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
 // A budget small beside grad_weight: the fused gradient in forward keeps the group's exponentials in grad_weight's
 // storage too, after a shorter accumulator tail (plan.h, Plan::dlogits_in_grad_weight), for fewer groups than the
-// budget alone holds. The same bits as those groups with every region in the workspace (grad_weight's rows padded),
-// and the CPU backend's values.
+// budget alone holds. Against those groups with every region in the workspace (grad_weight's rows padded): the same
+// exponentials, so the same bits of loss, lse and grad_hidden; grad_weight's products split its rows elsewhere (no
+// tail there), so other kernels may run them (cuBLAS's or the Hopper accumulating one, which takes row counts in
+// whole 8s), summing these group lengths (not multiples of 16) in another order: within a bfloat16 rounding step.
+// And the CPU backend's values.
 TEST(LinearCrossEntropyCudaFused, ExponentialsInGradWeightMatchTheWorkspace) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const bool fused = fused_kernels_run();
@@ -1048,7 +1063,10 @@ TEST(LinearCrossEntropyCudaFused, ExponentialsInGradWeightMatchTheWorkspace) {
     const Outputs in_ws = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, padded);
     EXPECT_FALSE(lce::debug::last_dlogits_in_grad_weight.get());
     EXPECT_EQ(lce::debug::last_group_rows.get(), rows);
-    expect_same_finite_bits(in_gw, in_ws, "exponentials in grad_weight against the workspace");
+    EXPECT_TRUE(same_finite_bits(in_gw.loss, in_ws.loss, "loss"));
+    EXPECT_TRUE(same_finite_bits(in_gw.lse, in_ws.lse, "lse"));
+    EXPECT_TRUE(same_finite_bits(in_gw.dx, in_ws.dx, "grad_hidden"));
+    EXPECT_TRUE(within_one_bf16_step(in_gw.dw, in_ws.dw, "grad_weight"));
   }
 }
 #endif
@@ -1327,6 +1345,15 @@ TEST(LinearCrossEntropyPlan, RecomputeWhereTheGradientAccumulatorCostsMore) {
     f.fused = f.fused_exp = true;
     EXPECT_EQ(lce::recompute_is_faster(f), want) << n << "x" << h << "x" << v;
   }
+  // With grad_weight's storage (contiguous rows, as the Python package allocates it) the fused plan keeps the
+  // exponentials there: 5 groups of 1664 at V=256000, the gradient in forward (1.18x the GEMMs against recompute's
+  // 1.28x on H100, bench/RESULTS.md); a quarter of the budget makes 9 groups of 911, recompute again.
+  lce::PlanInputs wide = llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000);
+  wide.fused = wide.fused_exp = true;
+  wide.grad_weight_scratch = size_t{256000} * 2304 * 2 - 256;
+  EXPECT_FALSE(lce::recompute_is_faster(wide));
+  wide.memory_budget = size_t{128} << 20;
+  EXPECT_TRUE(lce::recompute_is_faster(wide));
   // A bigger budget removes the accumulations at V=256000 (every token's 4.2 GB gradient fits 4 GiB + the
   // 2.4 GB accumulator it replaces).
   lce::PlanInputs in = llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000);

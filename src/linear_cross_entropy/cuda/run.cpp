@@ -523,6 +523,8 @@ bool cuda_recompute_is_faster(const Problem& p, bool need_dx, bool need_dw, bool
   in.need_dw = need_dw;
   in.need_db = need_db;
   in.grad_hidden_f32 = in.grad_weight_f32 = false;  // in the inputs' dtype
+  const size_t gw_bytes = static_cast<size_t>(p.vocab) * static_cast<size_t>(p.hidden) * dtype_size(p.dtype);
+  if (need_dw && gw_bytes > 256) in.grad_weight_scratch = gw_bytes - 256;  // ... with contiguous rows
   return recompute_is_faster(in);
 }
 
