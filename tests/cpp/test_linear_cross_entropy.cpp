@@ -1019,15 +1019,20 @@ TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
   }
 }
 
-// Two bfloat16 results at most one rounding step apart (|a - b| <= 2^-7 max(|a|, |b|)), both finite.
+// Two bfloat16 results of float32 sums taken in different orders, both finite: at most one rounding step apart
+// (2^-7 of the larger), or, where the sum cancels to near zero, within float32's rounding of the largest
+// magnitude (2^-20 of it).
 ::testing::AssertionResult within_one_bf16_step(const std::vector<double>& a, const std::vector<double>& b,
                                                 const std::string& what) {
   if (a.size() != b.size())
     return ::testing::AssertionFailure() << what << ": " << a.size() << " vs " << b.size() << " elements";
+  double largest = 0;
+  for (const double x : a) largest = std::max(largest, std::fabs(x));
   for (size_t i = 0; i < a.size(); ++i)
     if (!std::isfinite(a[i]) || !std::isfinite(b[i]) ||
-        std::fabs(a[i] - b[i]) > std::ldexp(std::max(std::fabs(a[i]), std::fabs(b[i])), -7))
-      return ::testing::AssertionFailure() << what << "[" << i << "]: " << a[i] << " vs " << b[i];
+        std::fabs(a[i] - b[i]) > std::ldexp(std::max(std::fabs(a[i]), std::fabs(b[i])), -7) + std::ldexp(largest, -20))
+      return ::testing::AssertionFailure()
+             << what << "[" << i << "]: " << a[i] << " vs " << b[i] << " (largest " << largest << ")";
   return ::testing::AssertionSuccess();
 }
 
@@ -1346,13 +1351,13 @@ TEST(LinearCrossEntropyPlan, RecomputeWhereTheGradientAccumulatorCostsMore) {
     EXPECT_EQ(lce::recompute_is_faster(f), want) << n << "x" << h << "x" << v;
   }
   // With grad_weight's storage (contiguous rows, as the Python package allocates it) the fused plan keeps the
-  // exponentials there: 5 groups of 1664 at V=256000, the gradient in forward (1.18x the GEMMs against recompute's
-  // 1.28x on H100, bench/RESULTS.md); a quarter of the budget makes 9 groups of 911, recompute again.
+  // exponentials there: 4 groups of 2048 at V=256000, the gradient in forward (bench/RESULTS.md); an eighth of the
+  // budget makes 9 groups of 911, recompute again.
   lce::PlanInputs wide = llama_inputs(Pass::kForwardBackward, 8192, 2304, 256000);
   wide.fused = wide.fused_exp = true;
   wide.grad_weight_scratch = size_t{256000} * 2304 * 2 - 256;
   EXPECT_FALSE(lce::recompute_is_faster(wide));
-  wide.memory_budget = size_t{128} << 20;
+  wide.memory_budget = size_t{64} << 20;
   EXPECT_TRUE(lce::recompute_is_faster(wide));
   // A bigger budget removes the accumulations at V=256000 (every token's 4.2 GB gradient fits 4 GiB + the
   // 2.4 GB accumulator it replaces).
@@ -1502,8 +1507,8 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
 // it: the exponential form's per-group regions go there (Plan::exp_in_grad_weight) and the budget holds the
 // exponentials alone. At the fine-tuning shape that makes 8 groups of 2048 tokens instead of 9. At 256000 classes,
 // where grad_weight's storage outgrows the budget, the exponentials go there too (Plan::dlogits_in_grad_weight), in
-// the accumulator tail's place: 5 groups of 1664 instead of 8 of 1024, and no larger a workspace. Groups are cut
-// evenly, so that no short last group costs a whole accumulator pass.
+// the accumulator tail's place: 4 groups of 2048 instead of 8 of 1024, in at most one budget more workspace. Groups
+// are cut evenly, so that no short last group costs a whole accumulator pass.
 TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 16384, 2048, 128256);
   in.fused = in.fused_exp = true;
@@ -1548,7 +1553,7 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   wide.grad_weight_scratch = size_t{256000} * 2304 * 2 - 256;
   S = head::WorkspaceLayout{};
   laid(wide, &p, &b, &S);
-  EXPECT_EQ(p.group_rows, 1664);
+  EXPECT_EQ(p.group_rows, 2048);
   EXPECT_TRUE(p.dlogits_in_grad_weight);
   EXPECT_TRUE(p.exp_in_grad_weight);
   EXPECT_LE(S.bytes(), wide.grad_weight_scratch);
@@ -1560,20 +1565,21 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   EXPECT_GE(reinterpret_cast<uintptr_t>(b.head.dlogits),
             (uintptr_t{1} << 44) + static_cast<uintptr_t>(p.dw_tail_rows) * 2304 * 4);
   EXPECT_GE(reinterpret_cast<uintptr_t>(b.fused.shift),
-            reinterpret_cast<uintptr_t>(b.head.dlogits) + static_cast<uintptr_t>(1664 * p.ld_dlogits * 2));
-  EXPECT_EQ(p.dw_tail_rows, 256000 - 223488);
-  // A smaller workspace than with the exponentials in it beside the longest tail (2033 MiB).
-  EXPECT_LT(p.bytes, size_t{2000} << 20);
+            reinterpret_cast<uintptr_t>(b.head.dlogits) + static_cast<uintptr_t>(2048 * p.ld_dlogits * 2));
+  EXPECT_EQ(p.dw_tail_rows, 256000 - 245504);
+  // At most one budget over the workspace of the budget's exponentials beside the longest tail.
+  wide.dlogits_in_grad_weight = false;
+  const lce::Plan budget_plan = lce::plan_linear_cross_entropy(wide);
+  wide.dlogits_in_grad_weight = true;
+  EXPECT_EQ(budget_plan.group_rows, 1024);
+  EXPECT_EQ(budget_plan.dw_tail_rows, 256000 - 170752);
+  EXPECT_GT(p.bytes, budget_plan.bytes);
+  EXPECT_LE(p.bytes, budget_plan.bytes + wide.memory_budget);
   // Without the tail (a benchmark's switch): the budget holds the exponentials, 8 groups of 1024.
   wide.dw_tail = false;
   EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 1024);
   EXPECT_FALSE(lce::plan_linear_cross_entropy(wide).dlogits_in_grad_weight);
   wide.dw_tail = true;
-  // The tail alone (the other benchmark setting): its longest, and the budget's groups.
-  wide.dlogits_in_grad_weight = false;
-  EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 1024);
-  EXPECT_EQ(lce::plan_linear_cross_entropy(wide).dw_tail_rows, 256000 - 170752);
-  wide.dlogits_in_grad_weight = true;
   // Without the scratch (a grad_weight with padded rows): the per-token regions count in the budget (528032 bytes
   // a token: 1016 fit), 9 even groups of 911 (1024-row tiles do not fit).
   wide.grad_weight_scratch = 0;
@@ -1652,9 +1658,9 @@ TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
               EXPECT_EQ(p.dw_tail_rows,
                         head::accumulator_tail_rows(v, h, (in.grad_weight_scratch - behind) / 256 * 256));
               EXPECT_EQ(S.bytes(), bytes32(p.dw_tail_rows) + behind);
-              // The workspace's accumulator grows by no more than the budget (and a 128-row tile) over its rows
-              // beside the longest tail.
-              EXPECT_LE(bytes32(v - p.dw_tail_rows), bytes32(v - tail) + budget + bytes32(128));
+              // The workspace's accumulator grows by no more than twice the budget (and a 128-row tile) over its
+              // rows beside the longest tail: one budget more than the plan with the budget's exponentials there.
+              EXPECT_LE(bytes32(v - p.dw_tail_rows), bytes32(v - tail) + 2 * budget + bytes32(128));
             }
             if (p.group_rows == n) continue;  // one group (a budget that holds it, or every token for the accumulator)
             // Several groups: the budget holds the group's exponentials and, unless they lie in grad_weight's storage,
@@ -1663,7 +1669,7 @@ TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
             const auto fits = [&](int64_t rows, int where) {
               if (where == 0) return static_cast<size_t>(rows) * row <= budget;
               if (where == 1) return static_cast<size_t>(rows) * e_row <= budget && regions(rows) <= room;
-              return tail > 0 && rows < n && with_dlogits(rows) <= std::min(in.grad_weight_scratch, budget + room);
+              return tail > 0 && rows < n && with_dlogits(rows) <= std::min(in.grad_weight_scratch, 2 * budget + room);
             };
             EXPECT_TRUE(fits(p.group_rows, p.dlogits_in_grad_weight ? 2 : p.exp_in_grad_weight ? 1 : 0));
             // And no fewer groups would do, any way.

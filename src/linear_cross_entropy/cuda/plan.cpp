@@ -150,12 +150,14 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
         const auto regions = [&](int64_t r) { return exp_bytes(in, p, r); };
         if (acc > 0 && room > 0)
           fit = std::max(fit, std::min(rows_in(budget, e_row), rows_within(room, max_rows, regions)));
-        // Or the exponentials there too, in the tail's place: each byte of theirs there moves a byte of sums into the
-        // workspace, so the group may take the budget and what the longest tail leaves of the storage (the
-        // workspace then grows by no more than the budget over the accumulator with that tail, as above). Taken
-        // where that makes fewer groups (fewer accumulator passes); never one group, whose grad_weight product
-        // would write grad_weight's storage while it reads the exponentials there.
-        const size_t gw_room = std::min(in.grad_weight_scratch, budget > SIZE_MAX - room ? SIZE_MAX : budget + room);
+        // Or the exponentials there too, in the tail's place: each byte of theirs there moves a byte of sums back
+        // into the workspace, which then holds no exponentials. The workspace may so grow by one budget over the
+        // plan above (the budget's exponentials beside the longest tail): the group takes up to the storage the
+        // longest tail leaves and twice the budget. Taken where that makes fewer groups, so fewer and longer
+        // accumulator passes (bench/RESULTS.md: at 256000 classes, 4 groups of 2048 against 8 of 1024). Never one
+        // group, whose grad_weight product would write that storage while it reads them.
+        const size_t twice = budget > SIZE_MAX / 2 ? SIZE_MAX : 2 * budget;
+        const size_t gw_room = std::min(in.grad_weight_scratch, twice > SIZE_MAX - room ? SIZE_MAX : twice + room);
         const int64_t gw_fit =
             taken > 0 && in.dlogits_in_grad_weight
                 ? rows_within(gw_room, max_rows - 1, [&](int64_t r) { return grad_weight_group_bytes(in, p, r); })
