@@ -2001,12 +2001,19 @@ TEST(LinearCrossEntropySchedule, RecomputeIsFasterQuery) {
       "dtype"));
 }
 
+#if defined(LOGITLESS_WITH_CUDA)  // fused_kernels_run
 TEST(LinearCrossEntropyCudaSchedule, RecomputeIsFasterQuery) {
   LOGITLESS_SKIP_WITHOUT_GPU();
-  const LinearCrossEntropyOptions o;
+  LinearCrossEntropyOptions o;
   const Device gpu{DeviceType::kCUDA, 0};
+  // 256000 classes: the fused kernels' exponentials in grad_weight's storage make 4 token groups (gradient in
+  // forward); the generic ones 13. An eighth of the budget makes more groups either way (recompute).
+  EXPECT_EQ(linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, gpu, true, true, false, o),
+            !fused_kernels_run());
+  o.memory_budget = size_t{64} << 20;
   EXPECT_TRUE(
       linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, gpu, true, true, false, o));
+  o.memory_budget = size_t{512} << 20;
   EXPECT_FALSE(
       linear_cross_entropy_recompute_is_faster(16384, 2048, 128256, DType::kBFloat16, gpu, true, true, false, o));
   EXPECT_FALSE(
@@ -2016,6 +2023,7 @@ TEST(LinearCrossEntropyCudaSchedule, RecomputeIsFasterQuery) {
   EXPECT_FALSE(
       linear_cross_entropy_recompute_is_faster(8192, 2304, 256000, DType::kBFloat16, gpu, true, false, false, o));
 }
+#endif
 
 TEST(LinearCrossEntropyCudaErrors, BadTargetAndSmallWorkspace) {
   LOGITLESS_SKIP_WITHOUT_GPU();
