@@ -18,8 +18,8 @@ float16 takes the recompute schedule under "auto": its gradient of the logits, f
 gradient is known, would be too small for float16 (a loss scaler's factor arrives only in the backward) and
 flush to zero; the recompute backward forms it with that factor applied. For bfloat16 on CUDA, "auto" asks the
 library's cost model (``logitless::linear_cross_entropy_recompute_is_faster``): where the memory budget forces the
-gradient-in-forward schedule to sum grad_weight over many token groups in float32 (large V·H, e.g. V=256000), the
-recompute schedule's fourth GEMM costs less.
+gradient-in-forward schedule to sum grad_weight over many token groups in float32 (large V·H with a small budget,
+or with the generic kernels at V=256000), the recompute schedule's fourth GEMM costs less.
 """
 from __future__ import annotations
 
