@@ -83,9 +83,7 @@ int main(int argc, char** argv) {
   const GemmBenchArgs args(argc, argv, 128256, 2048, 2048, 7);
   const int64_t M = args.dims[0], N = args.dims[1], K = args.dims[2];
   const int rounds = args.rounds;
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
+  const cudaDeviceProp prop = bench_device();
   const int sms = prop.multiProcessorCount;
   std::printf("device: %s, %d SMs; M=%lld N=%lld K=%lld, %d rounds\n", prop.name, sms, (long long)M, (long long)N,
               (long long)K, rounds);

@@ -73,9 +73,7 @@ float median_ms(F&& f, int iters = 20) {
 int main(int argc, char** argv) {
   std::vector<std::pair<int64_t, int64_t>> shapes = {{16384, 128256}, {4096, 256000}};
   if (argc == 3) shapes = {{std::atoll(argv[1]), std::atoll(argv[2])}};
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // rows survive a timeout
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
+  const cudaDeviceProp prop = bench_device();
   std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
   std::printf("%-16s %-28s %9s %9s %8s\n", "shape", "variant", "ms", "GB/s", "%copy");
   for (auto [N, V] : shapes) {

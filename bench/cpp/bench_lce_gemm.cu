@@ -48,9 +48,7 @@ int main(int argc, char** argv) {
   const GemmBenchArgs args(argc, argv, 8192, 4096, 128256, 7);
   const int64_t N = args.dims[0], H = args.dims[1], V = args.dims[2];
   const int rounds = args.rounds;
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
+  const cudaDeviceProp prop = bench_device();
   std::printf("device: %s, %d SMs; N=%lld H=%lld V=%lld, %d rounds\n", prop.name, prop.multiProcessorCount,
               (long long)N, (long long)H, (long long)V, rounds);
   if (!lce::debug::fused_kernels_built() || !fused_gemm_supported(0, DType::kBFloat16, nullptr, H, nullptr, H, H)) {

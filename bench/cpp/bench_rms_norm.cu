@@ -134,9 +134,7 @@ static float per_call_ms(F&& f, int batch = 10, int samples = 15) {
 int main(int argc, char** argv) {
   std::vector<std::pair<int64_t, int64_t>> shapes = {{16384, 2048}, {16384, 4096}, {16384, 8192}};
   if (argc == 3) shapes = {{std::atoll(argv[1]), std::atoll(argv[2])}};
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // rows survive a timeout
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
+  const cudaDeviceProp prop = bench_device();
   std::printf("device: %s, %d SMs, L2 %d MB; %% of a D2D copy per variant (- refused, ! mismatch)\n", prop.name,
               prop.multiProcessorCount, prop.l2CacheSize >> 20);
 

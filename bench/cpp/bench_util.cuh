@@ -30,6 +30,14 @@
     }                                                      \
   } while (0)
 
+// Device 0's properties, with stdout line-buffered so that the rows printed so far survive a timeout.
+inline cudaDeviceProp bench_device() {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  return prop;
+}
+
 // The GEMM micro-benchmarks' command line: `[D0 D1 D2 [rounds [variant...]]]`, three problem sizes, the timed
 // rounds (at least 1) and the variants to run (none named: every one).
 struct GemmBenchArgs {

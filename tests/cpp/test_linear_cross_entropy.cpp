@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -984,6 +985,13 @@ void expect_same_finite_bits(const Outputs& a, const Outputs& b, const std::stri
 }
 
 #if defined(LOGITLESS_WITH_CUDA)
+// bfloat16 cases of the fused gradient in forward over several token groups, whose scratch can lie in grad_weight's
+// storage: plain mean, shifted rows with class weights and sum, z-loss with per-token losses.
+constexpr LceCase kScratchCases[] = {
+    {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
+    {256, 128, 4099, DType::kBFloat16, Layout::kShifted, Preset::kWeights, Reduction::kSum, false},
+    {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kZLoss, Reduction::kNone, false}};
+
 // The gradient in forward over several token groups keeps the float32 accumulator's last rows and (fused) its
 // per-group regions in grad_weight's storage when grad_weight's rows are contiguous, in the workspace when they are
 // padded (plan.h, Plan::dw_tail_rows and exp_in_grad_weight): the same groups (explicit chunk_tokens) give the same
@@ -991,12 +999,9 @@ void expect_same_finite_bits(const Outputs& a, const Outputs& b, const std::stri
 TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const bool fused = fused_kernels_run();
-  const LceCase cases[] = {
-      {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
-      {256, 128, 4099, DType::kBFloat16, Layout::kShifted, Preset::kWeights, Reduction::kSum, false},
-      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kZLoss, Reduction::kNone, false},
-      // the generic gradient in forward (soft cap, smoothing, bias): the accumulator's tail alone
-      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true}};
+  std::vector<LceCase> cases(std::begin(kScratchCases), std::end(kScratchCases));
+  // the generic gradient in forward (soft cap, smoothing, bias): the accumulator's tail alone
+  cases.push_back({200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true});
   for (const LceCase& c : cases) {
     SCOPED_TRACE(case_name(c));
     LceInputs in(c, seed_of(c));
@@ -1046,11 +1051,7 @@ TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
 TEST(LinearCrossEntropyCudaFused, ExponentialsInGradWeightMatchTheWorkspace) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const bool fused = fused_kernels_run();
-  const LceCase cases[] = {
-      {333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false},
-      {256, 128, 4099, DType::kBFloat16, Layout::kShifted, Preset::kWeights, Reduction::kSum, false},
-      {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kZLoss, Reduction::kNone, false}};
-  for (const LceCase& c : cases) {
+  for (const LceCase& c : kScratchCases) {
     SCOPED_TRACE(case_name(c));
     LceInputs in(c, seed_of(c));
     in.opt.memory_budget = static_cast<size_t>(16 * ((c.v + 7) / 8 * 8) * 2);  // 16 tokens' exponentials

@@ -184,8 +184,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     p.ld_dlogits = p.ld_logits;  // in place (float32) or a 16-bit buffer of the same row length
     p.dw_accumulator = grads && dw_accumulator_bytes(in) > 0 && p.group_rows < N;
     if (p.dw_accumulator)
-      p.dw_tail_rows =
-          p.dlogits_in_grad_weight ? tail_rows(in, grad_weight_group_bytes(in, p, p.group_rows)) : tail_rows(in);
+      p.dw_tail_rows = tail_rows(in, p.dlogits_in_grad_weight ? grad_weight_group_bytes(in, p, p.group_rows) : 0);
     if (grads && in.need_db) p.db_partial_rows = ceil_div(p.chunk_rows, kGradRowsPerBlock);
   } else {
     // Vocabulary chunks over every token: each chunk of grad_weight rows is complete when written (no
