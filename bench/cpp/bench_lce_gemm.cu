@@ -6,6 +6,7 @@
 //   stats     per-tile softmax statistics (the recompute forward)
 //   exp       statistics and E = exp(z - shift) in bfloat16 (the gradient in forward)
 //   grad      d(loss)/dZ in bfloat16 from a given lse (the recompute backward)
+//   exp_max   exp with every tile's maximum taken before its exponentials (common/debug_hooks.h, kLceExpOnShift)
 //   mainloop_pp, exp_pp  mainloop and exp on the ping-pong schedule (the consumer warpgroups alternate: one's epilogue
 //             under the other's WGMMAs; common/debug_hooks.h, kLceFusedPingPong), the others cooperative
 // and, for the gradient in forward's other two products, cuBLAS's dX = E W (dx_f32, dx_bf16: its output dtype) and
@@ -131,12 +132,15 @@ int main(int argc, char** argv) {
   };
   // The launch on one schedule (0 cooperative, 1 ping-pong), the hook as it was after it: each variant names its
   // schedule, whatever the library's default.
-  const auto on_schedule = [](int64_t schedule, const std::function<void()>& launch) {
-    using logitless::debug::Hook;
-    const int64_t before = logitless::debug::hook(Hook::kLceFusedPingPong);
-    logitless::debug::set_hook(Hook::kLceFusedPingPong, schedule);
+  using logitless::debug::Hook;
+  const auto with_hook = [](Hook h, int64_t value, const std::function<void()>& launch) {
+    const int64_t before = logitless::debug::hook(h);
+    logitless::debug::set_hook(h, value);
     launch();
-    logitless::debug::set_hook(Hook::kLceFusedPingPong, before);
+    logitless::debug::set_hook(h, before);
+  };
+  const auto on_schedule = [&](int64_t schedule, const std::function<void()>& launch) {
+    with_hook(Hook::kLceFusedPingPong, schedule, launch);
   };
   const auto cooperative = [&](const std::function<void()>& launch) { on_schedule(0, launch); };
   const auto pingpong = [&](const std::function<void()>& launch) { on_schedule(1, launch); };
@@ -175,6 +179,8 @@ int main(int argc, char** argv) {
       {"stats", [&] { launch_fused_stats(f, sms, nullptr); }},
       {"exp", [&] { cooperative([&] { launch_fused_exp(f, sms, nullptr); }); }},
       {"exp_pp", [&] { pingpong([&] { launch_fused_exp(f, sms, nullptr); }); }},
+      {"exp_max",
+       [&] { cooperative([&] { with_hook(Hook::kLceExpOnShift, 0, [&] { launch_fused_exp(f, sms, nullptr); }); }); }},
       {"grad", [&] { launch_fused_grad(f, sms, nullptr); }},
   };
   std::vector<Variant> vs;

@@ -31,13 +31,18 @@ enum class Hook : int {
   // linear_cross_entropy/cuda/plan.h, Plan::dw_tail_rows and dlogits_in_grad_weight), the tail alone (2) or all of
   // the accumulator in the workspace (0) (benchmarks).
   kLceDwTail,
+  // Linear cross-entropy: the fused exponentials of an interior tile taken on the row's shift with no maximum first
+  // (1, the default: linear_cross_entropy/cuda/hopper/epilogue_exp.cuh, EpilogueExp::tile_on_shift), or after the
+  // tile's
+  // maximum everywhere (0: tests, benchmarks).
+  kLceExpOnShift,
   kCount
 };
 
 int64_t hook(Hook h);
 void set_hook(Hook h, int64_t value);
 // The hook of that name ("lce_fused_kernels", "lce_exp_form", "lce_exp_fixup_all", "head_accumulate_gemm",
-// "lce_fused_pingpong", "lce_dw_tail") set; false if none has it.
+// "lce_fused_pingpong", "lce_dw_tail", "lce_exp_on_shift") set; false if none has it.
 bool set_hook(const char* name, int64_t value);
 
 // A typed hook or observer shared by every thread: a plan rewrite a test or benchmark sets and a launcher reads,

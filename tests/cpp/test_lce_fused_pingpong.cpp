@@ -1,12 +1,17 @@
-// The fused Hopper exponentials' two schedules (linear_cross_entropy/cuda/hopper/kernel.cuh, kernel_pingpong.cuh;
-// common/debug_hooks.h's kLceFusedPingPong) on the same inputs: the same WGMMAs in the same k order and the same
-// epilogue per element, so E, the tile statistics and the row statistics' partials must agree to the bit. Outputs
-// are poisoned with a different byte pattern before each run, so that an element one schedule leaves unwritten
-// differs too. The end-to-end check against the CPU backend is in test_linear_cross_entropy.cpp.
+// Variants of the fused Hopper exponentials (linear_cross_entropy/cuda/hopper/) on the same inputs, which must agree
+// to the bit:
+// - the two schedules (kernel.cuh, kernel_pingpong.cuh; common/debug_hooks.h's kLceFusedPingPong): the same WGMMAs
+//   in the same k order and the same epilogue per element, so E, the tile statistics and the row statistics'
+//   partials;
+// - interior tiles on shift or after the tile's maximum (epilogue_exp.cuh; kLceExpOnShift): the same E and
+//   statistics, except E in rows whose tile is far above shift (which exp_fixup rewrites).
+// Outputs are poisoned with a different byte pattern before each run, so that an element one variant leaves
+// unwritten differs too. The end-to-end check against the CPU backend is in test_linear_cross_entropy.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common/debug_hooks.h"
@@ -22,29 +27,31 @@ namespace {
 
 using logitless::debug::Hook;
 
-// The kLceFusedPingPong hook at `on` for the scope, as it was after it.
-class PingPongScope {
+// A hook at `value` for the scope, as it was after it.
+class HookScope {
  public:
-  explicit PingPongScope(bool on) : before_(logitless::debug::hook(Hook::kLceFusedPingPong)) {
-    logitless::debug::set_hook(Hook::kLceFusedPingPong, on ? 1 : 0);
-  }
-  ~PingPongScope() { logitless::debug::set_hook(Hook::kLceFusedPingPong, before_); }
-  PingPongScope(const PingPongScope&) = delete;
-  PingPongScope& operator=(const PingPongScope&) = delete;
+  HookScope(Hook h, int64_t value) : h_(h), before_(logitless::debug::hook(h)) { logitless::debug::set_hook(h, value); }
+  ~HookScope() { logitless::debug::set_hook(h_, before_); }
+  HookScope(const HookScope&) = delete;
+  HookScope& operator=(const HookScope&) = delete;
 
  private:
+  Hook h_;
   int64_t before_;
 };
 
-// The hook is read at each call and set back by the scope; it is also known by name (benchmark harnesses).
+// The hooks are read at each call and set back by the scope; they are also known by name (benchmark harnesses).
 TEST(LinearCrossEntropyFusedPingPongHook, ScopeRestoresTheHook) {
-  const int64_t before = logitless::debug::hook(Hook::kLceFusedPingPong);
-  {
-    const PingPongScope scope(before == 0);
-    EXPECT_EQ(logitless::debug::hook(Hook::kLceFusedPingPong), before == 0 ? 1 : 0);
+  for (const auto& [hook, name] : {std::pair{Hook::kLceFusedPingPong, "lce_fused_pingpong"},
+                                   std::pair{Hook::kLceExpOnShift, "lce_exp_on_shift"}}) {
+    const int64_t before = logitless::debug::hook(hook);
+    {
+      const HookScope scope(hook, before == 0 ? 1 : 0);
+      EXPECT_EQ(logitless::debug::hook(hook), before == 0 ? 1 : 0) << name;
+    }
+    EXPECT_EQ(logitless::debug::hook(hook), before) << name;
+    EXPECT_TRUE(logitless::debug::set_hook(name, before)) << name;
   }
-  EXPECT_EQ(logitless::debug::hook(Hook::kLceFusedPingPong), before);
-  EXPECT_TRUE(logitless::debug::set_hook("lce_fused_pingpong", before));
 }
 
 #if defined(LOGITLESS_WITH_CUDA)
@@ -92,7 +99,13 @@ struct ExpOutputs {
   std::vector<float> e, partials, row_partials;
 };
 
-ExpOutputs run_fused_exp(const ExpInputs& in, bool pingpong, bool row_stats, uint8_t poison) {
+// The variant a run takes: its schedule and whether interior tiles go on shift.
+struct ExpVariant {
+  bool pingpong = false;
+  bool on_shift = true;
+};
+
+ExpOutputs run_fused_exp(const ExpInputs& in, ExpVariant variant, bool row_stats, uint8_t poison) {
   const ExpShape& s = in.s;
   const int64_t tiles = (s.n + lce::kFusedTileCols - 1) / lce::kFusedTileCols;
   const int64_t ld_e = (s.n + 7) / 8 * 8 + 8;  // padded rows: what lies past n is never compared
@@ -120,7 +133,8 @@ ExpOutputs run_fused_exp(const ExpInputs& in, bool pingpong, bool row_stats, uin
   f.ld_dlogits = ld_e;
   f.row_partials = row_stats ? static_cast<float*>(row_partials.view(true).data) : nullptr;
   {
-    const PingPongScope scope(pingpong);
+    const HookScope schedule(Hook::kLceFusedPingPong, variant.pingpong ? 1 : 0);
+    const HookScope on_shift(Hook::kLceExpOnShift, variant.on_shift ? 1 : 0);
     lce::launch_fused_exp(f, device_sm_count(), nullptr);
   }
   device_synchronize();
@@ -136,24 +150,30 @@ ExpOutputs run_fused_exp(const ExpInputs& in, bool pingpong, bool row_stats, uin
   return out;
 }
 
-// Bitwise equality (NaN payloads included), naming the first element that differs.
+// Bitwise equality (NaN payloads included) of rows [0, size / cols) except those `skip` names, naming the first
+// element that differs.
+template <class Skip>
 ::testing::AssertionResult same_bits(const std::vector<float>& a, const std::vector<float>& b, int64_t cols,
-                                     const char* what) {
+                                     const char* what, Skip&& skip) {
   if (a.size() != b.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
   for (size_t i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0)
+    if (!skip(static_cast<int64_t>(i) / cols) && std::memcmp(&a[i], &b[i], sizeof(float)) != 0)
       return ::testing::AssertionFailure()
              << what << ": first difference at row " << static_cast<int64_t>(i) / cols << ", column "
-             << static_cast<int64_t>(i) % cols << ": " << a[i] << " (cooperative) vs " << b[i] << " (ping-pong)";
+             << static_cast<int64_t>(i) % cols << ": " << a[i] << " vs " << b[i];
   return ::testing::AssertionSuccess();
+}
+::testing::AssertionResult same_bits(const std::vector<float>& a, const std::vector<float>& b, int64_t cols,
+                                     const char* what) {
+  return same_bits(a, b, cols, what, [](int64_t) { return false; });
 }
 
 void expect_schedules_agree(const ExpShape& s, bool row_stats) {
   SCOPED_TRACE(::testing::Message() << "m=" << s.m << " n=" << s.n << " k=" << s.k
                                     << (row_stats ? " with row statistics" : ""));
   const ExpInputs in(s);
-  const ExpOutputs cooperative = run_fused_exp(in, /*pingpong=*/false, row_stats, 0xA5);
-  const ExpOutputs pingpong = run_fused_exp(in, /*pingpong=*/true, row_stats, 0x5A);
+  const ExpOutputs cooperative = run_fused_exp(in, ExpVariant{false, true}, row_stats, 0xA5);
+  const ExpOutputs pingpong = run_fused_exp(in, ExpVariant{true, true}, row_stats, 0x5A);
   const int64_t tile_cols = (s.n + lce::kFusedTileCols - 1) / lce::kFusedTileCols * 4;
   EXPECT_TRUE(same_bits(cooperative.e, pingpong.e, s.n, "E"));
   EXPECT_TRUE(same_bits(cooperative.partials, pingpong.partials, tile_cols, "partials"));
@@ -181,6 +201,35 @@ TEST(LinearCrossEntropyCudaFusedPingPong, RowStatisticsMatchCooperative) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   if (!hopper_with_fused_kernels()) GTEST_SKIP() << "no sm_90 device or no fused kernels in this build";
   for (const ExpShape& s : kShapes) expect_schedules_agree(s, /*row_stats=*/true);
+}
+
+// Interior tiles on shift against the maximum first, on both schedules. Besides the inputs' rows (shifts near the
+// logits), every 11th row has a shift 100 below them (its tiles are far: the sums on shift exceed e^64, so the
+// warp takes the maxima after its exponentials), and rows 7 and 40 (when in the problem) a shift of -inf and NaN
+// (their warps take the maximum first). The statistics must agree everywhere, E outside the far rows.
+TEST(LinearCrossEntropyCudaFused, ExponentialsOnShiftMatchMaximumFirst) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  if (!hopper_with_fused_kernels()) GTEST_SKIP() << "no sm_90 device or no fused kernels in this build";
+  for (const ExpShape& s : kShapes) {
+    ExpInputs in(s);
+    const auto far = [](int64_t r) { return r % 11 == 4; };
+    for (int64_t r = 0; r < s.m; ++r)
+      if (far(r)) in.shift.set(r, -100.f);
+    if (s.m > 40) {
+      in.shift.set(7, -INFINITY);
+      in.shift.set(40, NAN);
+    }
+    in.shift.to_device();
+    const int64_t tile_cols = (s.n + lce::kFusedTileCols - 1) / lce::kFusedTileCols * 4;
+    for (const bool pingpong : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "m=" << s.m << " n=" << s.n << " k=" << s.k
+                                        << (pingpong ? " ping-pong" : " cooperative"));
+      const ExpOutputs first = run_fused_exp(in, ExpVariant{pingpong, false}, false, 0xA5);
+      const ExpOutputs on_shift = run_fused_exp(in, ExpVariant{pingpong, true}, false, 0x5A);
+      EXPECT_TRUE(same_bits(first.partials, on_shift.partials, tile_cols, "partials"));
+      EXPECT_TRUE(same_bits(first.e, on_shift.e, s.n, "E outside the far rows", far));
+    }
+  }
 }
 
 #endif

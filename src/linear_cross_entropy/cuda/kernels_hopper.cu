@@ -163,6 +163,7 @@ void launch_fused_exp(const FusedGemmParams& p, int sm_count, cudaStream_t strea
   a.e = p.dlogits;
   a.ld_e = p.ld_dlogits;
   a.row_partials = p.row_partials;
+  a.on_shift = logitless::debug::hook(logitless::debug::Hook::kLceExpOnShift) != 0;
   if (p.row_partials)
     launch_either_schedule<bf16, EpilogueExpRowStats<bf16>>(p, a, sm_count, stream);
   else

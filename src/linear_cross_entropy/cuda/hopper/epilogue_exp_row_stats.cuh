@@ -121,14 +121,15 @@ struct EpilogueExpRowStats {
     bool valid[2];
     CUTE_UNROLL
     for (int i = 0; i < 2; ++i) {
-      valid[i] = d.t.kind[i] == ce::RowKind::kValid;
+      const ce::RowKind kind = d.t.kind(lr, i);
+      valid[i] = kind == ce::RowKind::kValid;
       const float shift = d.shift[i];
       // EpilogueExp's base: shift, or the tile's maximum where that is far above shift (or shift is not finite).
       base[i] = mx[i] - shift <= Exp::kFarNats ? shift : mx[i];
       m_out[i] = base[i];
       if (mx[i] == -INFINITY) base[i] = 0.f, m_out[i] = -INFINITY;
       c_l2[i] = valid[i] ? base[i] * ce::kLog2e : INFINITY;
-      fill[i] = d.t.kind[i] == ce::RowKind::kBad ? NAN : 0.f;
+      fill[i] = kind == ce::RowKind::kBad ? NAN : 0.f;
     }
     Store::store(p.exp.tma_e, smem, wgl, tw, t.mt, t.nt, static_cast<int>(lr.m), static_cast<int>(lr.n), [&](int e) {
       const int i = (e >> 1) & 1, q = (e >> 2) % kLanes;

@@ -42,20 +42,19 @@ struct EpilogueGrad {
   struct Rows {
     RowTargets t;
     float lse[2];
-    float scale[2], wt[2];  // the upstream factor times 1 / denominator; the target's class weight
-    float zscale[2];        // the upstream factor times 1 / count (the z-loss term's)
+    float scale[2];   // the upstream factor times 1 / denominator
+    float zscale[2];  // the upstream factor times 1 / count (the z-loss term's)
   };
   template <class Crd>
   __device__ __forceinline__ static Rows load_rows(const Params& p, const Crd& crd, int64_t m0) {
     Rows d;
     CUTE_UNROLL
-    for (int i = 0; i < 2; ++i) d.lse[i] = 0.f, d.scale[i] = d.wt[i] = d.zscale[i] = 1.f;
-    d.t = load_row_targets(p.rows, crd, m0, [&](int i, int64_t r, int64_t t, ce::RowKind kind) {
+    for (int i = 0; i < 2; ++i) d.lse[i] = 0.f, d.scale[i] = d.zscale[i] = 1.f;
+    d.t = load_row_targets(p.rows, crd, m0, [&](int i, int64_t r) {
       d.lse[i] = p.lse[r];
       const float up = p.upstream ? p.upstream[p.upstream_per_row ? r : 0] : 1.f;
       d.scale[i] = p.scalars->inv_denom * up;
       d.zscale[i] = p.scalars->inv_count * up;
-      if (kind == ce::RowKind::kValid) d.wt[i] = ce::target_weight(p.rows.ce, t);
     });
     return d;
   }
@@ -86,13 +85,15 @@ struct EpilogueGrad {
     bool valid[2];
     CUTE_UNROLL
     for (int i = 0; i < 2; ++i) {
-      valid[i] = d.t.kind[i] == ce::RowKind::kValid;
-      fill[i] = d.t.kind[i] == ce::RowKind::kBad ? NAN : 0.f;
-      tcol[i] = d.t.tcol[i] - n0;
+      const ce::RowKind kind = d.t.kind(lr, i);
+      valid[i] = kind == ce::RowKind::kValid;
+      fill[i] = kind == ce::RowKind::kBad ? NAN : 0.f;
+      tcol[i] = d.t.tcol(lr, i) - n0;
       trel[i] = valid[i] && tcol[i] - c0 >= 0 && tcol[i] - c0 < kBN ? static_cast<int>(tcol[i] - c0) : -1;
-      g[i] = valid[i]
-                 ? ce::row_grad_coeffs(d.lse[i], d.wt[i], W, lr.ce.eps, lr.ce.inv_v, lr.ce.z, d.scale[i], d.zscale[i])
-                 : ce::GradCoeffs{0.f, 0.f, 0.f};
+      // The class weight's load waits for the target's classification, here.
+      g[i] = valid[i] ? ce::row_grad_coeffs(d.lse[i], ce::target_weight(lr.ce, d.t.t[i]), W, lr.ce.eps, lr.ce.inv_v,
+                                            lr.ce.z, d.scale[i], d.zscale[i])
+                      : ce::GradCoeffs{0.f, 0.f, 0.f};
       lse_l2[i] = valid[i] ? d.lse[i] * ce::kLog2e : 0.f;
     }
     Store::store(p.tma_dlogits, smem, wgl, tw, t.mt, t.nt, static_cast<int>(lr.m), static_cast<int>(lr.n), [&](int e) {

@@ -1,8 +1,8 @@
 // What the cross-entropy epilogues of the Hopper logits GEMM share. A consumer thread holds two rows of the tile
 // (r and r + 8 of its warp's 16) and 64 columns (pairs at 8-column steps): the accumulator layout of WGMMA. Row
 // statistics reduce over the 4 lanes that share a row. The tensor cores wait for the epilogue: it costs its own
-// length per tile, so it is kept short (no masks in interior tiles, independent chains, row data loaded during the
-// last k step).
+// length per tile, so it is kept short (no masks in interior tiles, independent chains, row data loaded ahead of
+// it).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -46,14 +46,21 @@ struct TileAt {
   int64_t m0, n0;
 };
 
-// The thread's two rows and their targets, loaded while the tile's last WGMMAs drain.
+// The thread's two rows and their targets, loaded ahead of the epilogue (kernel_common.cuh) and classified in it:
+// nothing uses a loaded value before the epilogue, so the loads have the tile's k loop to land.
 struct RowTargets {
-  int row[2];           // within the tile
-  ce::RowKind kind[2];  // rows past the last: ignored
-  int64_t tcol[2];      // the target's column relative to column 0 of this launch (any value unless valid)
+  int row[2];    // within the tile
+  int64_t t[2];  // as loaded; ignore_index for rows past the last
+
+  __device__ __forceinline__ ce::RowKind kind(const LogitRows& p, int i) const { return ce::classify(p.ce, t[i]); }
+  // The target's column relative to column 0 of this launch (any value unless the row is valid).
+  __device__ __forceinline__ int64_t tcol(const LogitRows& p, int i) const {
+    return ce::target_column(p.ce, t[i]) - p.col0;
+  }
 };
 
-// more(i, r, t, kind): an epilogue's own loads for row i (global row r, target t) when it is in the problem.
+// more(i, r): an epilogue's own loads for row i (global row r) when it is in the problem; loads that depend on the
+// target wait for the epilogue, where it is classified.
 template <class Crd, class More>
 __device__ __forceinline__ RowTargets load_row_targets(const LogitRows& p, const Crd& crd, int64_t m0, More&& more) {
   RowTargets d;
@@ -61,13 +68,11 @@ __device__ __forceinline__ RowTargets load_row_targets(const LogitRows& p, const
   CUTE_UNROLL
   for (int i = 0; i < 2; ++i) {
     d.row[i] = get<0>(crd(2 * i));
-    d.kind[i] = ce::RowKind::kIgnored;
-    d.tcol[i] = -1;
+    d.t[i] = p.ce.ignore_index;
     if (d.row[i] < rows_left) {
-      const int64_t r = m0 + d.row[i], t = p.target[r];
-      d.kind[i] = ce::classify(p.ce, t);
-      d.tcol[i] = ce::target_column(p.ce, t) - p.col0;
-      more(i, r, t, d.kind[i]);
+      const int64_t r = m0 + d.row[i];
+      d.t[i] = p.target[r];
+      more(i, r);
     }
   }
   return d;

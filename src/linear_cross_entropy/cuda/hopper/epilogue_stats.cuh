@@ -24,7 +24,7 @@ struct EpilogueStats {
   using Rows = RowTargets;
   template <class Crd>
   __device__ __forceinline__ static Rows load_rows(const Params& p, const Crd& crd, int64_t m0) {
-    return load_row_targets(p.rows, crd, m0, [](int, int64_t, int64_t, ce::RowKind) {});
+    return load_row_targets(p.rows, crd, m0, [](int, int64_t) {});
   }
 
   template <class Acc, class Crd>
@@ -53,8 +53,8 @@ struct EpilogueStats {
     float mxl[2][kLanes];
     CUTE_UNROLL
     for (int i = 0; i < 2; ++i) {
-      const int64_t tc = d.tcol[i] - n0 - c0;
-      trel[i] = d.kind[i] == ce::RowKind::kValid && tc >= 0 && tc < kBN ? static_cast<int>(tc) : -1;
+      const int64_t tc = d.tcol(p.rows, i) - n0 - c0;
+      trel[i] = d.kind(p.rows, i) == ce::RowKind::kValid && tc >= 0 && tc < kBN ? static_cast<int>(tc) : -1;
       CUTE_UNROLL
       for (int q = 0; q < kLanes; ++q) mxl[i][q] = -INFINITY;
     }

@@ -52,9 +52,10 @@ struct FusedGemm : GemmParts<MainloopT, EpilogueT, SchedulerT> {
     PipelineState read, release;
     for (int u = Scheduler::first_unit(); u < params.scheduler.pairs; u += Scheduler::unit_stride()) {
       const auto tile = Scheduler::tile(params.scheduler, u, rank);
-      Mainloop::mma(params.mainloop, pipeline, read, release, smem.mainloop, acc, ct);
       const TileAt at = Parts::tile_at(tile.mt, tile.nt);
-      const auto rows = Epilogue::load_rows(params.epilogue, crd, at.m0);  // while the last WGMMAs run
+      // The row data first: its loads land during the tile's k loop, not in the epilogue's path.
+      const auto rows = Epilogue::load_rows(params.epilogue, crd, at.m0);
+      Mainloop::mma(params.mainloop, pipeline, read, release, smem.mainloop, acc, ct);
       Mainloop::mma_tail(pipeline, release, acc);
       Epilogue::apply(params.epilogue, rows, acc, crd, at, smem.epilogue, wgl, tw);
     }

@@ -7,7 +7,8 @@
 // An epilogue is a type with
 //   Arguments, Params, to_underlying_arguments (host: Arguments -> Params),
 //   SharedStorage (its part of the CTA's shared memory),
-//   Rows and load_rows(params, coords, m0): per-thread row data, loaded while the tile's last WGMMAs run,
+//   Rows and load_rows(params, coords, m0): per-thread row data, loaded before the tile's k loop (cooperative) or
+//     while its last WGMMAs run (ping-pong), so that the loads land before the epilogue needs them,
 //   apply(params, rows, acc, coords, TileAt, storage, consumer warpgroup, thread in it): the work on one consumer
 //     warpgroup's 64 rows of the tile (coords: Mainloop::accumulator_coords, rows of the whole tile),
 //   drain(thread in warpgroup): what must finish before the CTA leaves (its pending stores).
