@@ -76,46 +76,20 @@ struct EpilogueExp {
   static constexpr float kFarSum = 6.2351491e27f;  // e^kFarNats
   static_assert(kFarNats > kExpRange, "rows with a tile based on its maximum must be rewritten");
 
- private:
-  // The row data of one of the thread's rows as the exponentials need it: base · log2(e) (INFINITY in a row
+  // From here to the private part: shared with EpilogueExpRowStats, which bases its exponentials alike.
+  //
+  // The row data of the thread's rows as the exponentials need it: E's base, that times log2(e) (INFINITY in a row
   // without a target: E = 0 there, stored as fill), and what such a row stores (NaN for a bad target).
   struct RowExp {
-    float c_l2[2], fill[2];
+    float base[2], c_l2[2], fill[2];
     bool valid[2];
   };
   __device__ __forceinline__ static void set_row(const Params& p, RowExp& x, const Rows& d, int i, float base) {
     const ce::RowKind kind = d.t.kind(p.rows, i);
     x.valid[i] = kind == ce::RowKind::kValid;
+    x.base[i] = base;
     x.c_l2[i] = x.valid[i] ? base * ce::kLog2e : INFINITY;
     x.fill[i] = kind == ce::RowKind::kBad ? NAN : 0.f;
-  }
-
-  // E of every element into the output tile, and the sums of each row's E over the thread's columns in sel (kLanes
-  // chains per row, in element order). kValid: every row of the warp has a target (no fill to select).
-  template <bool kValid = false, class Acc>
-  __device__ __forceinline__ static void store_exps(const Params& p, const RowExp& x, Acc& acc, const TileAt& t,
-                                                    SharedStorage& smem, int wgl, int tw, float (&sel)[2][kLanes]) {
-    const LogitRows& lr = p.rows;
-    Store::store(p.tma_e, smem, wgl, tw, t.mt, t.nt, static_cast<int>(lr.m), static_cast<int>(lr.n), [&](int e) {
-      const int i = (e >> 1) & 1;
-      const float v = ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -x.c_l2[i]));
-      sel[i][(e >> 2) % kLanes] += v;
-      return kValid || x.valid[i] ? v : x.fill[i];
-    });
-  }
-
-  // Row i's sum over its quad, the statistics (base, sum) stored; NaN or +inf in the tile's row makes both NaN
-  // (as EpilogueStats).
-  __device__ __forceinline__ static float row_sum(const float (&sel)[2][kLanes], int i) {
-    float si = 0.f;
-    CUTE_UNROLL
-    for (int q = 0; q < kLanes; ++q) si += sel[i][q];
-    return quad_sum(si);
-  }
-  __device__ __forceinline__ static void store_stats(const Params& p, const Rows& d, int i, const TileAt& t, float base,
-                                                     float si) {
-    if (isnan(si)) base = si = NAN;
-    store_tile_stats(p.rows, p.partials, d.t, i, t.m0, t.nt, make_float4(base, si, 0.f, 0.f));
   }
 
   // The tile's maximum of each of the thread's rows, over its quad (columns past the problem set to -inf first).
@@ -159,6 +133,35 @@ struct EpilogueExp {
     const float base = mx - shift <= kFarNats ? shift : mx;
     set_row(p, x, d, i, base);
     return base;
+  }
+
+ private:
+  // E of every element into the output tile, and the sums of each row's E over the thread's columns in sel (kLanes
+  // chains per row, in element order). kValid: every row of the warp has a target (no fill to select).
+  template <bool kValid = false, class Acc>
+  __device__ __forceinline__ static void store_exps(const Params& p, const RowExp& x, Acc& acc, const TileAt& t,
+                                                    SharedStorage& smem, int wgl, int tw, float (&sel)[2][kLanes]) {
+    const LogitRows& lr = p.rows;
+    Store::store(p.tma_e, smem, wgl, tw, t.mt, t.nt, static_cast<int>(lr.m), static_cast<int>(lr.n), [&](int e) {
+      const int i = (e >> 1) & 1;
+      const float v = ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -x.c_l2[i]));
+      sel[i][(e >> 2) % kLanes] += v;
+      return kValid || x.valid[i] ? v : x.fill[i];
+    });
+  }
+
+  // Row i's sum over its quad, the statistics (base, sum) stored; NaN or +inf in the tile's row makes both NaN
+  // (as EpilogueStats).
+  __device__ __forceinline__ static float row_sum(const float (&sel)[2][kLanes], int i) {
+    float si = 0.f;
+    CUTE_UNROLL
+    for (int q = 0; q < kLanes; ++q) si += sel[i][q];
+    return quad_sum(si);
+  }
+  __device__ __forceinline__ static void store_stats(const Params& p, const Rows& d, int i, const TileAt& t, float base,
+                                                     float si) {
+    if (isnan(si)) base = si = NAN;
+    store_tile_stats(p.rows, p.partials, d.t, i, t.m0, t.nt, make_float4(base, si, 0.f, 0.f));
   }
 
   // kFull: every row and column of the tile is in the problem (no masks; most tiles).

@@ -55,37 +55,6 @@ struct EpilogueExpRowStats {
   __device__ __forceinline__ static void drain(int tw) { Store::drain(tw); }
 
  private:
-  // The tile's maximum of each of the thread's two rows (over its quad), masked columns set to -inf first.
-  template <bool kFull, class Acc, class Crd>
-  __device__ __forceinline__ static void row_maxima(const LogitRows& lr, Acc& acc, const Crd& crd, const TileAt& t,
-                                                    float mx[2]) {
-    const int64_t cols_left = lr.n - t.n0;
-    add_bias(lr, acc, crd, t.n0, cols_left);
-    if constexpr (!kFull) {
-      CUTE_UNROLL
-      for (int e = 0; e < size(acc); ++e)
-        if (get<1>(crd(e)) >= cols_left) acc(e) = -INFINITY;
-    }
-    float mxl[2][kLanes];
-    CUTE_UNROLL
-    for (int i = 0; i < 2; ++i) {
-      CUTE_UNROLL
-      for (int q = 0; q < kLanes; ++q) mxl[i][q] = -INFINITY;
-    }
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc); ++e) {
-      float& m = mxl[(e >> 1) & 1][(e >> 2) % kLanes];
-      m = fmaxf(m, acc(e));
-    }
-    CUTE_UNROLL
-    for (int i = 0; i < 2; ++i) {
-      float m = mxl[i][0];
-      CUTE_UNROLL
-      for (int q = 1; q < kLanes; ++q) m = fmaxf(m, mxl[i][q]);
-      mx[i] = quad_max(m);  // NaN dropped: the NaN flag below tells such a tile
-    }
-  }
-
   // The first column of each row's maximum within the tile (over its quad), and whether the row holds a NaN.
   template <class Acc, class Crd>
   __device__ __forceinline__ static void first_columns(const Acc& acc, const Crd& crd, const TileAt& t,
@@ -113,30 +82,21 @@ struct EpilogueExpRowStats {
   __device__ __forceinline__ static void tile(const Params& p, const Rows& d, Acc& acc, const Crd& crd, const TileAt& t,
                                               SharedStorage& smem, int wgl, int tw) {
     const LogitRows& lr = p.exp.rows;
-    float mx[2];
-    row_maxima<kFull>(lr, acc, crd, t, mx);
+    const int64_t cols_left = lr.n - t.n0;
+    add_bias(lr, acc, crd, t.n0, cols_left);
+    float mx[2], m_out[2], sel[2][kLanes] = {}, dot[2][kLanes] = {};
+    Exp::template row_maxima<kFull>(acc, crd, cols_left, mx);  // NaN dropped: the NaN flag below tells such a tile
     int first[2], nan[2];
     first_columns(acc, crd, t, mx, first, nan);
-    float m_out[2], base[2], c_l2[2], fill[2], sel[2][kLanes] = {}, dot[2][kLanes] = {};
-    bool valid[2];
+    typename Exp::RowExp x;
     CUTE_UNROLL
-    for (int i = 0; i < 2; ++i) {
-      const ce::RowKind kind = d.t.kind(lr, i);
-      valid[i] = kind == ce::RowKind::kValid;
-      const float shift = d.shift[i];
-      // EpilogueExp's base: shift, or the tile's maximum where that is far above shift (or shift is not finite).
-      base[i] = mx[i] - shift <= Exp::kFarNats ? shift : mx[i];
-      m_out[i] = base[i];
-      if (mx[i] == -INFINITY) base[i] = 0.f, m_out[i] = -INFINITY;
-      c_l2[i] = valid[i] ? base[i] * ce::kLog2e : INFINITY;
-      fill[i] = kind == ce::RowKind::kBad ? NAN : 0.f;
-    }
+    for (int i = 0; i < 2; ++i) m_out[i] = Exp::row_base(p.exp, x, d, i, mx[i]);
     Store::store(p.exp.tma_e, smem, wgl, tw, t.mt, t.nt, static_cast<int>(lr.m), static_cast<int>(lr.n), [&](int e) {
       const int i = (e >> 1) & 1, q = (e >> 2) % kLanes;
-      const float x = ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -c_l2[i]));
-      sel[i][q] += x;
-      dot[i][q] = fmaf(x, fmaxf(acc(e) - base[i], -FLT_MAX), dot[i][q]);
-      return valid[i] ? x : fill[i];
+      const float v = ce::fast_exp2(fmaf(acc(e), ce::kLog2e, -x.c_l2[i]));
+      sel[i][q] += v;
+      dot[i][q] = fmaf(v, fmaxf(acc(e) - x.base[i], -FLT_MAX), dot[i][q]);
+      return x.valid[i] ? v : x.fill[i];
     });
     CUTE_UNROLL
     for (int i = 0; i < 2; ++i) {
