@@ -11,23 +11,23 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                             \
-  do {                                                                    \
-    cudaError_t e = (x);                                                  \
-    if (e != cudaSuccess) {                                               \
-      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                       \
-    }                                                                     \
+// A failed CUDA or cuBLAS call: its text and the reason, then the end of the program.
+[[noreturn]] inline void bench_fail(const char* call, const std::string& why) {
+  std::fprintf(stderr, "%s failed: %s\n", call, why.c_str());
+  std::exit(1);
+}
+
+#define CK(x)                                                    \
+  do {                                                           \
+    const cudaError_t e = (x);                                   \
+    if (e != cudaSuccess) bench_fail(#x, cudaGetErrorString(e)); \
   } while (0)
 
 // The same for a cuBLAS call (where the including file has cublas_v2.h).
-#define CB(x)                                              \
-  do {                                                     \
-    cublasStatus_t s = (x);                                \
-    if (s != CUBLAS_STATUS_SUCCESS) {                      \
-      std::fprintf(stderr, "%s failed: %d\n", #x, int(s)); \
-      std::exit(1);                                        \
-    }                                                      \
+#define CB(x)                                                                            \
+  do {                                                                                   \
+    const cublasStatus_t s = (x);                                                        \
+    if (s != CUBLAS_STATUS_SUCCESS) bench_fail(#x, std::to_string(static_cast<int>(s))); \
   } while (0)
 
 // Device 0's properties, with stdout line-buffered so that the rows printed so far survive a timeout.
