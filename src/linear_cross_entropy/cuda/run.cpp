@@ -68,6 +68,13 @@ bool fused_allowed(const Problem& p) {
   return fused_gemm_supported(p.device.index, p.dtype, x, ldx, p.weight.data, p.weight.ld, p.hidden);
 }
 
+// What a contiguous grad_weight of that dtype offers as scratch (PlanInputs::grad_weight_scratch): its storage less
+// the up to 256 bytes that aligning the scratch's start may skip.
+size_t grad_weight_scratch_bytes(const Problem& p, DType dtype) {
+  const size_t bytes = static_cast<size_t>(p.vocab) * static_cast<size_t>(p.hidden) * dtype_size(dtype);
+  return bytes > 256 ? bytes - 256 : 0;
+}
+
 PlanInputs plan_inputs(const Problem& p) {
   PlanInputs in;
   in.pass = pass_of(p.mode);
@@ -97,10 +104,8 @@ PlanInputs plan_inputs(const Problem& p) {
   in.cublas_workspace_bytes = head::cublas_workspace_for(device_info(p.device.index).sm_major);
   if (in.fused && in.fused_exp && in.pass == Pass::kForwardBackward && in.need_dw)
     in.target_sort_bytes = exp_target_sort_bytes(p.n_tokens);
-  const size_t gw_bytes =
-      static_cast<size_t>(p.vocab) * static_cast<size_t>(p.hidden) * dtype_size(p.grad_weight.dtype);
-  if (in.need_dw && !in.grad_weight_f32 && p.grad_weight.ld == p.hidden && gw_bytes > 256)
-    in.grad_weight_scratch = gw_bytes - 256;
+  if (in.need_dw && !in.grad_weight_f32 && p.grad_weight.ld == p.hidden)
+    in.grad_weight_scratch = grad_weight_scratch_bytes(p, p.grad_weight.dtype);
   in.dw_tail = hooks::hook(Hook::kLceDwTail) != 0;
   in.dlogits_in_grad_weight = hooks::hook(Hook::kLceDwTail) == 1;
   return in;
@@ -522,9 +527,8 @@ bool cuda_recompute_is_faster(const Problem& p, bool need_dx, bool need_dw, bool
   in.need_dx = need_dx;
   in.need_dw = need_dw;
   in.need_db = need_db;
-  in.grad_hidden_f32 = in.grad_weight_f32 = false;  // in the inputs' dtype
-  const size_t gw_bytes = static_cast<size_t>(p.vocab) * static_cast<size_t>(p.hidden) * dtype_size(p.dtype);
-  if (need_dw && gw_bytes > 256) in.grad_weight_scratch = gw_bytes - 256;  // ... with contiguous rows
+  in.grad_hidden_f32 = in.grad_weight_f32 = false;                              // in the inputs' dtype
+  if (need_dw) in.grad_weight_scratch = grad_weight_scratch_bytes(p, p.dtype);  // ... with contiguous rows
   return recompute_is_faster(in);
 }
 
