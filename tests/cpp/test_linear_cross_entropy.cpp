@@ -1076,6 +1076,59 @@ TEST(LinearCrossEntropyCudaFused, ExponentialsInGradWeightMatchTheWorkspace) {
     EXPECT_TRUE(within_one_bf16_step(in_gw.dw, in_ws.dw, "grad_weight"));
   }
 }
+
+// With check_targets, a bad target throws naming its first row and leaves every output as it was, whether the host
+// waits for the check behind the first logits GEMM (run.cpp, checks_behind_logits: the fused forward, or a fused
+// gradient in forward whose regions lie in the workspace) or before it (regions in grad_weight's storage, or the
+// generic kernels). A later call with good targets then matches the CPU backend.
+TEST(LinearCrossEntropyCuda, BadTargetWritesNoOutputWhereverTheCheckWaits) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const bool fused = fused_kernels_run();
+  const LceCase c{333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kWeights, Reduction::kMean, false};
+  const int64_t N = c.n, H = c.h, V = c.v;
+  for (const int64_t chunk : {int64_t{0}, int64_t{64}})
+    for (const Entry e : {Entry::kForward, Entry::kForwardBackward}) {
+      SCOPED_TRACE(::testing::Message() << entry_name(e) << " chunk_tokens=" << chunk);
+      LceInputs in(c, seed_of(c));
+      in.opt.chunk_tokens = chunk;
+      const int64_t t200 = in.target.get_index(200), t250 = in.target.get_index(250);
+      in.target.set_index(200, V + 3);
+      in.target.set_index(250, -5);
+      in.to_device();
+      TestTensor loss(DType::kFloat32, {}), lse(DType::kFloat32, {N}), gx(c.dtype, {N, H}), gw(c.dtype, {V, H});
+      for (TestTensor* t : {&loss, &lse, &gx, &gw}) {
+        t->fill_storage_nan();
+        t->to_device();
+      }
+      const TensorView h = in.hidden.view(true), w = in.weight.view(true), t = in.target.view(true);
+      const TensorView gxv = gx.view(true), gwv = gw.view(true);
+      const bool fb = e == Entry::kForwardBackward;
+      DeviceScratch ws(fb ? linear_cross_entropy_forward_backward_workspace_bytes(h, w, t, gxv, gwv, {}, in.opt)
+                          : linear_cross_entropy_forward_workspace_bytes(h, w, t, in.opt));
+      const std::string msg = error_of([&] {
+        if (fb)
+          linear_cross_entropy_forward_backward(h, w, {}, t, in.cwv(true), in.opt, loss.view(true), lse.view(true), gxv,
+                                                gwv, {}, {}, ws.ws(), nullptr);
+        else
+          linear_cross_entropy_forward(h, w, {}, t, in.cwv(true), in.opt, loss.view(true), lse.view(true), ws.ws(),
+                                       nullptr);
+      });
+      EXPECT_NE(msg.find("got " + std::to_string(V + 3) + " at row 200"), std::string::npos) << msg;
+      EXPECT_EQ(lce::debug::last_kernel.get(), fused ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
+      if (fused && fb)  // one group's regions in the workspace; with 64-token groups in grad_weight's storage
+        EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(), chunk != 0);
+      device_synchronize();
+      for (TestTensor* x : {&loss, &lse, &gx, &gw}) {
+        x->to_host();
+        for (const float v : x->gather_float()) ASSERT_TRUE(std::isnan(v)) << "an output was written";
+      }
+      in.target.set_index(200, t200);
+      in.target.set_index(250, t250);
+      const auto up = upstream_for(in, seed_of(c) + 1);
+      const Outputs want = run_backend(in, e, false, up, nullptr);
+      expect_outputs(in, e, run_backend(in, e, true, up, nullptr), want, "after a bad target", c.dtype);
+    }
+}
 #endif
 
 // Same inputs, same GPU: the same bits (fixed-order reductions, cuBLAS without atomics). The backward gets the

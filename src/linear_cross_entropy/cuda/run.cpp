@@ -2,7 +2,8 @@
 // chunk, the cross-entropy family's row steps (cross_entropy/cuda/steps.h) for each chunk's statistics, this
 // family's gradient kernel in between, or the fused Hopper GEMM (kernels_hopper.h). Host code only: it sequences
 // launches on the caller's stream; a bad target is read back (eagerly, once per call, not while a CUDA graph is
-// captured) behind the prepass, and the host waits for that copy alone before anything is written.
+// captured) behind the prepass, and the host waits for that copy before anything the caller sees is written: before
+// the first launch, or behind the first fused logits GEMM where that GEMM writes the workspace alone.
 //
 // Per call: prepass (targets to contiguous int64, the mean's denominator, the first bad target), then
 //   forward:             per token chunk: Z = X_c Wᵀ (+b) in float32; cross-entropy forward -> loss rows, lse
@@ -21,6 +22,7 @@
 //                        chunk's gathered partials -> lse and losses; dZ_k into the group buffer (or in place);
 //                        a group's GEMMs after its last chunk; the last chunk finishes dW, db and the loss
 #include <algorithm>
+#include <utility>
 
 #include "common/check.h"
 #include "common/cuda/check.cuh"
@@ -128,8 +130,29 @@ struct Run {
   ce::Scalars* scalars = nullptr;
   ce::Scalars* row_scalars = nullptr;
   int64_t* targets = nullptr;
+  // The target check's read-back while it is in flight (run_cuda). The host waits for it before the first launch
+  // that writes what the caller sees; where that comes after the first logits GEMM, the GPU runs the GEMM meanwhile
+  // instead of idling while the host wakes (checks_behind_logits).
+  mutable IndexReadback* pending_check = nullptr;
   int sm_count() const { return e.sm_count(); }
   cudaStream_t stream() const { return e.stream(); }
+
+  // Throws naming the first bad target, if the check found one; a no-op once settled or where nothing was checked.
+  void settle_targets() const {
+    if (!pending_check) return;
+    IndexReadback& rb = *std::exchange(pending_check, nullptr);
+    ce::throw_if_bad_target(rb, p.n_tokens, targets, DType::kInt64, rows_layout(p.n_tokens, 1), p.vocab_total,
+                            p.options.ignore_index);
+  }
+
+  // Whether the check may settle after the first fused logits GEMM is queued: before it only the prepass, hidden's
+  // copy, the shift and that GEMM run, and they write the workspace alone (not grad_weight's storage). The kernels
+  // take a bad target as a NaN row without reading out of bounds, as they do with check_targets off.
+  bool checks_behind_logits() const {
+    if (!fused() || p.n_tokens == 0) return false;
+    if (p.mode == Mode::kForward) return true;
+    return p.mode == Mode::kForwardBackward && !plan.exp_in_grad_weight && !plan.dlogits_in_grad_weight;
+  }
 
   // The cross-entropy problem of rows [r0, r0 + rows): their targets, per-row outputs only.
   ce::Problem ce_problem(ce::Mode mode, int64_t r0, int64_t rows) const {
@@ -209,6 +232,7 @@ struct Run {
     FusedGemmParams f = fused_params(r0, rows, 0, p.vocab);
     f.partials = b.fused.partials;
     launch_fused_stats(f, sm_count(), stream());
+    settle_targets();
     launch_finish_rows(f.partials, rows, (p.vocab + kFusedTileCols - 1) / kFusedTileCols, targets + r0, nullptr, f.ce,
                        scalars, loss_rows, lse_rows, z_rows(r0), sm_count(), stream());
   }
@@ -262,6 +286,7 @@ struct Run {
       f.dlogits = x.e;
       f.ld_dlogits = x.ld_e;
       launch_fused_exp(f, sm_count(), stream());
+      settle_targets();
       launch_finish_rows(f.partials, rows, tiles, targets + g0, x.shift, f.ce, scalars, loss_rows(g0), lse + g0,
                          z_rows(g0), sm_count(), stream());
       if (p.entropy)  // before exp_rows: the statistics' region is then overwritten
@@ -578,19 +603,16 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
 
   // The steps of one sequence share the first step's prepass (and its one check) through the workspace.
   const bool later_step = is_step(p.mode) && !(p.mode == Mode::kStepLogits && p.step_chunk == 0);
-  IndexReadback* readback = nullptr;
   if (!later_step) {
     prepass(p, r, stream);
     if (p.mode != Mode::kBackward && p.options.check_targets && !stream_is_capturing(stream))
-      readback = &IndexReadback::start(p.device.index, &r.scalars->first_bad, stream);
+      r.pending_check = &IndexReadback::start(p.device.index, &r.scalars->first_bad, stream);
   }
   if (b.head.hidden && !later_step)
     head::launch_copy_rows(p.hidden_data, p.hidden_rows, p.n_tokens, p.hidden, static_cast<int>(dtype_size(p.dtype)),
                            b.head.hidden, sm_count, stream);
-  // Nothing the caller sees is written before this: a bad target leaves every output untouched.
-  if (readback)
-    ce::throw_if_bad_target(*readback, p.n_tokens, r.targets, DType::kInt64, rows_layout(p.n_tokens, 1), p.vocab_total,
-                            p.options.ignore_index);
+  // Nothing the caller sees is written before the check settles: a bad target leaves every output untouched.
+  if (!r.checks_behind_logits()) r.settle_targets();
   if (p.n_tokens == 0) {
     r.empty();
     return;
