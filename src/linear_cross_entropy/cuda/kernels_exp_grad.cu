@@ -3,9 +3,11 @@
 // does not suit; after the grad_weight and grad_hidden GEMMs, their target terms in float32. None touches more than
 // one element of a [rows, V] row, except exp_fixup on the rows it rewrites.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cub/device/device_radix_sort.cuh>
+#include <type_traits>
 
 #include "common/cuda/check.cuh"
 #include "cross_entropy/cuda/device.cuh"
@@ -56,11 +58,59 @@ __device__ __forceinline__ float warp_dot(const __nv_bfloat16* a, const __nv_bfl
   return ce::warp_sum(acc);
 }
 
-// xs[r] = s * x[r] (a warp).
+__host__ __device__ __forceinline__ bool aligned(const void* ptr, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16_rn(v);
+  else
+    return __float2half_rn(v);
+}
+
+// Four consecutive elements of T as float: 8-byte aligned for 16-bit T, 16-byte for float.
+template <typename T>
+__device__ __forceinline__ void load4(const T* ptr, float (&v)[4]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const float4 f = *reinterpret_cast<const float4*>(ptr);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(ptr);
+    const uint32_t halves[2] = {u.x, u.y};
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      float2 f;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&halves[k]));
+      else
+        f = __half22float2(*reinterpret_cast<const __half2*>(&halves[k]));
+      v[2 * k] = f.x, v[2 * k + 1] = f.y;
+    }
+  }
+}
+
+// xs[r] = s * x[r], by `step` threads (lane: this one's index among them); 16-byte accesses where the rows allow.
 __device__ __forceinline__ void write_scaled_row(const ExpGradParams& p, int64_t r, float s, int lane, int step) {
   if (!p.xs) return;
   const __nv_bfloat16* xr = bf16_row(p.x, p.ldx, r);
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.xs) + r * p.h;
+  if (p.h % 8 == 0 && aligned(xr, 16) && aligned(out, 16)) {
+    for (int64_t i = lane * 8; i < p.h; i += step * 8) {
+      uint4 u = *reinterpret_cast<const uint4*>(xr + i);
+      __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(q[k]);
+        q[k] = __floats2bfloat162_rn(s * f.x, s * f.y);
+      }
+      *reinterpret_cast<uint4*>(out + i) = u;
+    }
+    return;
+  }
   for (int64_t i = lane; i < p.h; i += step) out[i] = __float2bfloat16_rn(s * __bfloat162float(xr[i]));
 }
 
@@ -186,53 +236,92 @@ __global__ void __launch_bounds__(kFixThreads) exp_fixup_kernel(const ExpGradPar
 }
 
 constexpr int kTermThreads = 256;
-constexpr int kTermColsPerThread = 4;
-constexpr int kTermCols = kTermThreads * kTermColsPerThread;  // columns of grad_weight per CTA
+constexpr int kTermVectors = 4;                             // 4-column vectors per thread
+constexpr int kTermCols = kTermThreads * 4 * kTermVectors;  // columns of grad_weight per CTA
 
 // grad_weight[j] += Σ target_coef[r] x[r] over the rows r whose target is class j, in float32, rounded once into
-// grad_weight. keys / rows: every row's target column (v: none) and index, sorted by column, so that position i
-// starts class keys[i]'s run where keys[i - 1] differs; that CTA sums the whole run (in row order: deterministic)
-// and is the only writer of the class's row, so no atomics are needed. Grid: positions × column slices.
+// grad_weight (of type T). keys / rows: every row's target column (v: none) and index, sorted by column, so that
+// position i starts class keys[i]'s run where keys[i - 1] differs; that CTA sums the whole run (in row order:
+// deterministic) and is the only writer of the class's row, so no atomics are needed. Grid: positions × column
+// slices. A CTA's loads are few and dependent (key, row, coefficient, then the rows), so each thread takes several
+// vectors of 4 columns at once (vec4: the rows allow 8- and 16-byte accesses), and a CTA a whole slice of H.
+template <typename T>
 __global__ void __launch_bounds__(kTermThreads)
-    grad_weight_targets_kernel(const ExpGradParams p, const int* keys, const int* rows, const TargetRowsOut dw) {
+    grad_weight_targets_kernel(const ExpGradParams p, const int* keys, const int* rows, const TargetRowsOut dw,
+                               bool vec4) {
   const int64_t i = blockIdx.x;
   const int key = keys[i];
   if (key >= p.v || (i > 0 && keys[i - 1] == key)) return;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTermCols + threadIdx.x;
-  float acc[kTermColsPerThread] = {};
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTermCols + threadIdx.x * 4;
+  float acc[kTermVectors][4] = {};
   for (int64_t k = i; k < p.rows && keys[k] == key; ++k) {
     const int64_t r = rows[k];
     const float coef = p.target_coef[r];
     const __nv_bfloat16* xr = bf16_row(p.x, p.ldx, r);
 #pragma unroll
-    for (int q = 0; q < kTermColsPerThread; ++q) {
-      const int64_t c = c0 + q * kTermThreads;
-      if (c < p.h) acc[q] = fmaf(coef, __bfloat162float(xr[c]), acc[q]);
+    for (int q = 0; q < kTermVectors; ++q) {
+      const int64_t c = c0 + q * kTermThreads * 4;
+      if (vec4 && c < p.h) {
+        float x[4];
+        load4(xr + c, x);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[q][e] = fmaf(coef, x[e], acc[q][e]);
+      } else if (!vec4) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (c + e < p.h) acc[q][e] = fmaf(coef, __bfloat162float(xr[c + e]), acc[q][e]);
+      }
     }
   }
-  void* out = key < dw.split ? dw.head : dw.tail;
-  const int64_t row = key < dw.split ? key : key - dw.split;
+  T* out = static_cast<T*>(key < dw.split ? dw.head : dw.tail) + (key < dw.split ? key : key - dw.split) * dw.ld;
 #pragma unroll
-  for (int q = 0; q < kTermColsPerThread; ++q) {
-    const int64_t c = c0 + q * kTermThreads, at = row * dw.ld + c;
-    if (c < p.h) store_as(out, dw.dtype, at, load_as_float(out, dw.dtype, at) + acc[q]);
+  for (int q = 0; q < kTermVectors; ++q) {
+    const int64_t c = c0 + q * kTermThreads * 4;
+    if (vec4 && c < p.h) {
+      float v[4];
+      load4(out + c, v);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] += acc[q][e];
+      head::store4<T>(out, c, v);
+    } else if (!vec4) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (c + e < p.h) store_as(out, dw.dtype, c + e, load_as_float(out, dw.dtype, c + e) + acc[q][e]);
+    }
   }
 }
 
-// grad_hidden[r] = scale[r] y[r] + target_coef[r] W[t_r] (y = E W, float32), in grad_hidden's dtype: a CTA per
-// row, in place when grad_hidden is y itself.
+// grad_hidden[r] = scale[r] y[r] + target_coef[r] W[t_r] (y = E W, float32), in grad_hidden's type T: a CTA per row,
+// in place when grad_hidden is y itself; vectors of 4 columns where the rows allow (vec4).
+template <typename T>
 __global__ void __launch_bounds__(kTermThreads)
-    grad_hidden_rows_kernel(const ExpGradParams p, const float* y, int64_t ldy, void* dx, DType dx_dtype,
-                            int64_t ld_dx) {
+    grad_hidden_rows_kernel(const ExpGradParams p, const float* y, int64_t ldy, T* dx, int64_t ld_dx, bool vec4) {
   for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
     const int64_t t = p.target[r];
     const bool valid = ce::classify(p.ce, t) == ce::RowKind::kValid;
     const __nv_bfloat16* wt = valid ? bf16_row(p.w, p.ldw, ce::target_column(p.ce, t)) : nullptr;
     const float s = p.scale[r], coef = p.target_coef[r];
+    const float* yr = y + r * ldy;
+    T* out = dx + r * ld_dx;
+    if (vec4) {
+      for (int64_t c = threadIdx.x * 4; c < p.h; c += kTermThreads * 4) {
+        float v[4], w[4];
+        load4(yr + c, v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] *= s;
+        if (valid) {
+          load4(wt + c, w);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) v[e] = fmaf(coef, w[e], v[e]);
+        }
+        head::store4<T>(out, c, v);
+      }
+      continue;
+    }
     for (int64_t c = threadIdx.x; c < p.h; c += kTermThreads) {
-      float v = s * y[r * ldy + c];
+      float v = s * yr[c];
       if (valid) v = fmaf(coef, __bfloat162float(wt[c]), v);
-      store_as(dx, dx_dtype, r * ld_dx + c, v);
+      out[c] = from_float<T>(v);
     }
   }
 }
@@ -259,14 +348,39 @@ size_t exp_target_sort_bytes(int64_t rows) {
   return bytes;
 }
 
+// Calls f(T{}) with T the C++ type of a float32, float16 or bfloat16 buffer.
+template <typename F>
+void with_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return f(__half{});
+    case DType::kBFloat16:
+      return f(__nv_bfloat16{});
+    default:
+      return f(float{});
+  }
+}
+
+// Whether rows of T with this base and stride take 4-column vectors (8 bytes for 16-bit T, 16 for float) at every
+// column that is a multiple of 4 below h.
+bool rows_take_vec4(const void* base, int64_t ld, int64_t h, DType dtype) {
+  const size_t bytes = 4 * dtype_size(dtype);
+  return h % 4 == 0 && ld % 4 == 0 && aligned(base, bytes);
+}
+
 void launch_grad_weight_targets(const ExpGradParams& p, const TargetSort& sort, const TargetRowsOut& dw,
                                 cudaStream_t stream) {
   if (p.rows <= 0) return;
   size_t bytes = sort.temp_bytes;
   LOGITLESS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(sort.temp, bytes, p.class_keys, sort.keys, p.class_rows,
                                                        sort.rows, static_cast<int>(p.rows), 0, key_bits(p.v), stream));
+  const bool vec4 = rows_take_vec4(p.x, p.ldx, p.h, DType::kBFloat16) &&
+                    rows_take_vec4(dw.head, dw.ld, p.h, dw.dtype) &&
+                    (!dw.tail || rows_take_vec4(dw.tail, dw.ld, p.h, dw.dtype));
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>((p.h + kTermCols - 1) / kTermCols));
-  grad_weight_targets_kernel<<<grid, kTermThreads, 0, stream>>>(p, sort.keys, sort.rows, dw);
+  with_type(dw.dtype, [&](auto t) {
+    grad_weight_targets_kernel<decltype(t)><<<grid, kTermThreads, 0, stream>>>(p, sort.keys, sort.rows, dw, vec4);
+  });
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy grad_weight target terms");
 }
 
@@ -274,7 +388,12 @@ void launch_grad_hidden_rows(const ExpGradParams& p, const float* y, int64_t ldy
                              int64_t ld_dx, int sm_count, cudaStream_t stream) {
   if (p.rows <= 0) return;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(p.rows, int64_t{sm_count} * 8));
-  grad_hidden_rows_kernel<<<blocks, kTermThreads, 0, stream>>>(p, y, ldy, dx, dx_dtype, ld_dx);
+  const bool vec4 = rows_take_vec4(y, ldy, p.h, DType::kFloat32) && rows_take_vec4(p.w, p.ldw, p.h, DType::kBFloat16) &&
+                    rows_take_vec4(dx, ld_dx, p.h, dx_dtype);
+  with_type(dx_dtype, [&](auto t) {
+    using T = decltype(t);
+    grad_hidden_rows_kernel<T><<<blocks, kTermThreads, 0, stream>>>(p, y, ldy, static_cast<T*>(dx), ld_dx, vec4);
+  });
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy grad_hidden rows");
 }
 
