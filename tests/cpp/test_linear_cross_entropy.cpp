@@ -345,7 +345,19 @@ LinearCrossEntropyOptions chunked(const LceInputs& in, Chunking ch) {
 struct GradDtypes {
   bool f32 = false;    // float32 gradient outputs whatever the inputs' dtype
   int64_t dw_pad = 0;  // grad_weight's rows this many elements apart beyond H
+  int64_t dx_pad = 0;  // grad_hidden's rows this many elements apart beyond H
 };
+
+// Row-major strides of `sizes` whose last dimension's rows lie pad elements apart beyond its length.
+std::vector<int64_t> padded_rows(const std::vector<int64_t>& sizes, int64_t pad) {
+  std::vector<int64_t> strides(sizes.size(), 1);
+  int64_t step = sizes.back() + pad;
+  for (size_t d = sizes.size() - 1; d-- > 0;) {
+    strides[d] = step;
+    step *= sizes[d];
+  }
+  return strides;
+}
 
 Outputs run_backend(LceInputs& in, Entry e, bool dev, const std::vector<double>& upstream,
                     const std::vector<double>* lse_in, Chunking ch = Chunking::kDefault, GradDtypes gd = {}) {
@@ -354,7 +366,8 @@ Outputs run_backend(LceInputs& in, Entry e, bool dev, const std::vector<double>&
   const DType gdt = gd.f32 ? DType::kFloat32 : in.c.dtype;
   TestTensor loss(DType::kFloat32, none ? in.lead : std::vector<int64_t>{});
   TestTensor lse(DType::kFloat32, in.lead);
-  TestTensor gx(gdt, with_last(in.lead, H)), gw(gdt, {V, H}, {H + gd.dw_pad, 1}), gb(gdt, {V});
+  TestTensor gx(gdt, with_last(in.lead, H), padded_rows(with_last(in.lead, H), gd.dx_pad)),
+      gw(gdt, {V, H}, {H + gd.dw_pad, 1}), gb(gdt, {V});
   // The upstream factor: [] for sum/mean, one per token for none.
   TestTensor up(DType::kFloat32, none ? in.lead : std::vector<int64_t>{});
   for (int64_t i = 0; i < up.numel(); ++i) up.set(i, static_cast<float>(upstream[upstream.size() == 1 ? 0 : i]));
@@ -1074,6 +1087,29 @@ TEST(LinearCrossEntropyCudaFused, ExponentialsInGradWeightMatchTheWorkspace) {
     EXPECT_TRUE(same_finite_bits(in_gw.lse, in_ws.lse, "lse"));
     EXPECT_TRUE(same_finite_bits(in_gw.dx, in_ws.dx, "grad_hidden"));
     EXPECT_TRUE(within_one_bf16_step(in_gw.dw, in_ws.dw, "grad_weight"));
+  }
+}
+
+// grad_hidden's and grad_weight's rows at strides of no multiple of 4 elements: the fused gradient in forward's row
+// kernels take their element loops there (kernels_exp_grad.cu, rows_take_vec4), with one group (grad_weight itself
+// takes the target terms) and with several (the float32 accumulator does). Against the CPU backend.
+TEST(LinearCrossEntropyCudaFused, OddGradientStridesMatchCpuBackend) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const bool fused = fused_kernels_run();
+  GradDtypes odd;
+  odd.dw_pad = 5;
+  odd.dx_pad = 3;
+  for (const LceCase& c : kScratchCases) {
+    SCOPED_TRACE(case_name(c));
+    LceInputs in(c, seed_of(c));
+    const auto up = upstream_for(in, seed_of(c) + 1);
+    for (Chunking ch : {Chunking::kDefault, Chunking::kSmall}) {
+      SCOPED_TRACE(chunking_name(ch));
+      const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr, ch, odd);
+      const Outputs got = run_backend(in, Entry::kForwardBackward, true, up, nullptr, ch, odd);
+      EXPECT_EQ(lce::debug::last_kernel.get(), fused ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
+      expect_outputs(in, Entry::kForwardBackward, got, want, "odd gradient strides", c.dtype);
+    }
   }
 }
 
