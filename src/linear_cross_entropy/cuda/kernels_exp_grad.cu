@@ -93,6 +93,34 @@ __device__ __forceinline__ void load4(const T* ptr, float (&v)[4]) {
   }
 }
 
+template <typename T>
+__device__ __forceinline__ float to_float(T v) {
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat162float(v);
+  else
+    return __half2float(v);
+}
+
+// The four values of a row of T at columns [c, c + 4): one vector access where `vec4` (the row allows them and
+// h % 4 == 0), else the elements below h, with zeros past it. c < h.
+template <typename T>
+__device__ __forceinline__ void load4_within(const T* row, int64_t c, int64_t h, bool vec4, float (&v)[4]) {
+  if (vec4) return load4(row + c, v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) v[e] = c + e < h ? to_float(row[c + e]) : 0.f;
+}
+
+// Their store: the same accesses, rounded to nearest (nothing past h).
+template <typename T>
+__device__ __forceinline__ void store4_within(T* row, int64_t c, int64_t h, bool vec4, const float (&v)[4]) {
+  if (vec4) return head::store4<T>(row, c, v);
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    if (c + e < h) row[c + e] = from_float<T>(v[e]);
+}
+
 // xs[r] = s * x[r], by `step` threads (lane: this one's index among them); 16-byte accesses where the rows allow.
 __device__ __forceinline__ void write_scaled_row(const ExpGradParams& p, int64_t r, float s, int lane, int step) {
   if (!p.xs) return;
@@ -261,33 +289,23 @@ __global__ void __launch_bounds__(kTermThreads)
 #pragma unroll
     for (int q = 0; q < kTermVectors; ++q) {
       const int64_t c = c0 + q * kTermThreads * 4;
-      if (vec4 && c < p.h) {
-        float x[4];
-        load4(xr + c, x);
+      if (c >= p.h) break;
+      float x[4];
+      load4_within(xr, c, p.h, vec4, x);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[q][e] = fmaf(coef, x[e], acc[q][e]);
-      } else if (!vec4) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (c + e < p.h) acc[q][e] = fmaf(coef, __bfloat162float(xr[c + e]), acc[q][e]);
-      }
+      for (int e = 0; e < 4; ++e) acc[q][e] = fmaf(coef, x[e], acc[q][e]);
     }
   }
   T* out = static_cast<T*>(key < dw.split ? dw.head : dw.tail) + (key < dw.split ? key : key - dw.split) * dw.ld;
 #pragma unroll
   for (int q = 0; q < kTermVectors; ++q) {
     const int64_t c = c0 + q * kTermThreads * 4;
-    if (vec4 && c < p.h) {
-      float v[4];
-      load4(out + c, v);
+    if (c >= p.h) break;
+    float v[4];
+    load4_within(out, c, p.h, vec4, v);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] += acc[q][e];
-      head::store4<T>(out, c, v);
-    } else if (!vec4) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (c + e < p.h) store_as(out, dw.dtype, c + e, load_as_float(out, dw.dtype, c + e) + acc[q][e]);
-    }
+    for (int e = 0; e < 4; ++e) v[e] += acc[q][e];
+    store4_within(out, c, p.h, vec4, v);
   }
 }
 
@@ -303,25 +321,17 @@ __global__ void __launch_bounds__(kTermThreads)
     const float s = p.scale[r], coef = p.target_coef[r];
     const float* yr = y + r * ldy;
     T* out = dx + r * ld_dx;
-    if (vec4) {
-      for (int64_t c = threadIdx.x * 4; c < p.h; c += kTermThreads * 4) {
-        float v[4], w[4];
-        load4(yr + c, v);
+    for (int64_t c = threadIdx.x * 4; c < p.h; c += kTermThreads * 4) {
+      float v[4], w[4];
+      load4_within(yr, c, p.h, vec4, v);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] *= s;
-        if (valid) {
-          load4(wt + c, w);
+      for (int e = 0; e < 4; ++e) v[e] *= s;
+      if (valid) {
+        load4_within(wt, c, p.h, vec4, w);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) v[e] = fmaf(coef, w[e], v[e]);
-        }
-        head::store4<T>(out, c, v);
+        for (int e = 0; e < 4; ++e) v[e] = fmaf(coef, w[e], v[e]);
       }
-      continue;
-    }
-    for (int64_t c = threadIdx.x; c < p.h; c += kTermThreads) {
-      float v = s * yr[c];
-      if (valid) v = fmaf(coef, __bfloat162float(wt[c]), v);
-      out[c] = from_float<T>(v);
+      store4_within(out, c, p.h, vec4, v);
     }
   }
 }
