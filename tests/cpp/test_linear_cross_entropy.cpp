@@ -1113,57 +1113,95 @@ TEST(LinearCrossEntropyCudaFused, OddGradientStridesMatchCpuBackend) {
   }
 }
 
+// float32 gradients of bfloat16 inputs (autocast over float32 master weights): each token group's shared region lies
+// in its own rows of grad_hidden (plan.h, Plan::shared_in_grad_hidden), or in the workspace where grad_hidden's rows
+// are padded. One group and several: the same bits either way, and the CPU backend's values.
+TEST(LinearCrossEntropyCudaFused, SharedRegionInGradHiddenMatchesTheWorkspace) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const bool fused = fused_kernels_run();
+  GradDtypes f32, padded;
+  f32.f32 = padded.f32 = true;
+  padded.dx_pad = 4;
+  for (const LceCase& c : kScratchCases) {
+    for (const int64_t chunk : {int64_t{0}, int64_t{64}}) {
+      SCOPED_TRACE(::testing::Message() << case_name(c) << " chunk_tokens=" << chunk);
+      LceInputs in(c, seed_of(c));
+      in.opt.chunk_tokens = chunk;
+      const auto up = upstream_for(in, seed_of(c) + 1);
+      const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr, Chunking::kDefault, f32);
+      const Outputs in_gh = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, f32);
+      // Where a grad_hidden row (4 H bytes) holds a token's statistics (16 bytes per 256 classes): not at
+      // 96 × 7777, whose region stays in the workspace either way.
+      const bool fits = 16 * ((c.v + 255) / 256) <= 4 * c.h;
+      EXPECT_EQ(lce::debug::last_shared_in_grad_hidden.get(), fused && fits);
+      EXPECT_EQ(lce::debug::last_group_rows.get(), chunk ? chunk : c.n);
+      const Outputs in_ws = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, padded);
+      EXPECT_FALSE(lce::debug::last_shared_in_grad_hidden.get());
+      expect_outputs(in, Entry::kForwardBackward, in_gh, want, "region in grad_hidden", c.dtype);
+      expect_same_finite_bits(in_gh, in_ws, "region in grad_hidden against the workspace");
+    }
+  }
+}
+
 // With check_targets, a bad target throws naming its first row and leaves every output as it was, whether the host
 // waits for the check behind the first logits GEMM (run.cpp, checks_behind_logits: the fused forward, or a fused
-// gradient in forward whose regions lie in the workspace) or before it (regions in grad_weight's storage, or the
-// generic kernels). A later call with good targets then matches the CPU backend.
+// gradient in forward whose regions lie in the workspace) or before it (regions in grad_weight's storage or in a
+// float32 grad_hidden's rows, or the generic kernels). A later call with good targets then matches the CPU backend.
 TEST(LinearCrossEntropyCuda, BadTargetWritesNoOutputWhereverTheCheckWaits) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const bool fused = fused_kernels_run();
-  const LceCase c{333, 96, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kWeights, Reduction::kMean, false};
+  // H = 128: a float32 grad_hidden row (512 bytes) holds a token's 31 tiles of statistics.
+  const LceCase c{333, 128, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kWeights, Reduction::kMean, false};
   const int64_t N = c.n, H = c.h, V = c.v;
   for (const int64_t chunk : {int64_t{0}, int64_t{64}})
-    for (const Entry e : {Entry::kForward, Entry::kForwardBackward}) {
-      SCOPED_TRACE(::testing::Message() << entry_name(e) << " chunk_tokens=" << chunk);
-      LceInputs in(c, seed_of(c));
-      in.opt.chunk_tokens = chunk;
-      const int64_t t200 = in.target.get_index(200), t250 = in.target.get_index(250);
-      in.target.set_index(200, V + 3);
-      in.target.set_index(250, -5);
-      in.to_device();
-      TestTensor loss(DType::kFloat32, {}), lse(DType::kFloat32, {N}), gx(c.dtype, {N, H}), gw(c.dtype, {V, H});
-      for (TestTensor* t : {&loss, &lse, &gx, &gw}) {
-        t->fill_storage_nan();
-        t->to_device();
+    for (const Entry e : {Entry::kForward, Entry::kForwardBackward})
+      for (const bool f32 : {false, true}) {  // float32 gradients: the gradient in forward only
+        if (f32 && e != Entry::kForwardBackward) continue;
+        SCOPED_TRACE(::testing::Message()
+                     << entry_name(e) << " chunk_tokens=" << chunk << (f32 ? " float32 grads" : ""));
+        LceInputs in(c, seed_of(c));
+        in.opt.chunk_tokens = chunk;
+        const int64_t t200 = in.target.get_index(200), t250 = in.target.get_index(250);
+        in.target.set_index(200, V + 3);
+        in.target.set_index(250, -5);
+        in.to_device();
+        const DType gdt = f32 ? DType::kFloat32 : c.dtype;
+        TestTensor loss(DType::kFloat32, {}), lse(DType::kFloat32, {N}), gx(gdt, {N, H}), gw(gdt, {V, H});
+        for (TestTensor* t : {&loss, &lse, &gx, &gw}) {
+          t->fill_storage_nan();
+          t->to_device();
+        }
+        const TensorView h = in.hidden.view(true), w = in.weight.view(true), t = in.target.view(true);
+        const TensorView gxv = gx.view(true), gwv = gw.view(true);
+        const bool fb = e == Entry::kForwardBackward;
+        DeviceScratch ws(fb ? linear_cross_entropy_forward_backward_workspace_bytes(h, w, t, gxv, gwv, {}, in.opt)
+                            : linear_cross_entropy_forward_workspace_bytes(h, w, t, in.opt));
+        const std::string msg = error_of([&] {
+          if (fb)
+            linear_cross_entropy_forward_backward(h, w, {}, t, in.cwv(true), in.opt, loss.view(true), lse.view(true),
+                                                  gxv, gwv, {}, {}, ws.ws(), nullptr);
+          else
+            linear_cross_entropy_forward(h, w, {}, t, in.cwv(true), in.opt, loss.view(true), lse.view(true), ws.ws(),
+                                         nullptr);
+        });
+        EXPECT_NE(msg.find("got " + std::to_string(V + 3) + " at row 200"), std::string::npos) << msg;
+        EXPECT_EQ(lce::debug::last_kernel.get(), fused ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
+        if (fused && fb) {  // one group's regions in the workspace; with 64-token groups in grad_weight's storage
+          EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(), chunk != 0 && !f32);
+          EXPECT_EQ(lce::debug::last_shared_in_grad_hidden.get(), f32);  // ... or in grad_hidden's rows
+        }
+        device_synchronize();
+        for (TestTensor* x : {&loss, &lse, &gx, &gw}) {
+          x->to_host();
+          for (const float v : x->gather_float()) ASSERT_TRUE(std::isnan(v)) << "an output was written";
+        }
+        in.target.set_index(200, t200);
+        in.target.set_index(250, t250);
+        const auto up = upstream_for(in, seed_of(c) + 1);
+        const Outputs want = run_backend(in, e, false, up, nullptr, Chunking::kDefault, GradDtypes{f32});
+        expect_outputs(in, e, run_backend(in, e, true, up, nullptr, Chunking::kDefault, GradDtypes{f32}), want,
+                       "after a bad target", c.dtype);
       }
-      const TensorView h = in.hidden.view(true), w = in.weight.view(true), t = in.target.view(true);
-      const TensorView gxv = gx.view(true), gwv = gw.view(true);
-      const bool fb = e == Entry::kForwardBackward;
-      DeviceScratch ws(fb ? linear_cross_entropy_forward_backward_workspace_bytes(h, w, t, gxv, gwv, {}, in.opt)
-                          : linear_cross_entropy_forward_workspace_bytes(h, w, t, in.opt));
-      const std::string msg = error_of([&] {
-        if (fb)
-          linear_cross_entropy_forward_backward(h, w, {}, t, in.cwv(true), in.opt, loss.view(true), lse.view(true), gxv,
-                                                gwv, {}, {}, ws.ws(), nullptr);
-        else
-          linear_cross_entropy_forward(h, w, {}, t, in.cwv(true), in.opt, loss.view(true), lse.view(true), ws.ws(),
-                                       nullptr);
-      });
-      EXPECT_NE(msg.find("got " + std::to_string(V + 3) + " at row 200"), std::string::npos) << msg;
-      EXPECT_EQ(lce::debug::last_kernel.get(), fused ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
-      if (fused && fb)  // one group's regions in the workspace; with 64-token groups in grad_weight's storage
-        EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(), chunk != 0);
-      device_synchronize();
-      for (TestTensor* x : {&loss, &lse, &gx, &gw}) {
-        x->to_host();
-        for (const float v : x->gather_float()) ASSERT_TRUE(std::isnan(v)) << "an output was written";
-      }
-      in.target.set_index(200, t200);
-      in.target.set_index(250, t250);
-      const auto up = upstream_for(in, seed_of(c) + 1);
-      const Outputs want = run_backend(in, e, false, up, nullptr);
-      expect_outputs(in, e, run_backend(in, e, true, up, nullptr), want, "after a bad target", c.dtype);
-    }
 }
 #endif
 
@@ -1568,6 +1606,7 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   EXPECT_EQ(off(g.b.fused.scaled_hidden), kNone);
   in2.need_db = true;
   EXPECT_EQ(lay(in2).kernel, lce::Kernel::kCublasChunked);
+  in2.need_db = false;
   in.fused_exp = false;
   // Backward: only the 16-bit gradient per column, 512 MiB / (2 bytes x 8192) = 32768 columns (whole tiles).
   in.pass = lce::Pass::kBackward;
@@ -1600,6 +1639,47 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
 // where grad_weight's storage outgrows the budget, the exponentials go there too (Plan::dlogits_in_grad_weight), in
 // the accumulator tail's place: 4 groups of 2048 instead of 8 of 1024, in at most one budget more workspace. Groups
 // are cut evenly, so that no short last group costs a whole accumulator pass.
+// Float32 gradients of bfloat16 inputs (autocast over float32 hidden and weight): a token group's shared region
+// (statistics, then scaled hidden rows) lies in its own rows of grad_hidden where they are contiguous and 4 H bytes
+// hold it, so the budget holds longer groups.
+TEST(LinearCrossEntropyPlan, SharedRegionInFloat32GradHidden) {
+  lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
+  in.fused = in.fused_exp = true;
+  in.grad_hidden_f32 = in.grad_weight_f32 = true;
+  // In the workspace: 2 x 128256 + 32 + 8192 (the scaled hidden row, over 16 x 501 statistics) bytes a token;
+  // 512 MiB hold 2027 rows, so 5 groups of 1664.
+  Laid ws = lay(in);
+  EXPECT_EQ(ws.kernel, lce::Kernel::kHopperFused);
+  EXPECT_FALSE(ws.shared_in_grad_hidden);
+  EXPECT_EQ(ws.group_rows, 1664);
+  EXPECT_NE(off(ws.b.fused.partials), kNone);
+  EXPECT_EQ(off(ws.b.fused.scaled_hidden), off(ws.b.fused.partials));
+  expect_layout_sound(ws);
+  // In grad_hidden's rows (16 KiB each): 2092 rows fit, so 4 groups of 2048, and no such region in the workspace.
+  in.grad_hidden_rows_scratch = true;
+  Laid gh = lay(in);
+  EXPECT_TRUE(gh.shared_in_grad_hidden);
+  EXPECT_EQ(gh.group_rows, 2048);
+  EXPECT_EQ(off(gh.b.fused.partials), kNone);
+  EXPECT_EQ(off(gh.b.fused.scaled_hidden), kNone);
+  EXPECT_EQ(off(gh.b.fused.dx_rows), kNone);
+  EXPECT_NE(off(gh.b.head.dlogits), kNone);
+  EXPECT_LE(gh.bytes, in.memory_budget + (size_t{64} << 20));
+  expect_layout_sound(gh);
+  // 256000 classes at H = 2304: 16 x 1000 bytes of statistics a token exceed a row's 4 x 2304: the workspace.
+  lce::PlanInputs wide = llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000);
+  wide.fused = wide.fused_exp = true;
+  wide.grad_hidden_f32 = wide.grad_weight_f32 = wide.grad_hidden_rows_scratch = true;
+  EXPECT_FALSE(lay(wide).shared_in_grad_hidden);
+  // A 16-bit grad_hidden takes the float32 rows in that region: never.
+  in.grad_hidden_f32 = false;
+  EXPECT_FALSE(lay(in).shared_in_grad_hidden);
+  // The generic path: none.
+  in.grad_hidden_f32 = true;
+  in.fused_exp = false;
+  EXPECT_FALSE(lay(in).shared_in_grad_hidden);
+}
+
 TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 16384, 2048, 128256);
   in.fused = in.fused_exp = true;

@@ -84,6 +84,9 @@ inline logitless::debug::Slot<bool> last_exp_in_grad_weight;
 inline logitless::debug::Slot<int64_t> last_dw_tail_rows;
 inline logitless::debug::Slot<bool> last_dlogits_in_grad_weight;
 inline logitless::debug::Slot<int64_t> last_group_rows;
+// Whether the last gradient in forward on the fused path kept each group's shared region in its own rows of a
+// float32 grad_hidden (plan.h, Plan::shared_in_grad_hidden).
+inline logitless::debug::Slot<bool> last_shared_in_grad_hidden;
 // The fused GEMM (bfloat16) without an epilogue: its accumulators are dropped. The mainloop's speed alone, for the
 // kernel micro-benchmark (bench/cpp/bench_lce_gemm.cu).
 void launch_fused_mainloop(const FusedGemmParams& p, int sm_count, cudaStream_t stream);

@@ -61,6 +61,9 @@ struct PlanInputs {
   // Bytes of grad_weight's storage a plan may use as scratch while the float32 accumulator holds the sums
   // (16-bit, rows contiguous; 256 less than its size, so that the regions start 256-aligned wherever it does).
   size_t grad_weight_scratch = 0;
+  // grad_hidden is float32 with contiguous, 16-byte aligned rows of a multiple of 4 elements: a token group's own
+  // rows of it hold nothing until the group's grad_hidden GEMM writes them, and each holds 4·H bytes.
+  bool grad_hidden_rows_scratch = false;
   bool dw_tail = true;  // the accumulator's tail may use that storage (Plan::dw_tail_rows; off: benchmarks)
   bool dlogits_in_grad_weight = true;  // ... and the exponentials, in its place (Plan::dlogits_in_grad_weight)
 };
@@ -100,9 +103,11 @@ struct Plan {
   int64_t stats_row = 0;       // kHopperFused forward: bytes of tile statistics per token (16 per 256 columns)
   int64_t exp_shared_row = 0;  // exponential form: bytes per token of the region that the statistics, the scaled
                                // hidden row and the float32 grad_hidden row take in turn
-  size_t slot_bytes = 0;       // the steps' logits slot (two, one after the other)
-  size_t sort_bytes = 0;       // exponential form with grad_weight: the sort's temporary storage
-  size_t bytes = 0;            // the workspace: every stage of declare_workspace
+  bool shared_in_grad_hidden = false;  // ... and that region lies in the group's own rows of a float32 grad_hidden
+                                       // (PlanInputs::grad_hidden_rows_scratch), not in the workspace
+  size_t slot_bytes = 0;               // the steps' logits slot (two, one after the other)
+  size_t sort_bytes = 0;               // exponential form with grad_weight: the sort's temporary storage
+  size_t bytes = 0;                    // the workspace: every stage of declare_workspace
 };
 
 // The cross-entropy's stage: the prepass's scalars and the per-token state.
@@ -152,7 +157,7 @@ inline void declare_workspace(const PlanInputs& in, const Plan& p, head::Workspa
 }
 // The exponential form's regions for one token group: shift, scale, target term, rewrite list, the sort's keys,
 // rows and storage, and one region holding in turn the statistics, the scaled hidden rows and the float32
-// grad_hidden rows.
+// grad_hidden rows (none where Plan::shared_in_grad_hidden: the run points it at the group's grad_hidden rows).
 void declare_exp(const PlanInputs& in, const Plan& p, head::WorkspaceLayout& L, FusedBuffers* f);
 
 Plan plan_linear_cross_entropy(const PlanInputs& in);

@@ -108,6 +108,9 @@ PlanInputs plan_inputs(const Problem& p) {
     in.target_sort_bytes = exp_target_sort_bytes(p.n_tokens);
   if (in.need_dw && !in.grad_weight_f32 && p.grad_weight.ld == p.hidden)
     in.grad_weight_scratch = grad_weight_scratch_bytes(p, p.grad_weight.dtype);
+  const head::Matrix& dx = p.grad_hidden;
+  in.grad_hidden_rows_scratch =
+      in.grad_hidden_f32 && dx.ld == p.hidden && p.hidden % 4 == 0 && reinterpret_cast<uintptr_t>(dx.data) % 16 == 0;
   in.dw_tail = hooks::hook(Hook::kLceDwTail) != 0;
   in.dlogits_in_grad_weight = hooks::hook(Hook::kLceDwTail) == 1;
   return in;
@@ -151,7 +154,14 @@ struct Run {
   bool checks_behind_logits() const {
     if (!fused() || p.n_tokens == 0) return false;
     if (p.mode == Mode::kForward) return true;
-    return p.mode == Mode::kForwardBackward && !plan.exp_in_grad_weight && !plan.dlogits_in_grad_weight;
+    return p.mode == Mode::kForwardBackward && !plan.exp_in_grad_weight && !plan.dlogits_in_grad_weight &&
+           !plan.shared_in_grad_hidden;
+  }
+
+  // Token group g0's region of Plan::exp_shared_row bytes a row: its own rows of grad_hidden, or the workspace's.
+  float* shared_region(int64_t g0) const {
+    if (!plan.shared_in_grad_hidden) return b.fused.partials;
+    return static_cast<float*>(p.grad_hidden.data) + g0 * p.grad_hidden.ld;
   }
 
   // The cross-entropy problem of rows [r0, r0 + rows): their targets, per-row outputs only.
@@ -262,7 +272,7 @@ struct Run {
     x.class_rows = b.fused.class_rows[0];
     x.e = b.head.dlogits;
     x.ld_e = plan.ld_dlogits;
-    x.xs = b.fused.scaled_hidden;
+    x.xs = p.grad_weight.data ? shared_region(g0) : nullptr;
     x.fixups = b.fused.fixups;
     x.force_fixups = hooks::hook(Hook::kLceExpFixupAll) ? 1 : 0;
     return x;
@@ -280,7 +290,7 @@ struct Run {
       const ExpGradParams x = exp_params(g0, rows, lse);
       launch_target_shift(x, sm_count(), stream());
       FusedGemmParams f = fused_params(g0, rows, 0, V);
-      f.partials = b.fused.partials;
+      f.partials = shared_region(g0);
       f.row_partials = p.entropy ? b.fused.row_partials : nullptr;
       f.shift = x.shift;
       f.dlogits = x.e;
@@ -581,6 +591,7 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   debug::last_dw_tail_rows.set(plan.dw_tail_rows);
   debug::last_dlogits_in_grad_weight.set(plan.dlogits_in_grad_weight);
   debug::last_group_rows.set(plan.group_rows);
+  debug::last_shared_in_grad_hidden.set(plan.shared_in_grad_hidden);
   Buffers b;
   head::WorkspaceLayout layout, scratch;
   declare_workspace(in, plan, layout, &b, &scratch);
