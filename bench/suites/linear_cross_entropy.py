@@ -169,11 +169,21 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
         if ctx.is_cuda:
             compiled = torch.compile(_torch_loss, fullgraph=True, dynamic=False)
             impls.append(("torch.compile", fwd_bwd(compiled), 1e-2, 6, fresh))
-            for name, (fn, why) in (("Liger FLCE", _liger()), ("Apple CCE", _cce())):
+            peers = (("Liger FLCE", _liger()), ("Apple CCE", _cce()))
+            for name, (fn, why) in peers:
                 if fn is not None:
                     impls.append((name, fwd_bwd(fn), 1e-2, 6, fresh))
                 else:
                     notes.append(Row(op="linear_cross_entropy", shape=shape, impl=name, note=why))
+            # What a user of float32 master weights would run instead of ours under autocast: the same peers on the
+            # same float32 inputs (a second compiled function: its graph is traced under autocast).
+            mixed = torch.compile(_torch_loss, fullgraph=True, dynamic=False)
+            impls.append(("torch.compile, float32 inputs under autocast(bf16)", fwd_bwd(_under_autocast(mixed)), 1e-2,
+                          6, fresh32))
+            for name, (fn, _) in peers:
+                if fn is not None:
+                    impls.append((f"{name}, float32 inputs under autocast(bf16)", fwd_bwd(_under_autocast(fn)), 1e-2,
+                                  6, fresh32))
         timed = []  # (row, its note without the ratio)
         for name, fn, tol, flops_per, inputs in impls:
             row = Row(op="linear_cross_entropy", shape=shape, impl=name)
