@@ -619,9 +619,11 @@ def linear_cross_entropy(
 
     Under ``torch.autocast`` (CUDA or CPU, bfloat16 or float16) a float32 hidden or weight is cast to the autocast
     dtype for the products, as F.linear would be, and its gradient comes back in float32, written so by the kernels:
-    with float32 master weights the float32 grad_weight is itself the accumulator over token groups, and the only
-    extra memory is the 16-bit copy of the weight (kept for the backward by the recompute schedule, freed after the
-    forward by gradient_in_forward). A float32 bias stays float32.
+    with float32 master weights the float32 grad_weight is itself the accumulator over token groups, and the extra
+    memory beside the workspace is the 16-bit copy of the weight (kept for the backward by the recompute schedule,
+    freed after the forward by gradient_in_forward). With a float32 hidden, each token group's scratch rows lie in
+    its own rows of the float32 grad_hidden where they fit, so `memory_budget` holds longer groups. A float32 bias
+    stays float32.
 
     Autograd: gradients flow to hidden, weight and bias. With gradient_in_forward the gradients are computed
     once and consumed by the backward: a second backward through the same call (retain_graph=True) raises
