@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "common/cuda/check.cuh"
+#include "common/cuda/vec.cuh"
 #include "cross_entropy/cuda/device.cuh"
 #include "linear_cross_entropy/cuda/dtype_io.cuh"
 #include "linear_cross_entropy/cuda/kernels.h"
@@ -62,16 +63,6 @@ __host__ __device__ __forceinline__ bool aligned(const void* ptr, size_t bytes) 
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
 
-template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __float2bfloat16_rn(v);
-  else
-    return __float2half_rn(v);
-}
-
 // Four consecutive elements of T as float: 8-byte aligned for 16-bit T, 16-byte for float.
 template <typename T>
 __device__ __forceinline__ void load4(const T* ptr, float (&v)[4]) {
@@ -93,23 +84,13 @@ __device__ __forceinline__ void load4(const T* ptr, float (&v)[4]) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __bfloat162float(v);
-  else
-    return __half2float(v);
-}
-
 // The four values of a row of T at columns [c, c + 4): one vector access where `vec4` (the row allows them and
 // h % 4 == 0), else the elements below h, with zeros past it. c < h.
 template <typename T>
 __device__ __forceinline__ void load4_within(const T* row, int64_t c, int64_t h, bool vec4, float (&v)[4]) {
   if (vec4) return load4(row + c, v);
 #pragma unroll
-  for (int e = 0; e < 4; ++e) v[e] = c + e < h ? to_float(row[c + e]) : 0.f;
+  for (int e = 0; e < 4; ++e) v[e] = c + e < h ? Vec<T>::load1(row + c + e) : 0.f;
 }
 
 // Their store: the same accesses, rounded to nearest (nothing past h).
@@ -118,7 +99,7 @@ __device__ __forceinline__ void store4_within(T* row, int64_t c, int64_t h, bool
   if (vec4) return head::store4<T>(row, c, v);
 #pragma unroll
   for (int e = 0; e < 4; ++e)
-    if (c + e < h) row[c + e] = from_float<T>(v[e]);
+    if (c + e < h) Vec<T>::store1(row + c + e, v[e]);
 }
 
 // xs[r] = s * x[r], by `step` threads (lane: this one's index among them); 16-byte accesses where the rows allow.
