@@ -109,7 +109,7 @@ ExpOutputs run_fused_exp(const ExpInputs& in, ExpVariant variant, bool row_stats
   const ExpShape& s = in.s;
   const int64_t tiles = (s.n + lce::kFusedTileCols - 1) / lce::kFusedTileCols;
   const int64_t ld_e = (s.n + 7) / 8 * 8 + 8;  // padded rows: what lies past n is never compared
-  TestTensor e(DType::kBFloat16, {s.m, s.n}, {ld_e, 1}), partials(DType::kFloat32, {s.m, tiles * 4}),
+  TestTensor e(DType::kBFloat16, {s.m, s.n}, {ld_e, 1}), partials(DType::kFloat32, {s.m, tiles * lce::kExpStatsFloats}),
       row_partials(DType::kFloat32, {s.m, tiles * 4});
   for (TestTensor* t : {&e, &partials, &row_partials}) {
     t->fill_storage_bytes(poison);
@@ -174,10 +174,10 @@ void expect_schedules_agree(const ExpShape& s, bool row_stats) {
   const ExpInputs in(s);
   const ExpOutputs cooperative = run_fused_exp(in, ExpVariant{false, true}, row_stats, 0xA5);
   const ExpOutputs pingpong = run_fused_exp(in, ExpVariant{true, true}, row_stats, 0x5A);
-  const int64_t tile_cols = (s.n + lce::kFusedTileCols - 1) / lce::kFusedTileCols * 4;
+  const int64_t tiles = (s.n + lce::kFusedTileCols - 1) / lce::kFusedTileCols;
   EXPECT_TRUE(same_bits(cooperative.e, pingpong.e, s.n, "E"));
-  EXPECT_TRUE(same_bits(cooperative.partials, pingpong.partials, tile_cols, "partials"));
-  if (row_stats) EXPECT_TRUE(same_bits(cooperative.row_partials, pingpong.row_partials, tile_cols, "row partials"));
+  EXPECT_TRUE(same_bits(cooperative.partials, pingpong.partials, tiles * lce::kExpStatsFloats, "partials"));
+  if (row_stats) EXPECT_TRUE(same_bits(cooperative.row_partials, pingpong.row_partials, tiles * 4, "row partials"));
 }
 
 // Shapes, with the work units (pairs of 128-row token tiles x 256-column class tiles) each gives:

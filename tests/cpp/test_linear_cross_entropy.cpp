@@ -1122,7 +1122,9 @@ TEST(LinearCrossEntropyCudaFused, SharedRegionInGradHiddenMatchesTheWorkspace) {
   GradDtypes f32, padded;
   f32.f32 = padded.f32 = true;
   padded.dx_pad = 4;
-  for (const LceCase& c : kScratchCases) {
+  std::vector<LceCase> cases(std::begin(kScratchCases), std::end(kScratchCases));
+  cases.push_back({333, 32, 7777, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false});
+  for (const LceCase& c : cases) {
     for (const int64_t chunk : {int64_t{0}, int64_t{64}}) {
       SCOPED_TRACE(::testing::Message() << case_name(c) << " chunk_tokens=" << chunk);
       LceInputs in(c, seed_of(c));
@@ -1130,9 +1132,9 @@ TEST(LinearCrossEntropyCudaFused, SharedRegionInGradHiddenMatchesTheWorkspace) {
       const auto up = upstream_for(in, seed_of(c) + 1);
       const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr, Chunking::kDefault, f32);
       const Outputs in_gh = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, f32);
-      // Where a grad_hidden row (4 H bytes) holds a token's statistics (16 bytes per 256 classes): not at
-      // 96 × 7777, whose region stays in the workspace either way.
-      const bool fits = 16 * ((c.v + 255) / 256) <= 4 * c.h;
+      // Where a grad_hidden row (4 H bytes) holds a token's statistics (8 bytes per 256 classes): not at
+      // 32 × 7777, whose region stays in the workspace either way.
+      const bool fits = 8 * ((c.v + 255) / 256) <= 4 * c.h;
       EXPECT_EQ(lce::debug::last_shared_in_grad_hidden.get(), fused && fits);
       EXPECT_EQ(lce::debug::last_group_rows.get(), chunk ? chunk : c.n);
       const Outputs in_ws = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, padded);
@@ -1646,7 +1648,7 @@ TEST(LinearCrossEntropyPlan, SharedRegionInFloat32GradHidden) {
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
   in.fused = in.fused_exp = true;
   in.grad_hidden_f32 = in.grad_weight_f32 = true;
-  // In the workspace: 2 x 128256 + 32 + 8192 (the scaled hidden row, over 16 x 501 statistics) bytes a token;
+  // In the workspace: 2 x 128256 + 32 + 8192 (the scaled hidden row, over 8 x 501 statistics) bytes a token;
   // 512 MiB hold 2027 rows, so 5 groups of 1664.
   Laid ws = lay(in);
   EXPECT_EQ(ws.kernel, lce::Kernel::kHopperFused);
@@ -1666,10 +1668,21 @@ TEST(LinearCrossEntropyPlan, SharedRegionInFloat32GradHidden) {
   EXPECT_NE(off(gh.b.head.dlogits), kNone);
   EXPECT_LE(gh.bytes, in.memory_budget + (size_t{64} << 20));
   expect_layout_sound(gh);
-  // 256000 classes at H = 2304: 16 x 1000 bytes of statistics a token exceed a row's 4 x 2304: the workspace.
+  // 256000 classes at H = 2304: 8 x 1000 bytes of statistics a token fit a row's 4 x 2304 (16 bytes a tile would
+  // not have), and the budget holds 1048 tokens' exponentials (2 x 256000 + 32 bytes each). In the workspace too
+  // (520032 bytes a token) 1032 fit: 8 groups of 1024 either way, where 16-byte records left 9 of 911. At H = 1024
+  // the statistics exceed the row: the workspace.
   lce::PlanInputs wide = llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000);
   wide.fused = wide.fused_exp = true;
   wide.grad_hidden_f32 = wide.grad_weight_f32 = wide.grad_hidden_rows_scratch = true;
+  Laid wide_gh = lay(wide);
+  EXPECT_TRUE(wide_gh.shared_in_grad_hidden);
+  EXPECT_EQ(wide_gh.group_rows, 1024);
+  expect_layout_sound(wide_gh);
+  wide.grad_hidden_rows_scratch = false;
+  EXPECT_EQ(lay(wide).group_rows, 1024);
+  wide.grad_hidden_rows_scratch = true;
+  wide.h = 1024;
   EXPECT_FALSE(lay(wide).shared_in_grad_hidden);
   // A 16-bit grad_hidden takes the float32 rows in that region: never.
   in.grad_hidden_f32 = false;
@@ -1737,7 +1750,7 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
             (uintptr_t{1} << 44) + static_cast<uintptr_t>(p.dw_tail_rows) * 2304 * 4);
   EXPECT_GE(reinterpret_cast<uintptr_t>(b.fused.shift),
             reinterpret_cast<uintptr_t>(b.head.dlogits) + static_cast<uintptr_t>(2048 * p.ld_dlogits * 2));
-  EXPECT_EQ(p.dw_tail_rows, 256000 - 245504);
+  EXPECT_EQ(p.dw_tail_rows, 256000 - 243968);
   // At most one budget over the workspace of the budget's exponentials beside the longest tail.
   wide.dlogits_in_grad_weight = false;
   const lce::Plan budget_plan = lce::plan_linear_cross_entropy(wide);
@@ -1751,11 +1764,11 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 1024);
   EXPECT_FALSE(lce::plan_linear_cross_entropy(wide).dlogits_in_grad_weight);
   wide.dw_tail = true;
-  // Without the scratch (a grad_weight with padded rows): the per-token regions count in the budget (528032 bytes
-  // a token: 1016 fit), 9 even groups of 911 (1024-row tiles do not fit).
+  // Without the scratch (a grad_weight with padded rows): the per-token regions count in the budget (520032 bytes
+  // a token: 1032 fit), 8 even groups of 1024.
   wide.grad_weight_scratch = 0;
   wide.target_sort_bytes = 0;
-  EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 911);
+  EXPECT_EQ(lce::plan_linear_cross_entropy(wide).group_rows, 1024);
   EXPECT_FALSE(lce::plan_linear_cross_entropy(wide).exp_in_grad_weight);
   EXPECT_FALSE(lce::plan_linear_cross_entropy(wide).dlogits_in_grad_weight);
   // A scratch too small for the regions: in the workspace, groups as without it (2028 fit: 9 groups, 1920-row tiles).

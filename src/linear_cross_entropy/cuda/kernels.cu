@@ -86,7 +86,13 @@ __global__ void __launch_bounds__(kGradThreads) grad_kernel(const __grid_constan
   }
 }
 
-__global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t tiles, const int64_t* target,
+// A tile's statistics as (maximum, sum of exp, the target's logit, sum of w x): the forward's record, or the
+// exponential form's (base, sum of E), which has no target or smoothing term.
+__device__ __forceinline__ float4 stats_of(const float4& q) { return q; }
+__device__ __forceinline__ float4 stats_of(const float2& q) { return make_float4(q.x, q.y, 0.f, 0.f); }
+
+template <typename Record>
+__global__ void finish_rows_kernel(const Record* partials, int64_t rows, int64_t tiles, const int64_t* target,
                                    const float* target_logit, const ce::KernelParams p, const Scalars* scalars,
                                    float* loss, float* lse, float* z_rows) {
   const int lane = threadIdx.x & 31;
@@ -103,12 +109,12 @@ __global__ void finish_rows_kernel(const float4* partials, int64_t rows, int64_t
       }
       continue;
     }
-    const float4* row = partials + r * tiles;
+    const Record* row = partials + r * tiles;
     float m = -INFINITY, s = 0.f, xt = 0.f, swx = 0.f;
     for (int64_t j = lane; j < tiles; j += 32) m = ce::max_nan(m, row[j].x);
     m = ce::warp_max(m);
     for (int64_t j = lane; j < tiles; j += 32) {
-      const float4 q = row[j];
+      const float4 q = stats_of(row[j]);
       if (q.x != -INFINITY) s += q.y * expf(q.x - m);  // accurate exp: a few terms per row, not a hot loop
       xt += q.z;
       swx += q.w;
@@ -153,14 +159,21 @@ void launch_grad(const GradParams& p, DType out_dtype, cudaStream_t stream) {
   }
 }
 
-void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
+void launch_finish_rows(const float* partials, int stats_floats, int64_t rows, int64_t tiles, const int64_t* target,
                         const float* target_logit, const ce::KernelParams& ce, const Scalars* scalars, float* loss,
                         float* lse, float* z_rows, int sm_count, cudaStream_t stream) {
   if (rows <= 0) return;
+  if (stats_floats != kStatsFloats && !(stats_floats == kExpStatsFloats && target_logit))
+    throw_invalid("linear cross-entropy fused row statistics: records of 4 floats, or of 2 with the target logits");
   constexpr int kThreads = 256;
   const int64_t blocks = std::min<int64_t>((rows + kThreads / 32 - 1) / (kThreads / 32), int64_t{sm_count} * 8);
-  finish_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      reinterpret_cast<const float4*>(partials), rows, tiles, target, target_logit, ce, scalars, loss, lse, z_rows);
+  const auto grid = static_cast<unsigned>(blocks);
+  if (stats_floats == kExpStatsFloats)
+    finish_rows_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const float2*>(partials), rows, tiles, target,
+                                                      target_logit, ce, scalars, loss, lse, z_rows);
+  else
+    finish_rows_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const float4*>(partials), rows, tiles, target,
+                                                      target_logit, ce, scalars, loss, lse, z_rows);
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy fused row statistics");
 }
 

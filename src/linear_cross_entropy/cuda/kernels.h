@@ -11,12 +11,13 @@ namespace logitless::lce {
 // d(loss)/d(logits) of a chunk (see GradParams), into p.dlogits in `out_dtype`, and its column sums.
 void launch_grad(const GradParams& p, DType out_dtype, cudaStream_t stream);
 
-// The rows' loss and lse from the fused forward's tile statistics partials [rows, tiles, 4] (kernels_hopper.h): one
-// warp per row combines its tiles as a vocabulary-parallel finalize combines shards
-// (include/logitless/vocab_parallel.h) and applies the cross-entropy's row loss. target_logit: the rows' target logits,
-// or nullptr to take them from the partials. lse and z_rows (the rows' z-loss terms) may be nullptr. ce: the row kinds,
-// class weights and options.
-void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, const int64_t* target,
+// The rows' loss and lse from the fused GEMM's tile statistics partials [rows, tiles, stats_floats]
+// (kernels_hopper.h): one warp per row combines its tiles as a vocabulary-parallel finalize combines shards
+// (include/logitless/vocab_parallel.h) and applies the cross-entropy's row loss. stats_floats: the forward's
+// kStatsFloats, or the exponential form's kExpStatsFloats (plan.h), which needs target_logit. target_logit: the rows'
+// target logits, or nullptr to take them from the partials. lse and z_rows (the rows' z-loss terms) may be nullptr.
+// ce: the row kinds, class weights and options.
+void launch_finish_rows(const float* partials, int stats_floats, int64_t rows, int64_t tiles, const int64_t* target,
                         const float* target_logit, const ce::KernelParams& ce, const Scalars* scalars, float* loss,
                         float* lse, float* z_rows, int sm_count, cudaStream_t stream);
 
@@ -24,8 +25,9 @@ void launch_finish_rows(const float* partials, int64_t rows, int64_t tiles, cons
 // is_top1 (0 or 1), 0 and 0 for an ignored row, NaN and 0 for a bad one.
 //  * launch_chunk_row_stats: from a chunk of whole rows of float32 logits z [rows, ld] (the generic path; a block per
 //    row reads it once): the entropy of softmax of the capped logits, the first maximum of z.
-//  * launch_finish_row_stats: from the fused exponential form's tile partials [rows, tiles, 4] (its statistics, and
-//    the row statistics' own: hopper/epilogue_exp_row_stats.cuh) and the rows' lse (launch_finish_rows' output).
+//  * launch_finish_row_stats: from the fused exponential form's tile partials (its statistics [rows, tiles,
+//    kExpStatsFloats], and the row statistics' own [rows, tiles, 4]: hopper/epilogue_exp_row_stats.cuh) and the rows'
+//    lse (launch_finish_rows' output).
 // target: the rows' targets; ce: the row kinds and options.
 void launch_chunk_row_stats(const float* z, int64_t ld, int64_t rows, int64_t width, const int64_t* target,
                             const ce::KernelParams& ce, float* entropy, uint8_t* is_top1, int sm_count,

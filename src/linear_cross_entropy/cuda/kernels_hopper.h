@@ -42,7 +42,7 @@ struct FusedGemmParams {
   ce::KernelParams ce;              // ignore_index, vocab_total, vocab_offset, eps, inv_v, z, softcap, weight
 
   // stats
-  float* partials = nullptr;  // [m, ceil(n / kFusedTileCols), 4]
+  float* partials = nullptr;  // [m, ceil(n / kFusedTileCols), kStatsFloats] (exp: kExpStatsFloats; plan.h)
 
   // exp
   const float* shift = nullptr;   // [m]; E goes to dlogits

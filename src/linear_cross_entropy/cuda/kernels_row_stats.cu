@@ -68,10 +68,10 @@ __global__ void __launch_bounds__(kChunkThreads)
   }
 }
 
-// A warp per row over its tiles (hopper/epilogue_exp_row_stats.cuh has the formula): partials (base, s, ., .),
+// A warp per row over its tiles (hopper/epilogue_exp_row_stats.cuh has the formula): partials (base, s),
 // row_partials (A, tile maximum, its first column, NaN flag).
 __global__ void __launch_bounds__(kFinishThreads)
-    finish_row_stats_kernel(const float4* partials, const float4* row_partials, int64_t rows, int64_t tiles,
+    finish_row_stats_kernel(const float2* partials, const float4* row_partials, int64_t rows, int64_t tiles,
                             const int64_t* target, const float* lse, const ce::KernelParams p, float* entropy,
                             uint8_t* is_top1) {
   const int lane = threadIdx.x & 31;
@@ -83,13 +83,14 @@ __global__ void __launch_bounds__(kFinishThreads)
       if (lane == 0) write_if_not_valid(kind, r, entropy, is_top1);
       continue;
     }
-    const float4* st = partials + r * tiles;
+    const float2* st = partials + r * tiles;
     const float4* rs = row_partials + r * tiles;
     const float l = lse[r];
     float mx = -INFINITY, h = 0.f;
     int nan = 0;
     for (int64_t k = lane; k < tiles; k += 32) {
-      const float4 a = st[k], b = rs[k];
+      const float2 a = st[k];
+      const float4 b = rs[k];
       mx = fmaxf(mx, b.y);
       nan |= b.w != 0.f;
       if (a.x != -INFINITY) h += expf(a.x - l) * fmaf(l - a.x, a.y, -b.x);  // accurate exp: a few terms per row
@@ -128,7 +129,7 @@ void launch_finish_row_stats(const float* partials, const float* row_partials, i
   const int64_t per_block = kFinishThreads / 32;
   const auto blocks =
       static_cast<unsigned>(std::min<int64_t>((rows + per_block - 1) / per_block, int64_t{sm_count} * 8));
-  finish_row_stats_kernel<<<blocks, kFinishThreads, 0, stream>>>(reinterpret_cast<const float4*>(partials),
+  finish_row_stats_kernel<<<blocks, kFinishThreads, 0, stream>>>(reinterpret_cast<const float2*>(partials),
                                                                  reinterpret_cast<const float4*>(row_partials), rows,
                                                                  tiles, target, lse, ce, entropy, is_top1);
   LOGITLESS_CUDA_CHECK_LAUNCH("linear cross-entropy fused row statistics");

@@ -27,8 +27,13 @@ enum class Pass : int32_t { kForward = 0, kForwardBackward = 1, kBackward = 2 };
 using head::cublas_workspace_for;
 using head::kGradRowsPerBlock;
 
-// Columns of one tile of the fused Hopper GEMM: its forward writes 4 floats of statistics per token and tile.
+// Columns of one tile of the fused Hopper GEMM, and the statistics it writes per token and tile: the forward's four
+// floats (maximum, sum of exp, the target's logit, sum of w x), the gradient in forward's two (the tile's base and
+// the sum of its E: the target's logit is the row's shift there, and label smoothing does not take that path). The
+// smaller record lets a token's statistics fit a float32 grad_hidden row at twice the classes (Plan::
+// shared_in_grad_hidden: 256000 classes at H = 2304).
 inline constexpr int64_t kFusedTileCols = 256;
+inline constexpr int kStatsFloats = 4, kExpStatsFloats = 2;
 
 struct PlanInputs {
   Pass pass = Pass::kForward;
@@ -100,7 +105,8 @@ struct Plan {
   bool dlogits_in_grad_weight = false;  // exponential form: the group's exponentials lie in grad_weight's storage
                                         // too, between the tail (shorter, for them) and the per-group regions
 
-  int64_t stats_row = 0;       // kHopperFused forward: bytes of tile statistics per token (16 per 256 columns)
+  int64_t stats_row = 0;       // kHopperFused forward: bytes of tile statistics per token (16 per 256 columns; the
+                               // row statistics' partials alike)
   int64_t exp_shared_row = 0;  // exponential form: bytes per token of the region that the statistics, the scaled
                                // hidden row and the float32 grad_hidden row take in turn
   bool shared_in_grad_hidden = false;  // ... and that region lies in the group's own rows of a float32 grad_hidden

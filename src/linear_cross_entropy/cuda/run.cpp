@@ -243,8 +243,8 @@ struct Run {
     f.partials = b.fused.partials;
     launch_fused_stats(f, sm_count(), stream());
     settle_targets();
-    launch_finish_rows(f.partials, rows, (p.vocab + kFusedTileCols - 1) / kFusedTileCols, targets + r0, nullptr, f.ce,
-                       scalars, loss_rows, lse_rows, z_rows(r0), sm_count(), stream());
+    launch_finish_rows(f.partials, kStatsFloats, rows, (p.vocab + kFusedTileCols - 1) / kFusedTileCols, targets + r0,
+                       nullptr, f.ce, scalars, loss_rows, lse_rows, z_rows(r0), sm_count(), stream());
   }
 
   ExpGradParams exp_params(int64_t g0, int64_t rows, float* lse) const {
@@ -297,8 +297,8 @@ struct Run {
       f.ld_dlogits = x.ld_e;
       launch_fused_exp(f, sm_count(), stream());
       settle_targets();
-      launch_finish_rows(f.partials, rows, tiles, targets + g0, x.shift, f.ce, scalars, loss_rows(g0), lse + g0,
-                         z_rows(g0), sm_count(), stream());
+      launch_finish_rows(f.partials, kExpStatsFloats, rows, tiles, targets + g0, x.shift, f.ce, scalars, loss_rows(g0),
+                         lse + g0, z_rows(g0), sm_count(), stream());
       if (p.entropy)  // before exp_rows: the statistics' region is then overwritten
         launch_finish_row_stats(f.partials, f.row_partials, rows, tiles, targets + g0, lse + g0, f.ce, p.entropy + g0,
                                 p.is_top1 + g0, sm_count(), stream());

@@ -1,10 +1,11 @@
 // The gradient in forward's epilogue (plain options, params.h's ExpGradParams): E = exp(z - shift) of every element
 // in T (0 in ignored rows, NaN in rows with a bad target; TileStore) and, per (row, tile), the sum of E as the
-// statistics of a tile whose maximum is shift: (shift, sum of E, 0, 0). One exponential per element serves both. A
-// tile whose maximum is more than kFarNats above shift (its E would overflow) takes its own maximum as the base of
-// its statistics instead; exp_rows sends such rows to exp_fixup (lse - shift > kExpRange), which rewrites E. So does
-// a target logit of -inf (a class masked by its bias). A tile whose E all underflow is negligible beside the
-// target's own E of 1. The target's logit is shift itself (launch_finish_rows' target_logit).
+// statistics of a tile whose maximum is shift: (shift, sum of E), two floats (plan.h, kExpStatsFloats). One
+// exponential per element serves both. A tile whose maximum is more than kFarNats above shift (its E would
+// overflow) takes its own maximum as the base of its statistics instead; exp_rows sends such rows to exp_fixup
+// (lse - shift > kExpRange), which rewrites E. So does a target logit of -inf (a class masked by its bias). A tile
+// whose E all underflow is negligible beside the target's own E of 1. The target's logit is shift itself
+// (launch_finish_rows' target_logit).
 //
 // Interior tiles take E on shift at once and look for the tile's maximum only where a row's sum shows a far tile
 // (tile_on_shift); tiles at the problem's edge, and warps with a row whose shift is not finite, take the maximum first
@@ -19,7 +20,7 @@ namespace logitless::lce::hopper {
 
 struct ExpArguments {
   LogitRows rows;
-  float* partials = nullptr;     // [m, rows.col_tiles(), 4]
+  float* partials = nullptr;     // [m, rows.col_tiles(), kExpStatsFloats]
   const float* shift = nullptr;  // [m]
   void* e = nullptr;             // [m, ld_e] in the inputs' dtype
   int64_t ld_e = 0;
@@ -161,7 +162,7 @@ struct EpilogueExp {
   __device__ __forceinline__ static void store_stats(const Params& p, const Rows& d, int i, const TileAt& t, float base,
                                                      float si) {
     if (isnan(si)) base = si = NAN;
-    store_tile_stats(p.rows, p.partials, d.t, i, t.m0, t.nt, make_float4(base, si, 0.f, 0.f));
+    store_tile_stats(p.rows, p.partials, d.t, i, t.m0, t.nt, make_float2(base, si));
   }
 
   // kFull: every row and column of the tile is in the problem (no masks; most tiles).

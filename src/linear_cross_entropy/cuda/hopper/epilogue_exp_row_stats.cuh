@@ -107,7 +107,7 @@ struct EpilogueExpRowStats {
       ai = quad_sum(ai);
       float mo = m_out[i];
       if (isnan(si)) mo = si = ai = NAN;  // NaN or +inf in the tile's row, as EpilogueExp
-      store_tile_stats(lr, p.exp.partials, d.t, i, t.m0, t.nt, make_float4(mo, si, 0.f, 0.f));
+      store_tile_stats(lr, p.exp.partials, d.t, i, t.m0, t.nt, make_float2(mo, si));
       store_tile_stats(lr, p.row_partials, d.t, i, t.m0, t.nt,
                        make_float4(ai, mx[i], __int_as_float(first[i]), nan[i] ? 1.f : 0.f));
     }

@@ -90,11 +90,13 @@ __device__ __forceinline__ void add_bias(const LogitRows& p, Acc& acc, const Crd
   }
 }
 
-// Per (row, class tile) statistics into partials [m, col_tiles, 4], from the lane that holds column 0 of the row.
+// Per (row, class tile) statistics into partials [m, col_tiles] of records V (float4, or the exponential form's
+// float2: plan.h, kExpStatsFloats), from the lane that holds column 0 of the row.
+template <typename V>
 __device__ __forceinline__ void store_tile_stats(const LogitRows& p, float* partials, const RowTargets& d, int i,
-                                                 int64_t m0, int nt, float4 v) {
+                                                 int64_t m0, int nt, V v) {
   if ((threadIdx.x & 3) == 0 && d.row[i] < p.m - m0)
-    reinterpret_cast<float4*>(partials)[(m0 + d.row[i]) * p.col_tiles() + nt] = v;
+    reinterpret_cast<V*>(partials)[(m0 + d.row[i]) * p.col_tiles() + nt] = v;
 }
 
 }  // namespace logitless::lce::hopper
