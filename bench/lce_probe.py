@@ -3,7 +3,7 @@ plan's chunking (memory_budget, chunk_tokens) that skips the peers of bench/benc
 
     python3 bench/lce_probe.py [--shapes 8192x4096x128256,4096x4096x128256] [--budgets-mib 512]
                                [--schedules auto,gradient_in_forward,recompute] [--tag NAME] [--kernels]
-                               [--inputs probe|bench] [--hook NAME=V1,V2,...]
+                               [--inputs probe|bench] [--hook NAME=V1,V2,...] [--autocast]
 
 Prints, per shape and budget: the GEMMs' time (X·Wᵀ, dZ·W, dZᵀ·X in bf16), the time of
 linear_cross_entropy(x, w, t).backward() (bf16, default options), their ratio, and the peak memory beyond the
@@ -20,6 +20,9 @@ time and span, and its largest kernels.
 rounds: two settings of one switch compared on the same clocks.
 --inputs bench draws hidden ~ N(0, 1) and weight ~ N(0, 4 / H) as bench.py does (logits of standard deviation 2)
 instead of hidden × 0.5 and weight × 0.02 (about 0.6): an H100's GEMMs run several percent slower on the former.
+--autocast makes hidden and weight float32 and calls the op under torch.autocast(bfloat16) (float32 master weights,
+as transformers' Trainer runs them with bf16=True); the GEMMs stay bf16 (on copies made once), so the ratio is to
+the same yardstick as the bf16 call's.
 """
 import argparse
 import os
@@ -134,6 +137,8 @@ def main():
                     help="per-kernel GPU time of 3 more interleaved rounds, the GEMMs included (torch.profiler)")
     ap.add_argument("--chunk-tokens", default="0", help="chunk_tokens values, comma-separated (0: the plan's)")
     ap.add_argument("--hook", default="", help="NAME=V1,V2,...: each schedule once per value of that hook")
+    ap.add_argument("--autocast", action="store_true",
+                    help="float32 hidden and weight, the op under torch.autocast(bfloat16)")
     args = ap.parse_args()
     set_hooks_from_environment()
     hook_name, _, hook_values = args.hook.partition("=")
@@ -144,12 +149,13 @@ def main():
         n, h, v = (int(s) for s in shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)
         x_scale, w_scale = (0.5, 0.02) if args.inputs == "probe" else (1.0, 2.0 / h ** 0.5)
-        x = (torch.randn(n, h, device="cuda", generator=g) * x_scale).bfloat16().requires_grad_(True)
-        w = (torch.randn(v, h, device="cuda", generator=g) * w_scale).bfloat16().requires_grad_(True)
+        dtype = torch.float32 if args.autocast else torch.bfloat16
+        x = (torch.randn(n, h, device="cuda", generator=g) * x_scale).to(dtype).requires_grad_(True)
+        w = (torch.randn(v, h, device="cuda", generator=g) * w_scale).to(dtype).requires_grad_(True)
         t = torch.randint(0, v, (n,), device="cuda", generator=g)
         z = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
         dz = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
-        xd, wd = x.detach(), w.detach()
+        xd, wd = x.detach().bfloat16(), w.detach().bfloat16()
         runs = [(int(b) << 20, s, hv, int(c)) for b in args.budgets_mib.split(",") for s in args.schedules.split(",")
                 for hv in hook_values for c in args.chunk_tokens.split(",")]
 
@@ -158,8 +164,10 @@ def main():
                 if hook_value is not None:
                     logitless._C._set_debug_hook(hook_name, hook_value)
                 x.grad = w.grad = None
-                logitless.linear_cross_entropy(x, w, t, memory_budget=budget, schedule=schedule,
-                                               chunk_tokens=chunk_tokens or None).backward()
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.autocast):
+                    loss = logitless.linear_cross_entropy(x, w, t, memory_budget=budget, schedule=schedule,
+                                                          chunk_tokens=chunk_tokens or None)
+                loss.backward()
             return run
 
         fns = [make_run(*r) for r in runs]
@@ -167,7 +175,7 @@ def main():
         gemms, *times = interleaved_medians(all_fns)
         if args.kernels:
             profile_rounds(["GEMMs"] + [label(*r) for r in runs], all_fns)
-        del z, dz, all_fns
+        del z, dz, xd, wd, all_fns
         for (budget, schedule, hv, ct), run, ms in zip(runs, fns, times):
             torch.cuda.synchronize()
             x.grad = w.grad = None
@@ -176,7 +184,8 @@ def main():
             run()
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            print(f"{args.tag} N={n} H={h} V={v} {label(budget, schedule, hv, ct)}: GEMMs {gemms:.2f} ms, "
+            kind = " float32 under autocast" if args.autocast else ""
+            print(f"{args.tag} N={n} H={h} V={v}{kind} {label(budget, schedule, hv, ct)}: GEMMs {gemms:.2f} ms, "
                   f"linear_cross_entropy {ms:.2f} ms = {ms / gemms:.3f}x, peak extra {peak:.0f} MiB (dX, dW included)",
                   flush=True)
 
