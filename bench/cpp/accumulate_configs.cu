@@ -47,6 +47,15 @@ using Cfg = acc::Config<Shape<_256, _128, _64>, Shape<_1, _2, _1>, true, acc::St
 #elif ACCUMULATE_CONFIG == 10  // cluster 1 × 2 with 6 C buffers of 64 × 32 and 2 D buffers apart
 using Cfg = acc::Config<Tile128, Shape<_1, _2, _1>, false, acc::Staging::kSeparate, Shape<_64, _32>, 6, 2>;
 #define NAME "pp_c12_c6d2"
+#elif ACCUMULATE_CONFIG == 11  // the library's tiling, D added by TMA reduce-add stores (no C)
+using Cfg = acc::Config<Tile128, C21, false, acc::Staging::kReduce>;
+#define NAME "pp_reduce"
+#elif ACCUMULATE_CONFIG == 12  // the same, cluster 1 × 2
+using Cfg = acc::Config<Tile128, Shape<_1, _2, _1>, false, acc::Staging::kReduce>;
+#define NAME "pp_reduce_c12"
+#elif ACCUMULATE_CONFIG == 13  // cooperative 256 × 128, reduce-add stores
+using Cfg = acc::Config<Shape<_256, _128, _64>, C21, true, acc::Staging::kReduce>;
+#define NAME "coop256_reduce"
 #endif
 
 #define CAT2(a, b) a##b

@@ -17,12 +17,60 @@
 
 namespace logitless::head::accumulate {
 
+// A TMA reduce-add store issued by one lane. CUTLASS's epilogue issues its D stores from every lane of one warp: a
+// store writes the same bytes again, harmless, but each lane's reduce-add would add the tile once more.
+struct TmaReduceAddOneLane {
+  template <class... Coords>
+  CUTE_HOST_DEVICE static void copy(void const* desc, void const* smem, Coords const&... coords) {
+#if defined(__CUDA_ARCH__)
+    if ((threadIdx.x & 31) == 0) cute::SM90_TMA_REDUCE_ADD::copy(desc, smem, coords...);
+#endif
+  }
+};
+
+}  // namespace logitless::head::accumulate
+
+namespace cute {
+// What cute's TMA construction needs of a store op: its descriptor and coordinate tensor, and the copy itself.
+template <class NumBitsPerTMA, class AuxParams_>
+struct Copy_Traits<logitless::head::accumulate::TmaReduceAddOneLane, NumBitsPerTMA, AuxParams_> {
+  using ThrID = Layout<_1>;
+  using SrcLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using DstLayout = Layout<Shape<_1, NumBitsPerTMA>>;
+  using RefLayout = SrcLayout;
+  using AuxParams = AuxParams_;
+  TmaDescriptor tma_desc_;
+  AuxParams aux_params_;
+
+  CUTE_HOST_DEVICE constexpr TmaDescriptor const* get_tma_descriptor() const { return &tma_desc_; }
+  template <class GShape>
+  CUTE_HOST_DEVICE constexpr auto get_tma_tensor(GShape const& g_shape) const {
+    return make_coord_tensor(make_layout(g_shape, aux_params_.g_stride_));
+  }
+  // src: the shared-memory tile; dst: TMA coordinates.
+  template <class TS, class SLayout, class TD, class DLayout>
+  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits, Tensor<TS, SLayout> const& src,
+                                                     Tensor<TD, DLayout>& dst) {
+    static_assert(is_smem<TS>::value, "a TMA store reads shared memory");
+    const void* smem = raw_pointer_cast(src.data());
+    cute::apply(dst.data().coord_, [&](auto const&... c) {
+      logitless::head::accumulate::TmaReduceAddOneLane::copy(&traits.tma_desc_, smem, static_cast<int32_t>(c)...);
+    });
+  }
+};
+}  // namespace cute
+
+namespace logitless::head::accumulate {
+
 // How D = αAᵀB + βC (C = D, float32) is staged through shared memory.
 //   kAuto:     CUTLASS's builder: 64 × 32 subtiles for a ping-pong 128 × 128 tile, 4 C buffers that D's stores
 //              reuse (a subtile's load then waits for the store that last used its buffer).
 //   kSeparate: StagesC buffers for C and StagesD for D, apart (more of C in flight per SM, less for the mainloop).
 //   kNoSmem:   C read and D written straight from the accumulator registers.
-enum class Staging { kAuto, kSeparate, kNoSmem };
+//   kReduce:   no C at all: the builder's D staging, stored by TMA reduce-add, so that the L2 adds the tile into D.
+//              Its read and write of D then leave the SMs' critical path: the epilogue costs what a β = 0 one does.
+//              Each element gets one add per product, so the sums are those of β = 1, bit for bit.
+enum class Staging { kAuto, kSeparate, kNoSmem, kReduce };
 
 template <class TileShape_, class ClusterShape_, bool kCooperative_, Staging kStaging_, class EpiTile_ = void,
           int kStagesC_ = 0, int kStagesD_ = 0>
@@ -52,6 +100,30 @@ struct EpilogueOf {  // kAuto, kNoSmem: CUTLASS's builder
   using type = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::TileShape, typename Cfg::ClusterShape, Tile,
       float, float, float, RowMajor, kAlign32, float, RowMajor, kAlign32, Schedule, Fusion>::CollectiveOp;
+};
+
+// A CollectiveEpilogue with its global store replaced (kReduce: a reduce-add for the builder's TMA store).
+template <class Epilogue, class StoreOp>
+struct WithStoreOp;
+template <class P, class T, class ET, class EC, class SC, class ED, class SD, class F, class G2S, class LC, class S2R,
+          class S2G, class LD, class R2S, class AC, class R2R, class StoreOp>
+struct WithStoreOp<
+    cutlass::epilogue::collective::CollectiveEpilogue<P, T, ET, EC, SC, ED, SD, F, G2S, LC, S2R, S2G, LD, R2S, AC, R2R>,
+    StoreOp> {
+  using type = cutlass::epilogue::collective::CollectiveEpilogue<P, T, ET, EC, SC, ED, SD, F, G2S, LC, S2R, StoreOp, LD,
+                                                                 R2S, AC, R2R>;
+};
+
+template <class Cfg>
+struct EpilogueOf<Cfg, Staging::kReduce> {  // the builder's, with no source and reduce-add stores
+  using Schedule = cute::conditional_t<Cfg::kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                       cutlass::epilogue::TmaWarpSpecialized>;
+  using Tile = cute::conditional_t<cute::is_void_v<typename Cfg::EpiTile>,
+                                   cutlass::epilogue::collective::EpilogueTileAuto, typename Cfg::EpiTile>;
+  using Built = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::TileShape, typename Cfg::ClusterShape, Tile,
+      float, float, void, RowMajor, kAlign32, float, RowMajor, kAlign32, Schedule, Fusion>::CollectiveOp;
+  using type = typename WithStoreOp<Built, TmaReduceAddOneLane>::type;
 };
 
 template <class Cfg>
@@ -94,18 +166,26 @@ struct Kernel {
     cute::get<1>(sb) = g.ldb;
     cute::get<0>(sc) = g.ldd;
     cutlass::KernelHardwareInfo hw{device, sm_count};
-    return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGemm,
-                                    {static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k), 1},
-                                    {static_cast<const Element*>(g.a), sa, static_cast<const Element*>(g.b), sb},
-                                    {{1.f, beta}, g.d, sc, g.d, sc},
-                                    hw};
+    typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                  {static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k), 1},
+                                  {static_cast<const Element*>(g.a), sa, static_cast<const Element*>(g.b), sb},
+                                  {},
+                                  hw};
+    if constexpr (Cfg::kStaging == Staging::kReduce)
+      args.epilogue = {{1.f, 0.f}, nullptr, sc, g.d, sc};  // D's own adds do what β = 1 does
+    else
+      args.epilogue = {{1.f, beta}, g.d, sc, g.d, sc};
+    return args;
   }
 
-  // d = aᵀb + beta·d (beta 1 in the library; 0 lets a benchmark time the product without reading C). False, having
-  // done nothing, where CUTLASS cannot run it.
+  // d = aᵀb + beta·d (beta 1 in the library; 0 lets a benchmark time the product without reading C, and zeroes d
+  // first for kReduce). False, having done nothing, where CUTLASS cannot run it.
   static bool run(const AccumulateGemm& g, float beta, int device, int sm_count, cudaStream_t stream) {
     const typename Gemm::Arguments args = arguments(g, beta, device, sm_count);
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess || Gemm::get_workspace_size(args) != 0) return false;
+    if (Cfg::kStaging == Staging::kReduce && beta == 0.f &&
+        cudaMemset2DAsync(g.d, g.ldd * sizeof(float), 0, g.n * sizeof(float), g.m, stream) != cudaSuccess)
+      return false;
     Gemm gemm;
     if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) return false;
     return gemm.run(stream) == cutlass::Status::kSuccess;
