@@ -17,8 +17,9 @@
 
 namespace logitless::head::accumulate {
 
-// A TMA reduce-add store issued by one lane. CUTLASS's epilogue issues its D stores from every lane of one warp: a
-// store writes the same bytes again, harmless, but each lane's reduce-add would add the tile once more.
+// A TMA reduce-add store issued by one lane. CUTLASS's epilogue calls its D store from every lane of one warp: for a
+// plain TMA store ptxas issues one instruction per warp, but a reduce-add it must issue once per lane, and each
+// would add the tile into D again (bench/RESULTS.md, twelfth session: D came out 32 times the product).
 struct TmaReduceAddOneLane {
   template <class... Coords>
   CUTE_HOST_DEVICE static void copy(void const* desc, void const* smem, Coords const&... coords) {
@@ -67,9 +68,9 @@ namespace logitless::head::accumulate {
 //              reuse (a subtile's load then waits for the store that last used its buffer).
 //   kSeparate: StagesC buffers for C and StagesD for D, apart (more of C in flight per SM, less for the mainloop).
 //   kNoSmem:   C read and D written straight from the accumulator registers.
-//   kReduce:   no C at all: the builder's D staging, stored by TMA reduce-add, so that the L2 adds the tile into D.
-//              Its read and write of D then leave the SMs' critical path: the epilogue costs what a β = 0 one does.
-//              Each element gets one add per product, so the sums are those of β = 1, bit for bit.
+//   kReduce:   no C at all: the builder's D staging, stored by TMA reduce-add, so that the L2 adds the tile into D
+//              and the kernel never waits for D's read. One add per element and product: β = 1's sums, bit for bit.
+//              Slower than kAuto where the pass is bound by memory (bench/RESULTS.md, twelfth session).
 enum class Staging { kAuto, kSeparate, kNoSmem, kReduce };
 
 template <class TileShape_, class ClusterShape_, bool kCooperative_, Staging kStaging_, class EpiTile_ = void,
@@ -115,14 +116,12 @@ struct WithStoreOp<
 };
 
 template <class Cfg>
-struct EpilogueOf<Cfg, Staging::kReduce> {  // the builder's, with no source and reduce-add stores
-  using Schedule = cute::conditional_t<Cfg::kCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative,
-                                       cutlass::epilogue::TmaWarpSpecialized>;
-  using Tile = cute::conditional_t<cute::is_void_v<typename Cfg::EpiTile>,
-                                   cutlass::epilogue::collective::EpilogueTileAuto, typename Cfg::EpiTile>;
+struct EpilogueOf<Cfg, Staging::kReduce> {  // kAuto's schedule and subtiles, with no source and reduce-add stores
+  using Auto = EpilogueOf<Cfg, Staging::kAuto>;
   using Built = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::TileShape, typename Cfg::ClusterShape, Tile,
-      float, float, void, RowMajor, kAlign32, float, RowMajor, kAlign32, Schedule, Fusion>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::TileShape, typename Cfg::ClusterShape,
+      typename Auto::Tile, float, float, void, RowMajor, kAlign32, float, RowMajor, kAlign32, typename Auto::Schedule,
+      Fusion>::CollectiveOp;
   using type = typename WithStoreOp<Built, TmaReduceAddOneLane>::type;
 };
 
