@@ -17,6 +17,7 @@
 #include "linear_head/cuda/plan.h"
 #include "logitless/vocab_parallel.h"
 #if defined(LOGITLESS_WITH_CUDA)
+#include "linear_cross_entropy/cuda/kernels.h"
 #include "linear_cross_entropy/cuda/kernels_hopper.h"
 #include "linear_head/cuda/accumulate_gemm.h"
 #endif
@@ -653,6 +654,27 @@ TEST(LinearHeadAccumulateGemm, AddsTheProductOnHopper) {
     }
     EXPECT_TRUE(all_close(std::vector<double>(got.begin(), got.end()), want, Tol{1e-5, 1e-5}, 16.0, "d"));
   }
+}
+
+// finish_rows reads 4-float records (the forward's) or 2-float ones with the target logits given apart (the
+// exponential form's, plan.h): any other record size, or pairs without target logits, is refused before a launch,
+// so no device is needed.
+TEST(LinearCrossEntropyFinishRows, RefusesARecordItCannotRead) {
+  const ce::KernelParams params{};
+  float target_logit = 0.f;
+  const auto refused = [&](int floats, const float* logits) {
+    try {
+      lce::launch_finish_rows(nullptr, floats, 1, 1, nullptr, logits, params, nullptr, nullptr, nullptr, nullptr, 1,
+                              nullptr);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), Error::Kind::kInvalidArgument) << e.what();
+      return std::string(e.what()).find("records of 4 floats") != std::string::npos;
+    }
+    return false;
+  };
+  EXPECT_TRUE(refused(lce::kExpStatsFloats, nullptr));
+  EXPECT_TRUE(refused(3, &target_logit));
+  EXPECT_TRUE(refused(0, nullptr));
 }
 
 // Which kernel the 16-bit cases ran: the fused one in the forward and the backward on an sm_90 device when the
