@@ -56,6 +56,12 @@ using Cfg = acc::Config<Tile128, Shape<_1, _2, _1>, false, acc::Staging::kReduce
 #elif ACCUMULATE_CONFIG == 13  // cooperative 256 × 128, reduce-add stores
 using Cfg = acc::Config<Shape<_256, _128, _64>, C21, true, acc::Staging::kReduce>;
 #define NAME "coop256_reduce"
+#elif ACCUMULATE_CONFIG == 14  // the library's, each tile's C prefetched into the L2 first
+using Cfg = acc::WithPrefetchC<acc::Config<Tile128, C21, false, acc::Staging::kAuto> >;
+#define NAME "pp_prefetch"
+#elif ACCUMULATE_CONFIG == 15  // the same, cluster 1 × 2
+using Cfg = acc::WithPrefetchC<acc::Config<Tile128, Shape<_1, _2, _1>, false, acc::Staging::kAuto> >;
+#define NAME "pp_prefetch_c12"
 #endif
 
 #define CAT2(a, b) a##b

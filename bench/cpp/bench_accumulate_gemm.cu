@@ -50,6 +50,8 @@ DECLARE_CONFIG(10)
 DECLARE_CONFIG(11)
 DECLARE_CONFIG(12)
 DECLARE_CONFIG(13)
+DECLARE_CONFIG(14)
+DECLARE_CONFIG(15)
 
 struct ConfigEntry {
   const char* name;
@@ -94,9 +96,9 @@ int main(int argc, char** argv) {
     std::printf("the CUTLASS configurations need compute capability 9.0\n");
     return 0;
   }
-  const std::vector<ConfigEntry> configs = {CONFIG(0),  CONFIG(1),  CONFIG(2),  CONFIG(3), CONFIG(4),
-                                            CONFIG(5),  CONFIG(6),  CONFIG(7),  CONFIG(8), CONFIG(9),
-                                            CONFIG(10), CONFIG(11), CONFIG(12), CONFIG(13)};
+  const std::vector<ConfigEntry> configs = {CONFIG(0),  CONFIG(1),  CONFIG(2),  CONFIG(3), CONFIG(4),  CONFIG(5),
+                                            CONFIG(6),  CONFIG(7),  CONFIG(8),  CONFIG(9), CONFIG(10), CONFIG(11),
+                                            CONFIG(12), CONFIG(13), CONFIG(14), CONFIG(15)};
   __nv_bfloat16 *a, *b;
   float *d, *ref, *diff;
   CK(cudaMalloc(&a, K * M * 2));

@@ -82,6 +82,13 @@ struct Config {
   static constexpr bool kCooperative = kCooperative_;
   static constexpr Staging kStaging = kStaging_;
   static constexpr int kStagesC = kStagesC_, kStagesD = kStagesD_;
+  static constexpr bool kPrefetchC = false;
+};
+
+// Cfg with its epilogue asking the L2 for each tile's C ahead of its loads (PrefetchingC below).
+template <class Cfg>
+struct WithPrefetchC : Cfg {
+  static constexpr bool kPrefetchC = true;
 };
 
 namespace detail {
@@ -138,6 +145,43 @@ struct EpilogueOf<Cfg, Staging::kSeparate> {  // the builder's own assembly with
 };
 }  // namespace detail
 
+// An epilogue whose C loads for a tile are preceded by L2 prefetches of the whole tile, issued by the epilogue's load
+// warp when it reaches the tile: it loads C one subtile at a time as buffers free up, the later ones during the
+// tile's epilogue itself, where each load's DRAM latency would hold the stores behind it. Measured slower than
+// kAuto alone where the pass is bound by memory, level or slower elsewhere (bench/RESULTS.md, thirteenth session):
+// the micro-benchmark's configurations only.
+template <class Base>
+struct PrefetchingC : Base {
+  CUTLASS_HOST_DEVICE PrefetchingC(typename Base::Params const& params, typename Base::TensorStorage& shared)
+      : Base(params, shared), params_(params) {}
+
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE auto load(typename Base::LoadPipeline pipeline, typename Base::LoadPipelineState state,
+                           ProblemShapeMNKL problem, TileShapeMNK tile_shape, TileCoordMNKL tile, TiledMma tiled_mma,
+                           int thread_idx, typename Base::TensorStorage& shared, int subtile = -1) {
+    if (subtile == -1 && cute::elect_one_sync()) prefetch_tile(problem, tile);
+    return Base::load(pipeline, state, problem, tile_shape, tile, tiled_mma, thread_idx, shared, subtile);
+  }
+
+ private:
+  template <class ProblemShapeMNKL, class TileCoordMNKL>
+  CUTLASS_DEVICE void prefetch_tile(ProblemShapeMNKL problem, TileCoordMNKL tile) const {
+    using namespace cute;
+    using CtaTile = decltype(take<0, 2>(typename Base::CtaTileMNK{}));
+    auto [M, N, K, L] = problem;
+    auto [m, n, k, l] = tile;
+    Tensor mC = coalesce(params_.tma_load_c.get_tma_tensor(make_shape(M, N, L)), CtaTile{});
+    Tensor gC = flat_divide(local_tile(mC, CtaTile{}, make_coord(m, n, l)), typename Base::EpilogueTile{});
+    Tensor src = params_.tma_load_c.get_slice(Int<0>{}).partition_S(gC);  // (box, 1, 1, subtiles m, subtiles n)
+    CUTE_UNROLL
+    for (int sn = 0; sn < size<4>(src); ++sn) {
+      CUTE_UNROLL
+      for (int sm = 0; sm < size<3>(src); ++sm) prefetch(params_.tma_load_c, src(_, _, _, sm, sn));
+    }
+  }
+  typename Base::Params const& params_;
+};
+
 template <class Cfg>
 struct Kernel {
   using Element = cutlass::bfloat16_t;
@@ -145,7 +189,8 @@ struct Kernel {
   using ClusterShape = typename Cfg::ClusterShape;
   using MainSchedule = cute::conditional_t<Cfg::kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                            cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-  using Epilogue = typename detail::EpilogueOf<Cfg>::type;
+  using Epilogue = cute::conditional_t<Cfg::kPrefetchC, PrefetchingC<typename detail::EpilogueOf<Cfg>::type>,
+                                       typename detail::EpilogueOf<Cfg>::type>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, detail::kAlign16,
