@@ -147,9 +147,9 @@ struct EpilogueOf<Cfg, Staging::kSeparate> {  // the builder's own assembly with
 
 // An epilogue whose C loads for a tile are preceded by L2 prefetches of the whole tile, issued by the epilogue's load
 // warp when it reaches the tile: it loads C one subtile at a time as buffers free up, the later ones during the
-// tile's epilogue itself, where each load's DRAM latency would hold the stores behind it. Measured slower than
-// kAuto alone where the pass is bound by memory, level or slower elsewhere (bench/RESULTS.md, thirteenth session):
-// the micro-benchmark's configurations only.
+// tile's epilogue itself, where each load's DRAM latency would hold the stores behind it. Measured 7-10% slower
+// than kAuto at three of five pass shapes and 2-3% faster at two (bench/RESULTS.md, thirteenth session): the
+// micro-benchmark's configurations only.
 template <class Base>
 struct PrefetchingC : Base {
   CUTLASS_HOST_DEVICE PrefetchingC(typename Base::Params const& params, typename Base::TensorStorage& shared)
