@@ -15,6 +15,7 @@
 #include "linear_head/cuda/grad_columns.h"
 #include "linear_head/cuda/plan.h"
 #include "linear_policy_loss/cuda/kernels.h"
+#include "policy_loss/cuda/tokens.cuh"
 
 namespace logitless::lpl {
 namespace {
@@ -23,27 +24,8 @@ constexpr int kThreads = 256;
 using head::kGradCols;
 using head::kGradRowsPerBlock;
 
-__device__ __forceinline__ float token_weight(const GradParams& p, int64_t t) {
-  if (!p.mask) return 1.f;
-  const int64_t off = p.mask_rows.offset(t);
-  switch (static_cast<DType>(p.mask_dtype)) {
-    case DType::kBool:
-    case DType::kUInt8:
-      return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
-    case DType::kInt32:
-      return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
-    case DType::kInt64:
-      return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
-    default:
-      return static_cast<const float*>(p.mask)[off];
-  }
-}
-
-__device__ __forceinline__ int64_t token_id(const GradParams& p, int64_t t) {
-  const int64_t off = p.ids_rows.offset(t);
-  return p.ids_is64 ? static_cast<const int64_t*>(p.ids)[off]
-                    : static_cast<int64_t>(static_cast<const int32_t*>(p.ids)[off]);
-}
+using pl::token_id;
+using pl::token_weight;
 
 template <typename T>
 __device__ __forceinline__ void store1(void* row, int64_t c, float v) {

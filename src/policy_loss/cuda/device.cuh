@@ -16,6 +16,7 @@
 #include "logitless/tensor.h"
 #include "policy_loss/cuda/params.h"
 #include "policy_loss/cuda/plan.h"
+#include "policy_loss/cuda/tokens.cuh"
 #include "policy_loss/math.h"
 
 namespace logitless::pl {
@@ -69,28 +70,10 @@ struct TokenInputs {
   float ratio = 0.f, ratio_coeff = 0.f;  // backward, sequence level
 };
 
-__device__ __forceinline__ float load_weight(const KernelParams& p, int64_t r) {
-  if (!p.mask) return 1.f;
-  const int64_t off = p.mask_rows.offset(r);
-  switch (static_cast<DType>(p.mask_dtype)) {
-    case DType::kBool:
-    case DType::kUInt8:
-      return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
-    case DType::kInt32:
-      return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
-    case DType::kInt64:
-      return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
-    default:
-      return static_cast<const float*>(p.mask)[off];
-  }
-}
-
 __device__ __forceinline__ Token load_token(const KernelParams& p, int64_t r) {
   Token k;
-  k.w = load_weight(p, r);
-  const int64_t off = p.ids_rows.offset(r);
-  k.id = p.ids_is64 ? static_cast<const int64_t*>(p.ids)[off]
-                    : static_cast<int64_t>(static_cast<const int32_t*>(p.ids)[off]);
+  k.w = token_weight(p, r);
+  k.id = token_id(p, r);
   return k;
 }
 

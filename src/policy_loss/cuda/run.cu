@@ -17,6 +17,7 @@
 #include "common/cuda/index_readback.h"
 #include "policy_loss/cuda/kernels.h"
 #include "policy_loss/cuda/steps.h"
+#include "policy_loss/cuda/tokens.cuh"
 #include "policy_loss/math.h"
 #include "policy_loss/problem.h"
 
@@ -57,28 +58,6 @@ __device__ long long block_min(long long v, long long* scratch) {
   for (int i = 1; i < nwarps; ++i) r = min(r, scratch[i]);
   __syncthreads();
   return r;
-}
-
-__device__ __forceinline__ float token_weight(const KernelParams& p, int64_t r) {
-  if (!p.mask) return 1.f;
-  const int64_t off = p.mask_rows.offset(r);
-  switch (static_cast<DType>(p.mask_dtype)) {
-    case DType::kBool:
-    case DType::kUInt8:
-      return static_cast<float>(static_cast<const uint8_t*>(p.mask)[off]);
-    case DType::kInt32:
-      return static_cast<float>(static_cast<const int32_t*>(p.mask)[off]);
-    case DType::kInt64:
-      return static_cast<float>(static_cast<const int64_t*>(p.mask)[off]);
-    default:
-      return static_cast<const float*>(p.mask)[off];
-  }
-}
-
-__device__ __forceinline__ int64_t token_id(const KernelParams& p, int64_t r) {
-  const int64_t off = p.ids_rows.offset(r);
-  return p.ids_is64 ? static_cast<const int64_t*>(p.ids)[off]
-                    : static_cast<int64_t>(static_cast<const int32_t*>(p.ids)[off]);
 }
 
 // One CTA per segment of `seg_len` tokens: its weight sum and first unmasked bad id.
