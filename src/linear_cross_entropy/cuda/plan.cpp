@@ -87,7 +87,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   if (in.fused && es == 2 && !in.steps && fused_pass) p.kernel = Kernel::kHopperFused;
   const bool fused = p.kernel == Kernel::kHopperFused;
   // The fused forward's statistics: 16 bytes per token and 256-column tile (the row statistics' partials alike).
-  const int64_t stats_row = fused && in.pass != Pass::kBackward ? 4 * kStatsFloats * ceil_div(V, kFusedTileCols) : 0;
+  const int64_t tiles = ceil_div(V, kFusedTileCols);
+  const int64_t stats_row = fused && in.pass != Pass::kBackward ? 4 * kStatsFloats * tiles : 0;
   // The exponential form's other per-token bytes: shift, scale, the target term, a rewrite slot and (for grad_weight)
   // the sort's keys and rows in and out, and one region that serves,
   // one after the other, the tile statistics (read by finish_rows), hidden scaled by row (written by exp_rows,
@@ -95,7 +96,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   // which runs after the grad_weight one).
   const bool exp_form = fused && in.pass == Pass::kForwardBackward;
   const int64_t xs_row = in.need_dw ? es * H : 0, dx_row = in.need_dx && !in.grad_hidden_f32 ? 4 * H : 0;
-  const int64_t exp_stats_row = 4 * kExpStatsFloats * ceil_div(V, kFusedTileCols);
+  const int64_t exp_stats_row = 4 * kExpStatsFloats * tiles;
   const int64_t exp_shared_row = exp_form ? std::max({exp_stats_row, xs_row, dx_row}) : 0;
   // A float32 grad_hidden's rows of the group take that region where it fits in them: the grad_hidden GEMM, the
   // last of the group's kernels, writes them only after the region's last reader. The workspace then holds longer
