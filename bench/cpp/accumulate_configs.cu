@@ -71,7 +71,7 @@ const char* CAT(accumulate_config_name_, ACCUMULATE_CONFIG)() { return NAME; }
 
 bool CAT(run_accumulate_config_, ACCUMULATE_CONFIG)(const logitless::head::AccumulateGemm& g, float beta, int device,
                                                     int sm_count, cudaStream_t stream) {
-  return acc::Kernel<Cfg>::run(g, beta, device, sm_count, stream);
+  return acc::run<Cfg>(g, beta, device, sm_count, stream);
 }
 
 int CAT(accumulate_config_smem_, ACCUMULATE_CONFIG)() {

@@ -13,9 +13,9 @@ namespace logitless::head {
 #if defined(LOGITLESS_WITH_CUTLASS)
 namespace {
 
-using Chosen = accumulate::Kernel<
+using Chosen =
     accumulate::Config<cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_2, cute::_1, cute::_1>,
-                       /*cooperative=*/false, accumulate::Staging::kAuto>>;
+                       /*cooperative=*/false, accumulate::Staging::kAuto>;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -25,7 +25,7 @@ bool tma_ready(const AccumulateGemm& g) {
   constexpr int kAlign16 = 8, kAlign32 = 4;  // elements of 16 bytes: bfloat16, float
   return g.a && g.b && g.d && aligned16(g.a) && aligned16(g.b) && aligned16(g.d) && g.lda % kAlign16 == 0 &&
          g.ldb % kAlign16 == 0 && g.ldd % kAlign32 == 0 && g.m % kAlign16 == 0 && g.n % kAlign16 == 0 && g.lda >= g.m &&
-         g.ldb >= g.n && g.ldd >= g.n;
+         g.ldb >= g.n && g.ldd >= g.n && (!g.out || (aligned16(g.out) && g.ldo % kAlign16 == 0 && g.ldo >= g.n));
 }
 
 }  // namespace
@@ -36,9 +36,9 @@ bool launch_accumulate_gemm(const AccumulateGemm& g, int device, int sm_count, c
   const DeviceInfo& info = device_info(device);
   if (info.sm_major != 9 || info.sm_minor != 0 || g.dtype != DType::kBFloat16) return false;
   if (g.m <= 0 || g.n <= 0 || g.k <= 0 || g.m > INT32_MAX || g.n > INT32_MAX || g.k > INT32_MAX) return false;
-  if (g.k >= kCublasAccumulatesFrom && !g.any_k) return false;
+  if (g.k >= kCublasAccumulatesFrom && !g.any_k && !(g.out && g.k <= kWritesOutUpTo)) return false;
   if (!tma_ready(g)) return false;
-  return Chosen::run(g, /*beta=*/1.f, device, sm_count, stream);
+  return accumulate::run<Chosen>(g, /*beta=*/1.f, device, sm_count, stream);
 #else
   (void)g, (void)device, (void)sm_count, (void)stream;
   return false;

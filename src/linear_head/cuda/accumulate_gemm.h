@@ -16,6 +16,8 @@
 namespace logitless::head {
 
 inline constexpr int64_t kCublasAccumulatesFrom = 2048;
+// With AccumulateGemm::out, up to this many tokens too: cuBLAS's product would leave a cast of the sums after it.
+inline constexpr int64_t kWritesOutUpTo = 2048;
 
 struct AccumulateGemm {
   DType dtype = DType::kBFloat16;  // of a and b
@@ -27,11 +29,16 @@ struct AccumulateGemm {
   float* d = nullptr;  // [m, n], row stride ldd: d += aᵀ b
   int64_t ldd = 0;
   bool any_k = false;  // run it from kCublasAccumulatesFrom tokens on too (an accumulator's tail: engine.cpp)
+  // Where set: out (bfloat16 [m, n], row stride ldo) = d + aᵀ b, and d is only read. The last token group's
+  // product, which writes a 16-bit grad_weight itself instead of leaving the float32 sums to a cast after it.
+  void* out = nullptr;
+  int64_t ldo = 0;
 };
 
 // Runs it and returns true where this build has the kernel and the device and operands suit it (compute
-// capability 9.0, bfloat16, k below kCublasAccumulatesFrom, what the kernel's TMA descriptors take); false, having
-// done nothing, otherwise (the caller runs cuBLAS).
+// capability 9.0, bfloat16, k below kCublasAccumulatesFrom unless any_k or (with out) up to kWritesOutUpTo, what the
+// kernel's TMA descriptors take);
+// false, having done nothing, otherwise (the caller runs cuBLAS, and casts into out itself).
 bool launch_accumulate_gemm(const AccumulateGemm& g, int device, int sm_count, cudaStream_t stream);
 
 }  // namespace logitless::head

@@ -63,7 +63,8 @@ struct Copy_Traits<logitless::head::accumulate::TmaReduceAddOneLane, NumBitsPerT
 
 namespace logitless::head::accumulate {
 
-// How D = αAᵀB + βC (C = D, float32) is staged through shared memory.
+// How D = αAᵀB + βC is staged through shared memory (C float32, D the same buffer, or bfloat16 apart from it:
+// AccumulateGemm::out).
 //   kAuto:     CUTLASS's builder: 64 × 32 subtiles for a ping-pong 128 × 128 tile, 4 C buffers that D's stores
 //              reuse (a subtile's load then waits for the store that last used its buffer).
 //   kSeparate: StagesC buffers for C and StagesD for D, apart (more of C in flight per SM, less for the mainloop).
@@ -95,9 +96,12 @@ namespace detail {
 using RowMajor = cutlass::layout::RowMajor;
 constexpr int kAlign16 = 8;  // 16 bytes of bfloat16
 constexpr int kAlign32 = 4;  // 16 bytes of float
-using Fusion = cutlass::epilogue::fusion::LinearCombination<float, float, float, float>;
+template <class ElementD>
+constexpr int kAlignOf = 16 / static_cast<int>(sizeof(ElementD));
+template <class ElementD>
+using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, float, float, float>;
 
-template <class Cfg, Staging = Cfg::kStaging>
+template <class Cfg, class ElementD, Staging = Cfg::kStaging>
 struct EpilogueOf {  // kAuto, kNoSmem: CUTLASS's builder
   using Schedule =
       cute::conditional_t<Cfg::kStaging == Staging::kNoSmem, cutlass::epilogue::NoSmemWarpSpecialized,
@@ -107,7 +111,8 @@ struct EpilogueOf {  // kAuto, kNoSmem: CUTLASS's builder
                                    cutlass::epilogue::collective::EpilogueTileAuto, typename Cfg::EpiTile>;
   using type = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::TileShape, typename Cfg::ClusterShape, Tile,
-      float, float, float, RowMajor, kAlign32, float, RowMajor, kAlign32, Schedule, Fusion>::CollectiveOp;
+      float, float, float, RowMajor, kAlign32, ElementD, RowMajor, kAlignOf<ElementD>, Schedule,
+      Fusion<ElementD>>::CollectiveOp;
 };
 
 // A CollectiveEpilogue with its global store replaced (kReduce: a reduce-add for the builder's TMA store).
@@ -122,26 +127,27 @@ struct WithStoreOp<
                                                                  R2S, AC, R2R>;
 };
 
-template <class Cfg>
-struct EpilogueOf<Cfg, Staging::kReduce> {  // kAuto's schedule and subtiles, with no source and reduce-add stores
-  using Auto = EpilogueOf<Cfg, Staging::kAuto>;
+template <class Cfg, class ElementD>
+struct EpilogueOf<Cfg, ElementD, Staging::kReduce> {  // kAuto's schedule and subtiles, no source, reduce-add stores
+  static_assert(cute::is_same_v<ElementD, float>, "a reduce-add D is the float32 sums themselves");
+  using Auto = EpilogueOf<Cfg, ElementD, Staging::kAuto>;
   using Built = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::TileShape, typename Cfg::ClusterShape,
       typename Auto::Tile, float, float, void, RowMajor, kAlign32, float, RowMajor, kAlign32, typename Auto::Schedule,
-      Fusion>::CollectiveOp;
+      Fusion<float>>::CollectiveOp;
   using type = typename WithStoreOp<Built, TmaReduceAddOneLane>::type;
 };
 
-template <class Cfg>
-struct EpilogueOf<Cfg, Staging::kSeparate> {  // the builder's own assembly with the staging named, not derived
+template <class Cfg, class ElementD>
+struct EpilogueOf<Cfg, ElementD,
+                  Staging::kSeparate> {  // the builder's own assembly with the staging named, not derived
   using Tile = typename Cfg::EpiTile;
   static constexpr int kFragment = int(cute::size(Tile{})) / (Cfg::kCooperative ? 256 : 128);
   using Policy = cutlass::epilogue::Sm90TmaWarpSpecialized<Cfg::kStagesC, Cfg::kStagesD, kFragment,
                                                            /*ReuseSmemC=*/false, /*DelayTmaStore=*/false>;
-  using type =
-      typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<typename Cfg::TileShape, Tile, float, float,
-                                                                         float, RowMajor, kAlign32, float, RowMajor,
-                                                                         kAlign32, Fusion, Policy>::CollectiveOp;
+  using type = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+      typename Cfg::TileShape, Tile, float, float, float, RowMajor, kAlign32, ElementD, RowMajor, kAlignOf<ElementD>,
+      Fusion<ElementD>, Policy>::CollectiveOp;
 };
 }  // namespace detail
 
@@ -182,15 +188,17 @@ struct PrefetchingC : Base {
   typename Base::Params const& params_;
 };
 
-template <class Cfg>
+// ElementD float: D is C, the sums in place. bfloat16: D is AccumulateGemm::out, C only read.
+template <class Cfg, class ElementD_ = float>
 struct Kernel {
   using Element = cutlass::bfloat16_t;
+  using ElementD = ElementD_;
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   using MainSchedule = cute::conditional_t<Cfg::kCooperative, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                            cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-  using Epilogue = cute::conditional_t<Cfg::kPrefetchC, PrefetchingC<typename detail::EpilogueOf<Cfg>::type>,
-                                       typename detail::EpilogueOf<Cfg>::type>;
+  using Built = typename detail::EpilogueOf<Cfg, ElementD>::type;
+  using Epilogue = cute::conditional_t<Cfg::kPrefetchC, PrefetchingC<Built>, Built>;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::ColumnMajor, detail::kAlign16,
@@ -205,25 +213,33 @@ struct Kernel {
     typename GemmKernel::StrideA sa{};
     typename GemmKernel::StrideB sb{};
     typename GemmKernel::StrideC sc{};
+    typename GemmKernel::StrideD sd{};
     // A (m, k): m-contiguous, k steps lda. B (n, k): n-contiguous, k steps ldb. C and D (m, n): row-major.
     cute::get<1>(sa) = g.lda;
     cute::get<1>(sb) = g.ldb;
     cute::get<0>(sc) = g.ldd;
+    constexpr bool kInPlace = cute::is_same_v<ElementD, float>;
+    cute::get<0>(sd) = kInPlace ? g.ldd : g.ldo;
     cutlass::KernelHardwareInfo hw{device, sm_count};
     typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                   {static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k), 1},
                                   {static_cast<const Element*>(g.a), sa, static_cast<const Element*>(g.b), sb},
                                   {},
                                   hw};
-    if constexpr (Cfg::kStaging == Staging::kReduce)
-      args.epilogue = {{1.f, 0.f}, nullptr, sc, g.d, sc};  // D's own adds do what β = 1 does
-    else
-      args.epilogue = {{1.f, beta}, g.d, sc, g.d, sc};
+    args.epilogue.ptr_D = static_cast<ElementD*>(kInPlace ? static_cast<void*>(g.d) : g.out);
+    args.epilogue.dD = sd;
+    args.epilogue.dC = sc;
+    if constexpr (Cfg::kStaging == Staging::kReduce) {
+      args.epilogue.thread = {1.f, 0.f};  // no C: D's own adds do what β = 1 does
+    } else {
+      args.epilogue.thread = {1.f, beta};
+      args.epilogue.ptr_C = g.d;
+    }
     return args;
   }
 
-  // d = aᵀb + beta·d (beta 1 in the library; 0 lets a benchmark time the product without reading C, and zeroes d
-  // first for kReduce). False, having done nothing, where CUTLASS cannot run it.
+  // d = aᵀb + beta·d, or out = aᵀb + beta·d (beta 1 in the library; 0 lets a benchmark time the product without
+  // reading C, and zeroes d first for kReduce). False, having done nothing, where CUTLASS cannot run it.
   static bool run(const AccumulateGemm& g, float beta, int device, int sm_count, cudaStream_t stream) {
     const typename Gemm::Arguments args = arguments(g, beta, device, sm_count);
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess || Gemm::get_workspace_size(args) != 0) return false;
@@ -235,5 +251,16 @@ struct Kernel {
     return gemm.run(stream) == cutlass::Status::kSuccess;
   }
 };
+
+// Cfg's kernel for g: the sums in place, or into g.out (bfloat16) where it is set. False as Kernel::run.
+template <class Cfg>
+bool run(const AccumulateGemm& g, float beta, int device, int sm_count, cudaStream_t stream) {
+  if (!g.out) return Kernel<Cfg>::run(g, beta, device, sm_count, stream);
+  if constexpr (Cfg::kStaging == Staging::kReduce) {
+    return false;  // its D is the float32 sums
+  } else {
+    return Kernel<Cfg, cutlass::bfloat16_t>::run(g, beta, device, sm_count, stream);
+  }
+}
 
 }  // namespace logitless::head::accumulate
