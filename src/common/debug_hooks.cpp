@@ -12,14 +12,14 @@ struct Entry {
 };
 constexpr Entry kEntries[] = {{"lce_fused_kernels", 1},    {"lce_exp_form", 1},       {"lce_exp_fixup_all", 0},
                               {"head_accumulate_gemm", 1}, {"lce_fused_pingpong", 0}, {"lce_dw_tail", 1},
-                              {"lce_exp_on_shift", 1}};
+                              {"lce_exp_on_shift", 1},     {"lce_dw_written", 1}};
 constexpr int kHooks = static_cast<int>(Hook::kCount);
 static_assert(sizeof(kEntries) / sizeof(kEntries[0]) == kHooks, "one entry per hook");
 
 std::atomic<int64_t>* values() {
   static std::atomic<int64_t> v[kHooks] = {kEntries[0].initial, kEntries[1].initial, kEntries[2].initial,
                                            kEntries[3].initial, kEntries[4].initial, kEntries[5].initial,
-                                           kEntries[6].initial};
+                                           kEntries[6].initial, kEntries[7].initial};
   return v;
 }
 

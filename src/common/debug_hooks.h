@@ -36,13 +36,17 @@ enum class Hook : int {
   // tile's
   // maximum everywhere (0: tests, benchmarks).
   kLceExpOnShift,
+  // Linear cross-entropy: the last token group's grad_weight products write a 16-bit grad_weight where the plan
+  // allows (1, the default: linear_cross_entropy/cuda/plan.h, Plan::dw_written_rows), or the float32 sums are cast
+  // into it after them (0: tests, benchmarks).
+  kLceDwWritten,
   kCount
 };
 
 int64_t hook(Hook h);
 void set_hook(Hook h, int64_t value);
 // The hook of that name ("lce_fused_kernels", "lce_exp_form", "lce_exp_fixup_all", "head_accumulate_gemm",
-// "lce_fused_pingpong", "lce_dw_tail", "lce_exp_on_shift") set; false if none has it.
+// "lce_fused_pingpong", "lce_dw_tail", "lce_exp_on_shift", "lce_dw_written") set; false if none has it.
 bool set_hook(const char* name, int64_t value);
 
 // A typed hook or observer shared by every thread: a plan rewrite a test or benchmark sets and a launcher reads,

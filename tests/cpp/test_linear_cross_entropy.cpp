@@ -1077,6 +1077,44 @@ TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
   return ::testing::AssertionSuccess();
 }
 
+// The last token group's grad_weight products write grad_weight themselves (plan.h, Plan::dw_written_rows) where its
+// storage holds no regions of the fused path (the generic path, or a padded grad_weight): every row, the tail's and
+// the head's. Against the float32 sums cast after the products (the hook off): the same loss, lse and grad_hidden
+// bits; grad_weight's last sums add the fused path's target terms before the products instead of after them, and
+// the products may run on other kernels, so within a bfloat16 rounding step. And the CPU backend's values.
+TEST(LinearCrossEntropyCudaFused, LastGroupWritesGradWeight) {
+  LOGITLESS_SKIP_WITHOUT_GPU();
+  const bool fused = fused_kernels_run();
+  std::vector<LceCase> cases(std::begin(kScratchCases), std::end(kScratchCases));
+  cases.push_back({200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true});
+  cases.push_back({300, 64, 2048, DType::kFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false});
+  for (const LceCase& c : cases)
+    for (const int pad : {0, 8}) {
+      SCOPED_TRACE(case_name(c) + (pad ? ", padded grad_weight" : ""));
+      LceInputs in(c, seed_of(c));
+      in.opt.chunk_tokens = 64;
+      const auto up = upstream_for(in, seed_of(c) + 1);
+      GradDtypes dtypes;
+      dtypes.dw_pad = pad;
+      const Outputs want = run_backend(in, Entry::kForwardBackward, false, up, nullptr);
+      logitless::debug::set_hook(logitless::debug::Hook::kLceDwWritten, 0);
+      const Outputs cast = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, dtypes);
+      EXPECT_EQ(lce::debug::last_dw_written_rows.get(), 0);
+      logitless::debug::set_hook(logitless::debug::Hook::kLceDwWritten, 1);
+      const Outputs written = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, dtypes);
+      const int64_t rows = lce::debug::last_dw_written_rows.get(), tail = lce::debug::last_dw_tail_rows.get();
+      const bool regions = fused && !pad && c.dtype == DType::kBFloat16 && c.preset != Preset::kAll;
+      EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(), regions);
+      EXPECT_EQ(rows, regions ? 0 : c.v - tail);
+      EXPECT_EQ(tail > 0, !pad);
+      expect_outputs(in, Entry::kForwardBackward, written, want, "written by the last products", c.dtype);
+      EXPECT_TRUE(same_finite_bits(written.loss, cast.loss, "loss"));
+      EXPECT_TRUE(same_finite_bits(written.lse, cast.lse, "lse"));
+      EXPECT_TRUE(same_finite_bits(written.dx, cast.dx, "grad_hidden"));
+      EXPECT_TRUE(within_one_bf16_step(written.dw, cast.dw, "grad_weight"));
+    }
+}
+
 // A budget small beside grad_weight: the fused gradient in forward keeps the group's exponentials in grad_weight's
 // storage too, after a shorter accumulator tail (plan.h, Plan::dlogits_in_grad_weight), for fewer groups than the
 // budget alone holds. Against those groups with every region in the workspace (grad_weight's rows padded): the same
@@ -1752,6 +1790,9 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   EXPECT_FALSE(in_scratch(b.head.dlogits));
   EXPECT_FALSE(in_scratch(b.head.dw_acc));
   EXPECT_FALSE(p.dlogits_in_grad_weight);  // 512 MiB of exponentials would not fit its 501 MiB
+  // The last group's products read the regions there: they leave grad_weight to the cast.
+  EXPECT_EQ(p.dw_tail_rows, 42624);
+  EXPECT_EQ(p.dw_written_rows, 0);
   // 256000 classes: the exponentials in grad_weight's storage too, after a shorter tail.
   lce::PlanInputs wide = llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000);
   wide.fused = wide.fused_exp = true;
@@ -1773,6 +1814,11 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   EXPECT_GE(reinterpret_cast<uintptr_t>(b.fused.shift),
             reinterpret_cast<uintptr_t>(b.head.dlogits) + static_cast<uintptr_t>(2048 * p.ld_dlogits * 2));
   EXPECT_EQ(p.dw_tail_rows, 256000 - 243968);
+  EXPECT_EQ(p.dw_written_rows, 0);  // the last group's products read the exponentials there
+  // A grad_weight with padded rows (no scratch): every row written by the last products.
+  in.grad_weight_scratch = 0;
+  EXPECT_EQ(lce::plan_linear_cross_entropy(in).dw_written_rows, 128256);
+  in.grad_weight_scratch = size_t{128256} * 2048 * 2 - 256;
   // At most one budget over the workspace of the budget's exponentials beside the longest tail.
   wide.dlogits_in_grad_weight = false;
   const lce::Plan budget_plan = lce::plan_linear_cross_entropy(wide);
@@ -1857,6 +1903,9 @@ TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
             // With the exponentials there too, their bytes and the regions' come off the tail's room.
             const auto with_dlogits = [&](int64_t rows) { return (rows * e_row + 255) / 256 * 256 + regions(rows); };
             if (p.dw_accumulator && !p.dlogits_in_grad_weight) EXPECT_EQ(p.dw_tail_rows, tail);
+            // The last group's products write grad_weight where its storage holds no regions (Plan::
+            // dw_written_rows): the tail's rows lie past its float32 copy, the head's over it.
+            EXPECT_EQ(p.dw_written_rows, p.dw_accumulator && !p.exp_in_grad_weight ? v - p.dw_tail_rows : 0);
             if (p.dlogits_in_grad_weight) {
               ++exponentials_in_grad_weight;
               const size_t behind = with_dlogits(p.group_rows);

@@ -80,8 +80,9 @@ inline logitless::debug::Slot<Kernel> last_kernel;
 // Whether the last gradient in forward on the fused path kept its per-group regions in grad_weight's storage
 // (plan.h, Plan::exp_in_grad_weight).
 inline logitless::debug::Slot<bool> last_exp_in_grad_weight;
-// The last run's Plan::dw_tail_rows, Plan::dlogits_in_grad_weight and Plan::group_rows.
+// The last run's Plan::dw_tail_rows, Plan::dw_written_rows, Plan::dlogits_in_grad_weight and Plan::group_rows.
 inline logitless::debug::Slot<int64_t> last_dw_tail_rows;
+inline logitless::debug::Slot<int64_t> last_dw_written_rows;
 inline logitless::debug::Slot<bool> last_dlogits_in_grad_weight;
 inline logitless::debug::Slot<int64_t> last_group_rows;
 // Whether the last gradient in forward on the fused path kept each group's shared region in its own rows of a

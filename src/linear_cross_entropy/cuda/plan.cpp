@@ -60,6 +60,19 @@ int64_t tail_rows(const PlanInputs& in, size_t behind = 0) {
 }
 size_t tail_bytes(const PlanInputs& in, int64_t rows) { return static_cast<size_t>(round_up(rows * in.h * 4, 256)); }
 
+// The accumulator's tail in grad_weight's storage and the rows the last group's products write (Plan::
+// dw_written_rows): every row where that storage holds nothing but the tail's sums. Not where it holds the group's
+// exponentials or regions too, which the last products and grad_hidden's read: a tail shortened to end with them
+// before its own rows would let those products write it, but at 16384 x 2048 x 128256 its other rows made cuBLAS
+// choose a slower kernel for every accumulating pass, which cost more than the cast saves (bench/RESULTS.md,
+// fourteenth session).
+void plan_accumulator_rows(const PlanInputs& in, Plan& p) {
+  p.dw_tail_rows = tail_rows(in, p.dlogits_in_grad_weight ? grad_weight_group_bytes(in, p, p.group_rows) : 0);
+  // Not the steps: their sums go on over later calls.
+  const bool written = in.dw_written && !in.steps && !p.exp_in_grad_weight;
+  p.dw_written_rows = written ? in.v - p.dw_tail_rows : 0;
+}
+
 }  // namespace
 
 int64_t shard_chunk_tokens(int64_t n, int64_t widest_shard, int64_t chunk_tokens, size_t memory_budget) {
@@ -192,8 +205,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     }
     p.ld_dlogits = p.ld_logits;  // in place (float32) or a 16-bit buffer of the same row length
     p.dw_accumulator = grads && dw_accumulator_bytes(in) > 0 && p.group_rows < N;
-    if (p.dw_accumulator)
-      p.dw_tail_rows = tail_rows(in, p.dlogits_in_grad_weight ? grad_weight_group_bytes(in, p, p.group_rows) : 0);
+    if (p.dw_accumulator) plan_accumulator_rows(in, p);
     if (grads && in.need_db) p.db_partial_rows = ceil_div(p.chunk_rows, kGradRowsPerBlock);
   } else {
     // Vocabulary chunks over every token: each chunk of grad_weight rows is complete when written (no

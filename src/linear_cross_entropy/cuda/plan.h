@@ -71,6 +71,7 @@ struct PlanInputs {
   bool grad_hidden_rows_scratch = false;
   bool dw_tail = true;  // the accumulator's tail may use that storage (Plan::dw_tail_rows; off: benchmarks)
   bool dlogits_in_grad_weight = true;  // ... and the exponentials, in its place (Plan::dlogits_in_grad_weight)
+  bool dw_written = true;  // the last group's products may write grad_weight (Plan::dw_written_rows; off: benchmarks)
 };
 
 // The float32 grad_weight accumulator that several token groups of the gradient in forward would need, in bytes:
@@ -104,6 +105,11 @@ struct Plan {
                                     // one call's sums only: not the steps, whose sums outlive a call)
   bool dlogits_in_grad_weight = false;  // exponential form: the group's exponentials lie in grad_weight's storage
                                         // too, between the tail (shorter, for them) and the per-group regions
+  // The last token group's grad_weight products write the 16-bit grad_weight themselves, the head's first
+  // dw_written_rows rows and the tail's, instead of leaving the float32 sums to a cast (head::DwAccumulator::
+  // written): all of them where grad_weight's storage holds nothing that group reads but the tail's sums, which its
+  // own product reads before the head's write over them; 0 otherwise (exp_in_grad_weight, the steps).
+  int64_t dw_written_rows = 0;
 
   int64_t stats_row = 0;       // kHopperFused forward: bytes of tile statistics per token (16 per 256 columns; the
                                // row statistics' partials alike)

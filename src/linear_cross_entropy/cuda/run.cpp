@@ -112,6 +112,7 @@ PlanInputs plan_inputs(const Problem& p) {
   in.grad_hidden_rows_scratch =
       in.grad_hidden_f32 && dx.ld == p.hidden && p.hidden % 4 == 0 && reinterpret_cast<uintptr_t>(dx.data) % 16 == 0;
   in.dw_tail = hooks::hook(Hook::kLceDwTail) != 0;
+  in.dw_written = hooks::hook(Hook::kLceDwWritten) != 0;
   in.dlogits_in_grad_weight = hooks::hook(Hook::kLceDwTail) == 1;
   return in;
 }
@@ -305,13 +306,17 @@ struct Run {
       launch_exp_rows(x, sm_count(), stream());
       // grad_weight first: the scaled hidden rows it reads share their region with the float32 grad_hidden
       // rows (plan.cpp), which the grad_hidden GEMM then writes.
-      if (p.grad_weight.data) {  // dW (+)= E_gᵀ (s ⊙ X_g), then the target terms
-        e.grad_weight_sums(x.e, x.ld_e, rows, x.xs, H, acc, /*accumulate=*/g0 > 0);
+      if (p.grad_weight.data) {  // dW (+)= E_gᵀ (s ⊙ X_g) and the target terms
         const TargetSort sort{b.fused.class_keys[1], b.fused.class_rows[1], b.fused.sort_temp, plan.sort_bytes};
         const TargetRowsOut dw =
             acc ? TargetRowsOut{acc.head, acc.tail, acc.split, DType::kFloat32, H}
                 : TargetRowsOut{p.grad_weight.data, nullptr, V, p.grad_weight.dtype, p.grad_weight.ld};
-        launch_grad_weight_targets(x, sort, dw, stream());
+        // The first group's product sets the sums, so its target terms follow it; the last group's, where it
+        // writes grad_weight (DwAccumulator::written), must find them in the sums already.
+        const bool last = acc.written > 0 && g0 > 0 && g0 + rows == N;
+        if (last) launch_grad_weight_targets(x, sort, dw, stream());
+        e.grad_weight_sums(x.e, x.ld_e, rows, x.xs, H, acc, /*accumulate=*/g0 > 0, last);
+        if (!last) launch_grad_weight_targets(x, sort, dw, stream());
       }
       if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W) + target terms: float32 rows (in place if float32)
         const head::Matrix dx = p.grad_hidden.rows_from(g0);
@@ -329,7 +334,8 @@ struct Run {
   // plan's tail in grad_weight's storage.
   head::DwAccumulator dw_accumulator() const {
     if (!plan.dw_accumulator) return {};
-    return head::DwAccumulator{b.head.dw_acc, plan.dw_tail_rows > 0 ? b.dw_tail : nullptr, p.vocab - plan.dw_tail_rows};
+    return head::DwAccumulator{b.head.dw_acc, plan.dw_tail_rows > 0 ? b.dw_tail : nullptr, p.vocab - plan.dw_tail_rows,
+                               plan.dw_written_rows};
   }
 
   GradParams grad_params() const {
@@ -589,6 +595,7 @@ void run_cuda(const Problem& p, Workspace ws, StreamHandle stream_handle) {
   debug::last_kernel.set(plan.kernel);
   debug::last_exp_in_grad_weight.set(plan.exp_in_grad_weight);
   debug::last_dw_tail_rows.set(plan.dw_tail_rows);
+  debug::last_dw_written_rows.set(plan.dw_written_rows);
   debug::last_dlogits_in_grad_weight.set(plan.dlogits_in_grad_weight);
   debug::last_group_rows.set(plan.group_rows);
   debug::last_shared_in_grad_hidden.set(plan.shared_in_grad_hidden);

@@ -28,31 +28,51 @@ void Engine::grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
 }
 
 void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
-                              const Matrix& dw, bool accumulate, bool any_k) const {
+                              const Matrix& dw, bool accumulate, bool any_k, const Matrix& out) const {
   // A token group after the first: see accumulate_gemm.h.
   const int64_t kernel = debug::hook(debug::Hook::kHeadAccumulateGemm);
   if (accumulate && dw.dtype == DType::kFloat32 && kernel) {
     AccumulateGemm g{io_.dtype, cols, io_.h, rows, dz, ld_dz, x, ldx, static_cast<float*>(dw.data), dw.ld};
     g.any_k = any_k || kernel == 2;
-    if (launch_accumulate_gemm(g, io_.device, sm_count_, stream_)) return;
+    if (out.data && out.dtype == DType::kBFloat16) {
+      g.out = out.data;
+      g.ldo = out.ld;
+    }
+    if (launch_accumulate_gemm(g, io_.device, sm_count_, stream_)) {
+      if (out.data && !g.out)
+        launch_cast(static_cast<float*>(dw.data), dw.ld, cols, io_.h, out.data, out.dtype, out.ld, 1, sm_count_,
+                    stream_);
+      return;
+    }
   }
   gemm_row_major(blas_, true, false, cols, io_.h, rows, dz, ld_dz, x, ldx, io_.dtype, dw.data, dw.ld, dw.dtype,
                  accumulate);
+  if (out.data)
+    launch_cast(static_cast<float*>(dw.data), dw.ld, cols, io_.h, out.data, out.dtype, out.ld, 1, sm_count_, stream_);
 }
 
 void Engine::grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const void* x, int64_t ldx,
-                              const DwAccumulator& acc, bool accumulate) const {
+                              const DwAccumulator& acc, bool accumulate, bool last) const {
   if (!acc) return grad_weight_gemm(dz, ld_dz, rows, io_.v, x, ldx, io_.grad_weight, accumulate);
   const int64_t split = acc.head_rows(io_.v), es = static_cast<int64_t>(dtype_size(io_.dtype));
-  grad_weight_gemm(dz, ld_dz, rows, split, x, ldx, Matrix{acc.head, DType::kFloat32, io_.h}, accumulate);
+  const int64_t written = last && accumulate ? std::min(acc.written, split) : 0;
+  // Rows [v0, v0 + cols) of grad_weight, their sums at `sums`.
+  const auto part = [&](int64_t v0, int64_t cols, float* sums, bool any_k, bool write) {
+    if (cols <= 0) return;
+    const Matrix out = write ? io_.grad_weight.rows_from(v0) : Matrix{};
+    grad_weight_gemm(static_cast<const char*>(dz) + v0 * es, ld_dz, rows, cols, x, ldx,
+                     Matrix{sums, DType::kFloat32, io_.h}, accumulate, any_k, out);
+  };
   // The tail's rows on the Hopper kernel at every group length: for a third of the vocabulary cuBLAS picks a
-  // kernel 17% slower per row than its whole-vocabulary one (bench/RESULTS.md, "the accumulator's tail").
-  if (acc.tail)
-    grad_weight_gemm(static_cast<const char*>(dz) + split * es, ld_dz, rows, io_.v - split, x, ldx,
-                     Matrix{acc.tail, DType::kFloat32, io_.h}, accumulate, /*any_k=*/true);
+  // kernel 17% slower per row than its whole-vocabulary one (bench/RESULTS.md, "the accumulator's tail"). Its
+  // product first: the head's written rows lie over its float32 sums.
+  if (acc.tail) part(split, io_.v - split, acc.tail, /*any_k=*/true, written > 0);
+  part(0, written, acc.head, false, true);
+  part(written, split - written, acc.head + written * io_.h, false, false);
 }
 
-void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc) const {
+void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc,
+                         bool last) const {
   if (io_.grad_hidden.data) {
     const Matrix dx = io_.grad_hidden.rows_from(g0);
     if (io_.v == 0) {  // an empty vocabulary shard contributes nothing (a GEMM over k = 0 would leave dx unwritten)
@@ -61,7 +81,8 @@ void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows
       grad_hidden_gemm(dz, ld_dz, rows, 0, io_.v, dx, false);
     }
   }
-  if (io_.grad_weight.data) grad_weight_sums(dz, ld_dz, rows, x_rows(g0), io_.ldx, acc, /*accumulate=*/g0 > 0);
+  if (io_.grad_weight.data)
+    grad_weight_sums(dz, ld_dz, rows, x_rows(g0), io_.ldx, acc, /*accumulate=*/g0 > 0, last && g0 > 0);
 }
 
 void Engine::bias_sums(const float* db_partial, int64_t rows, int64_t ld, float* db) const {
@@ -71,12 +92,16 @@ void Engine::bias_sums(const float* db_partial, int64_t rows, int64_t ld, float*
 
 void Engine::finish(const DwAccumulator& acc, const float* db) const {
   const Matrix& gw = io_.grad_weight;
-  const int64_t split = acc.head_rows(io_.v);
-  if (acc.tail) {
+  const int64_t split = acc.head_rows(io_.v), written = std::min(acc.written, split);
+  if (acc.tail && written == 0) {
     const Matrix rows = gw.rows_from(split);
     launch_cast(acc.tail, io_.h, io_.v - split, io_.h, rows.data, rows.dtype, rows.ld, 1, sm_count_, stream_);
   }
-  if (acc) launch_cast(acc.head, io_.h, split, io_.h, gw.data, gw.dtype, gw.ld, 1, sm_count_, stream_);
+  if (acc && split > written) {
+    const Matrix rows = gw.rows_from(written);
+    launch_cast(acc.head + written * io_.h, io_.h, split - written, io_.h, rows.data, rows.dtype, rows.ld, 1, sm_count_,
+                stream_);
+  }
   if (db)
     launch_cast(db, io_.v, 1, io_.v, io_.grad_bias, io_.grad_bias_dtype, 0, io_.grad_bias_stride, sm_count_, stream_);
 }

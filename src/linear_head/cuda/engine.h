@@ -111,18 +111,23 @@ class Engine {
   void grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t v0, int64_t cols, const Matrix& dx,
                         bool accumulate) const;
   // dw [cols, h] (+)= dZ [rows, cols]ᵀ · x [rows, h] (ldx); any_k: a float32 sum on the Hopper kernel whatever
-  // the rows (accumulate_gemm.h).
+  // the rows (accumulate_gemm.h). With `out` (a 16-bit [cols, h]), the sums are written there, dw only read where
+  // the Hopper kernel takes it, else cast after the product.
   void grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
-                        const Matrix& dw, bool accumulate, bool any_k = false) const;
+                        const Matrix& dw, bool accumulate, bool any_k = false, const Matrix& out = {}) const;
   // The same into every row of grad_weight's sums: the accumulator's parts where there is one, else grad_weight.
+  // `last`: the last group's products, which write the accumulator's written rows into grad_weight
+  // (DwAccumulator::written; with accumulate only, after every other sum into them).
   void grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const void* x, int64_t ldx,
-                        const DwAccumulator& acc, bool accumulate) const;
+                        const DwAccumulator& acc, bool accumulate, bool last = false) const;
   // A token group's GEMMs: its rows of grad_hidden are final; grad_weight sums over groups (in acc if given).
-  void group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc) const;
+  void group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc,
+                   bool last = false) const;
   // db (+)= the column sums of a gradient kernel's partials of `rows` rows.
   void bias_sums(const float* db_partial, int64_t rows, int64_t ld, float* db) const;
   // The float32 sums cast into grad_weight and grad_bias (either may be absent): the accumulator's tail first
-  // (its 16-bit rows lie past its float32 copy), then its head.
+  // (its 16-bit rows lie past its float32 copy), then its head; neither the tail nor the head's rows that the
+  // last group's products wrote (DwAccumulator::written).
   void finish(const DwAccumulator& acc, const float* db) const;
   // No rows: grad_hidden's `dx_rows` rows, grad_weight and grad_bias are zero.
   void zero_grads(int64_t dx_rows) const;
@@ -159,7 +164,7 @@ void sweep(const Engine& e, const SweepBuffers& b, Loss& loss, bool grads) {
       }
       r0 += c.rows;
     }
-    if (grads) e.group_gemms(b.dlogits ? b.dlogits : b.logits, b.ld_dlogits, g0, g1 - g0, b.dw_acc);
+    if (grads) e.group_gemms(b.dlogits ? b.dlogits : b.logits, b.ld_dlogits, g0, g1 - g0, b.dw_acc, g1 == N);
   }
   if (grads) e.finish(b.dw_acc, b.db);
 }

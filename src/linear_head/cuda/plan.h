@@ -52,10 +52,14 @@ ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes);
 // grad_weight's float32 sums over token groups, in up to two parts: rows [0, split) in the workspace, rows
 // [split, v) at the start of a 16-bit grad_weight's own storage, which holds nothing else until the sums are cast
 // into it at the end. That cast writes the tail's 16-bit rows first, then the head's (engine.h, Engine::finish).
+// With `written`, the last group's products write the 16-bit rows themselves instead, the tail's first, then the
+// head's rows [0, written): rows whose storage holds nothing the group still reads once the tail's product has read
+// its sums. The head's other rows are cast at the end.
 struct DwAccumulator {
   float* head = nullptr;  // rows [0, split), row stride h; nullptr: no accumulator
   float* tail = nullptr;  // rows [split, v), row stride h; nullptr where split == v
   int64_t split = 0;
+  int64_t written = 0;  // 0: every row cast at the end
   explicit operator bool() const { return head != nullptr; }
   int64_t head_rows(int64_t v) const { return tail ? split : v; }  // rows [0, head_rows) at head
 };
