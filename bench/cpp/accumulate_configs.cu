@@ -1,6 +1,7 @@
 // One of bench_accumulate_gemm's alternatives to the library's accumulating grad_weight product, compiled once per
 // configuration (ACCUMULATE_CONFIG = its index) so that the build runs them in parallel. Each defines
-// run_accumulate_config_<index>, which bench_accumulate_gemm.cu calls by its name.
+// run_accumulate_config_<index>, which bench_accumulate_gemm.cu calls by its name. Those with WRITES_OUT also build
+// the kernel with a bfloat16 output (AccumulateGemm::out); the others return false for it.
 #include "linear_head/cuda/accumulate_gemm_kernel.cuh"
 
 namespace acc = logitless::head::accumulate;
@@ -17,6 +18,7 @@ using C21 = Shape<_2, _1, _1>;
 #if ACCUMULATE_CONFIG == 0  // the library's: ping-pong 128 × 128, cluster 2 × 1, the builder's staging
 using Cfg = acc::Config<Tile128, C21, false, acc::Staging::kAuto>;
 #define NAME "pp_auto"
+#define WRITES_OUT 1
 #elif ACCUMULATE_CONFIG == 1  // 64 × 64 subtiles, the builder's staging (4 C buffers reused by D)
 using Cfg = acc::Config<Tile128, C21, false, acc::Staging::kAuto, Shape<_64, _64> >;
 #define NAME "pp_epi64"
@@ -41,12 +43,14 @@ using Cfg = acc::Config<Tile128, C21, false, acc::Staging::kNoSmem>;
 #elif ACCUMULATE_CONFIG == 8  // cluster 1 × 2: A (dZ, from DRAM) multicast instead of B (x, in L2)
 using Cfg = acc::Config<Tile128, Shape<_1, _2, _1>, false, acc::Staging::kAuto>;
 #define NAME "pp_auto_c12"
+#define WRITES_OUT 1
 #elif ACCUMULATE_CONFIG == 9  // cooperative 256 × 128, cluster 1 × 2
 using Cfg = acc::Config<Shape<_256, _128, _64>, Shape<_1, _2, _1>, true, acc::Staging::kAuto>;
 #define NAME "coop256_c12"
 #elif ACCUMULATE_CONFIG == 10  // cluster 1 × 2 with 6 C buffers of 64 × 32 and 2 D buffers apart
 using Cfg = acc::Config<Tile128, Shape<_1, _2, _1>, false, acc::Staging::kSeparate, Shape<_64, _32>, 6, 2>;
 #define NAME "pp_c12_c6d2"
+#define WRITES_OUT 1
 #elif ACCUMULATE_CONFIG == 11  // the library's tiling, D added by TMA reduce-add stores (no C)
 using Cfg = acc::Config<Tile128, C21, false, acc::Staging::kReduce>;
 #define NAME "pp_reduce"
@@ -71,7 +75,11 @@ const char* CAT(accumulate_config_name_, ACCUMULATE_CONFIG)() { return NAME; }
 
 bool CAT(run_accumulate_config_, ACCUMULATE_CONFIG)(const logitless::head::AccumulateGemm& g, float beta, int device,
                                                     int sm_count, cudaStream_t stream) {
+#if defined(WRITES_OUT)
   return acc::run<Cfg>(g, beta, device, sm_count, stream);
+#else
+  return !g.out && acc::Kernel<Cfg>::run(g, beta, device, sm_count, stream);
+#endif
 }
 
 int CAT(accumulate_config_smem_, ACCUMULATE_CONFIG)() {
