@@ -69,12 +69,14 @@
 // plus that accumulator (one weight-gradient GEMM, no accumulation), and its float32 chunk then grows into the rest
 // of that allowance (up to 1024 tokens: each chunk's logits GEMM re-reads the weight). Where one call sums in that
 // accumulator and grad_weight's rows are contiguous, grad_weight's own storage, which holds nothing until the
-// accumulator is cast into it, holds the accumulator's last third (so the workspace holds 4·V·H bytes less that:
-// about two thirds of it) and, on the fused Hopper gradient in forward, a token group's other per-token scratch
-// (its statistics, scales, scaled hidden rows and float32 grad_hidden rows), so the budget holds the group's gradient
-// alone; where that storage is larger than the budget and holding the group's gradient there too (in place of most
-// of the tail) makes fewer groups, it does, and the workspace holds the accumulator without the gradient (at most
-// one budget more than beside the longest tail); the token groups are cut evenly (no short last group). The recompute
+// accumulator's sums are written into it, holds the accumulator's last third (so the workspace holds 4·V·H bytes less
+// that: about two thirds of it). On the fused Hopper gradient in forward the budget then holds the group's gradient
+// alone where grad_weight's storage could hold a token group's other per-token scratch (its statistics, scales,
+// scaled hidden rows and float32 grad_hidden rows), and that scratch lies beside the budget in the workspace (the
+// last group's products then write grad_weight, with no cast after them); where that storage is larger than the
+// budget and holding the group's gradient there too (in place of most of the tail) makes fewer groups, it holds the
+// gradient and the scratch, and the workspace holds the accumulator without the gradient (at most one budget more
+// than beside the longest tail); the token groups are cut evenly (no short last group). The recompute
 // backward's float32 grad_hidden accumulator (4·N·H bytes, when grad_hidden is 16-bit and the vocabulary takes more
 // than one chunk) comes on top of the budget likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB
 // before), so the GEMMs allocate nothing and the calls can be captured in a CUDA graph. cuBLAS runs through one handle

@@ -1028,13 +1028,15 @@ constexpr LceCase kScratchCases[] = {
     {256, 128, 4099, DType::kBFloat16, Layout::kShifted, Preset::kWeights, Reduction::kSum, false},
     {200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kZLoss, Reduction::kNone, false}};
 
-// The gradient in forward over several token groups keeps the float32 accumulator's last rows and (fused) its
-// per-group regions in grad_weight's storage when grad_weight's rows are contiguous, in the workspace when they are
-// padded (plan.h, Plan::dw_tail_rows and exp_in_grad_weight): the same groups (explicit chunk_tokens) give the same
-// bits either way, and both match the CPU backend.
+// The gradient in forward over several token groups keeps the float32 accumulator's last rows and (fused, with the
+// last group's products not writing grad_weight: the hook off) its per-group regions in grad_weight's storage when
+// grad_weight's rows are contiguous, in the workspace when they are padded (plan.h, Plan::dw_tail_rows and
+// exp_in_grad_weight): the same groups (explicit chunk_tokens) give the same bits either way, and both match the CPU
+// backend.
 TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const bool fused = fused_kernels_run();
+  logitless::debug::set_hook(logitless::debug::Hook::kLceDwWritten, 0);
   std::vector<LceCase> cases(std::begin(kScratchCases), std::end(kScratchCases));
   // the generic gradient in forward (soft cap, smoothing, bias): the accumulator's tail alone
   cases.push_back({200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true});
@@ -1058,6 +1060,7 @@ TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
     expect_outputs(in, Entry::kForwardBackward, in_gw, want, "regions in grad_weight", c.dtype);
     expect_same_finite_bits(in_gw, in_ws, "regions in grad_weight against the workspace");
   }
+  logitless::debug::set_hook(logitless::debug::Hook::kLceDwWritten, 1);
 }
 
 // Two bfloat16 results of float32 sums taken in different orders, both finite: at most one rounding step apart
@@ -1077,11 +1080,11 @@ TEST(LinearCrossEntropyCudaFused, RegionsInGradWeightMatchRegionsInWorkspace) {
   return ::testing::AssertionSuccess();
 }
 
-// The last token group's grad_weight products write grad_weight themselves (plan.h, Plan::dw_written_rows) where its
-// storage holds no regions of the fused path (the generic path, or a padded grad_weight): every row, the tail's and
-// the head's. Against the float32 sums cast after the products (the hook off): the same loss, lse and grad_hidden
-// bits; grad_weight's last sums add the fused path's target terms before the products instead of after them, and
-// the products may run on other kernels, so within a bfloat16 rounding step. And the CPU backend's values.
+// The last token group's grad_weight products write grad_weight themselves (plan.h, Plan::dw_written_rows): every
+// row, the tail's and the head's, with the fused path's regions beside the budget. Against the float32 sums cast
+// after the products (the hook off, which puts those regions in grad_weight's storage): the same loss, lse and
+// grad_hidden bits; grad_weight's last sums add the fused path's target terms before the products instead of after
+// them, and the products may run on other kernels, so within a bfloat16 rounding step. And the CPU backend's values.
 TEST(LinearCrossEntropyCudaFused, LastGroupWritesGradWeight) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const bool fused = fused_kernels_run();
@@ -1100,12 +1103,13 @@ TEST(LinearCrossEntropyCudaFused, LastGroupWritesGradWeight) {
       logitless::debug::set_hook(logitless::debug::Hook::kLceDwWritten, 0);
       const Outputs cast = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, dtypes);
       EXPECT_EQ(lce::debug::last_dw_written_rows.get(), 0);
+      EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(),
+                fused && !pad && c.dtype == DType::kBFloat16 && c.preset != Preset::kAll);
       logitless::debug::set_hook(logitless::debug::Hook::kLceDwWritten, 1);
       const Outputs written = run_backend(in, Entry::kForwardBackward, true, up, nullptr, Chunking::kDefault, dtypes);
       const int64_t rows = lce::debug::last_dw_written_rows.get(), tail = lce::debug::last_dw_tail_rows.get();
-      const bool regions = fused && !pad && c.dtype == DType::kBFloat16 && c.preset != Preset::kAll;
-      EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(), regions);
-      EXPECT_EQ(rows, regions ? 0 : c.v - tail);
+      EXPECT_FALSE(lce::debug::last_exp_in_grad_weight.get());  // the fused path's regions beside the budget
+      EXPECT_EQ(rows, c.v - tail);
       EXPECT_EQ(tail > 0, !pad);
       expect_outputs(in, Entry::kForwardBackward, written, want, "written by the last products", c.dtype);
       EXPECT_TRUE(same_finite_bits(written.loss, cast.loss, "loss"));
@@ -1248,8 +1252,8 @@ TEST(LinearCrossEntropyCuda, BadTargetWritesNoOutputWhereverTheCheckWaits) {
         });
         EXPECT_NE(msg.find("got " + std::to_string(V + 3) + " at row 200"), std::string::npos) << msg;
         EXPECT_EQ(lce::debug::last_kernel.get(), fused ? lce::Kernel::kHopperFused : lce::Kernel::kCublasChunked);
-        if (fused && fb) {  // one group's regions in the workspace; with 64-token groups in grad_weight's storage
-          EXPECT_EQ(lce::debug::last_exp_in_grad_weight.get(), chunk != 0 && !f32);
+        if (fused && fb) {  // the regions in the workspace (with 64-token groups beside the budget)
+          EXPECT_FALSE(lce::debug::last_exp_in_grad_weight.get());
           EXPECT_EQ(lce::debug::last_shared_in_grad_hidden.get(), f32);  // ... or in grad_hidden's rows
         }
         device_synchronize();
@@ -1695,9 +1699,11 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
   EXPECT_EQ(lay(in).vocab_cols, 10880);
 }
 
-// With the float32 grad_weight accumulator, grad_weight's own storage holds nothing until the accumulator is cast into
-// it: the exponential form's per-group regions go there (Plan::exp_in_grad_weight) and the budget holds the
-// exponentials alone. At the fine-tuning shape that makes 8 groups of 2048 tokens instead of 9. At 256000 classes,
+// With the float32 grad_weight accumulator, grad_weight's own storage holds nothing but the accumulator's tail until
+// the sums are written into it: where it could hold the exponential form's per-group regions, the budget holds the
+// exponentials alone, and the regions lie beside the budget in the workspace, so that the last group's products write
+// grad_weight (Plan::dw_written_rows), or, with that off, in grad_weight's storage (Plan::exp_in_grad_weight). At the
+// fine-tuning shape that makes 8 groups of 2048 tokens instead of 9. At 256000 classes,
 // where grad_weight's storage outgrows the budget, the exponentials go there too (Plan::dlogits_in_grad_weight), in
 // the accumulator tail's place: 4 groups of 2048 instead of 8 of 1024, in at most one budget more workspace. Groups
 // are cut evenly, so that no short last group costs a whole accumulator pass.
@@ -1769,6 +1775,17 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   lce::Plan p;
   lce::Buffers b;
   head::WorkspaceLayout S;
+  // The default: the regions beside the budget (18 MB), every row written by the last group's products.
+  laid(in, &p, &b, &S);
+  EXPECT_FALSE(p.exp_in_grad_weight);
+  EXPECT_EQ(p.group_rows, 2048);
+  EXPECT_EQ(p.dw_tail_rows, 42624);
+  EXPECT_EQ(p.dw_written_rows, 128256 - 42624);
+  EXPECT_LE(p.bytes, size_t{512 + 1002 + 32 + 2 + 18} << 20);
+  EXPECT_EQ(S.bytes(), static_cast<size_t>(42624) * 2048 * 4);  // the tail alone
+  // With that off, the regions in grad_weight's storage after the tail.
+  in.dw_written = false;
+  S = head::WorkspaceLayout{};
   laid(in, &p, &b, &S);
   EXPECT_TRUE(p.exp_in_grad_weight);
   EXPECT_TRUE(p.dw_accumulator);
@@ -1790,9 +1807,9 @@ TEST(LinearCrossEntropyPlan, ExponentialFormScratchInGradWeight) {
   EXPECT_FALSE(in_scratch(b.head.dlogits));
   EXPECT_FALSE(in_scratch(b.head.dw_acc));
   EXPECT_FALSE(p.dlogits_in_grad_weight);  // 512 MiB of exponentials would not fit its 501 MiB
-  // The last group's products read the regions there: they leave grad_weight to the cast.
   EXPECT_EQ(p.dw_tail_rows, 42624);
   EXPECT_EQ(p.dw_written_rows, 0);
+  in.dw_written = true;
   // 256000 classes: the exponentials in grad_weight's storage too, after a shorter tail.
   lce::PlanInputs wide = llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000);
   wide.fused = wide.fused_exp = true;
@@ -1926,7 +1943,9 @@ TEST(LinearCrossEntropyPlan, ExponentialFormGroupsWithinTheBudget) {
               if (where == 1) return static_cast<size_t>(rows) * e_row <= budget && regions(rows) <= room;
               return tail > 0 && rows < n && with_dlogits(rows) <= std::min(in.grad_weight_scratch, 2 * budget + room);
             };
-            EXPECT_TRUE(fits(p.group_rows, p.dlogits_in_grad_weight ? 2 : p.exp_in_grad_weight ? 1 : 0));
+            // (The regions beside the budget where grad_weight's storage could hold them: as there.)
+            const bool beside = p.dw_accumulator && !p.exp_in_grad_weight && fits(p.group_rows, 1);
+            EXPECT_TRUE(fits(p.group_rows, p.dlogits_in_grad_weight ? 2 : p.exp_in_grad_weight || beside ? 1 : 0));
             // And no fewer groups would do, any way.
             const int64_t groups = (n + p.group_rows - 1) / p.group_rows;
             if (groups > 1) {
@@ -1972,6 +1991,8 @@ TEST(LinearCrossEntropyPlan, AccumulatorTailInGradWeight) {
     in.fused = in.fused_exp = fused;
     in.target_sort_bytes = size_t{1} << 20;
     in.grad_weight_scratch = gw;
+    EXPECT_FALSE(lce::plan_linear_cross_entropy(in).exp_in_grad_weight);  // the regions beside the budget
+    in.dw_written = false;  // (which puts them in grad_weight's storage: as below)
     const lce::Plan p = lce::plan_linear_cross_entropy(in);
     ASSERT_TRUE(p.dw_accumulator);
     EXPECT_EQ(p.dw_tail_rows, 128256 - 85632);

@@ -60,17 +60,18 @@ int64_t tail_rows(const PlanInputs& in, size_t behind = 0) {
 }
 size_t tail_bytes(const PlanInputs& in, int64_t rows) { return static_cast<size_t>(round_up(rows * in.h * 4, 256)); }
 
-// The accumulator's tail in grad_weight's storage and the rows the last group's products write (Plan::
-// dw_written_rows): every row where that storage holds nothing but the tail's sums. Not where it holds the group's
-// exponentials or regions too, which the last products and grad_hidden's read: a tail shortened to end with them
-// before its own rows would let those products write it, but at 16384 x 2048 x 128256 its other rows made cuBLAS
-// choose a slower kernel for every accumulating pass, which cost more than the cast saves (bench/RESULTS.md,
-// fourteenth session).
+// Whether the last group's grad_weight products may write grad_weight (Plan::dw_written_rows): not for the steps,
+// whose sums go on over later calls.
+bool writes_grad_weight(const PlanInputs& in) { return in.dw_written && !in.steps; }
+
+// The accumulator's tail in grad_weight's storage and the rows the last group's products write: every row where that
+// storage holds nothing but the tail's sums. Not where it holds the group's exponentials or regions too, which the
+// last products and grad_hidden's read. (A tail shortened to end with them before its own rows would let those
+// products write it, but at 16384 x 2048 x 128256 its other rows made cuBLAS choose a slower kernel for every
+// accumulating pass; bench/RESULTS.md, fourteenth session.)
 void plan_accumulator_rows(const PlanInputs& in, Plan& p) {
   p.dw_tail_rows = tail_rows(in, p.dlogits_in_grad_weight ? grad_weight_group_bytes(in, p, p.group_rows) : 0);
-  // Not the steps: their sums go on over later calls.
-  const bool written = in.dw_written && !in.steps && !p.exp_in_grad_weight;
-  p.dw_written_rows = written ? in.v - p.dw_tail_rows : 0;
+  p.dw_written_rows = writes_grad_weight(in) && !p.exp_in_grad_weight ? in.v - p.dw_tail_rows : 0;
 }
 
 }  // namespace
@@ -153,9 +154,10 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     if (fused && grads) {
       // Groups of whole rows, each one GEMM of exponentials (16-bit, the buffer the grad_hidden / grad_weight
       // GEMMs read) and statistics, with no float32 logits: the budget holds the group, or every token when that
-      // costs no more than the float32 grad_weight accumulator it saves (as below). With the accumulator, the
-      // group's other per-token regions go into grad_weight's own storage where they fit there (it holds nothing
-      // until the accumulator is cast into it at the end), and the budget holds the exponentials alone.
+      // costs no more than the float32 grad_weight accumulator it saves (as below). With the accumulator, where the
+      // group's other per-token regions fit grad_weight's own storage (it holds nothing but the accumulator's tail
+      // until the sums are written into it at the end), the budget holds the exponentials alone, and the regions lie
+      // there or beside the budget (below).
       const int64_t e_row = es * p.ld_logits, row = e_row + exp_row;
       const int64_t max_rows = std::max<int64_t>(N, 1);
       const size_t acc = dw_accumulator_bytes(in), taken = tail_bytes(in, tail_rows(in));
@@ -166,8 +168,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       } else if (acc > 0 && static_cast<size_t>(N * row) <= budget + acc) {
         p.group_rows = max_rows;
       } else {
-        // The regions in the workspace: the budget holds whole rows. In grad_weight's storage: the budget holds the
-        // exponentials of as many rows as the storage holds the regions of.
+        // The regions within the budget: it holds whole rows. Where grad_weight's storage could hold them: the budget
+        // holds the exponentials of as many rows as the storage holds the regions of.
         int64_t fit = rows_in(budget, row);
         const auto regions = [&](int64_t r) { return exp_bytes(in, p, r); };
         if (acc > 0 && room > 0)
@@ -189,8 +191,13 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
         p.group_rows = even_groups(max_rows, p.dlogits_in_grad_weight ? gw_fit : fit);
       }
       p.chunk_rows = p.group_rows;
+      // Where the budget holds the exponentials alone, the regions go to grad_weight's storage only with the
+      // exponentials there, or where the last group's products would not write grad_weight anyway (Plan::
+      // dw_written_rows); otherwise the workspace holds them beside the budget, for their bytes (18 MB at 16384 x
+      // 2048 x 128256) instead of grad_weight's cast after the products (bench/RESULTS.md, fourteenth session).
       p.exp_in_grad_weight =
-          acc > 0 && p.group_rows < N && (p.dlogits_in_grad_weight || exp_bytes(in, p, p.group_rows) <= room);
+          acc > 0 && p.group_rows < N &&
+          (p.dlogits_in_grad_weight || (exp_bytes(in, p, p.group_rows) <= room && !writes_grad_weight(in)));
     } else {
       head::ChunkInputs c;
       c.n = N;

@@ -100,7 +100,8 @@ struct Plan {
   int64_t db_partial_rows = 0;      // float32 rows of bias-gradient partial sums per chunk (0: no bias gradient)
   bool exp_in_grad_weight = false;  // exponential form with the accumulator: its per-group regions (declare_exp)
                                     // lie in grad_weight's storage (PlanInputs::grad_weight_scratch), not in the
-                                    // workspace, after the accumulator's tail
+                                    // workspace, after the accumulator's tail (with the exponentials there, or
+                                    // where the last group's products do not write grad_weight)
   int64_t dw_tail_rows = 0;         // the accumulator's last rows kept in grad_weight's storage (head::DwAccumulator;
                                     // one call's sums only: not the steps, whose sums outlive a call)
   bool dlogits_in_grad_weight = false;  // exponential form: the group's exponentials lie in grad_weight's storage
@@ -108,7 +109,8 @@ struct Plan {
   // The last token group's grad_weight products write the 16-bit grad_weight themselves, the head's first
   // dw_written_rows rows and the tail's, instead of leaving the float32 sums to a cast (head::DwAccumulator::
   // written): all of them where grad_weight's storage holds nothing that group reads but the tail's sums, which its
-  // own product reads before the head's write over them; 0 otherwise (exp_in_grad_weight, the steps).
+  // own product reads before the head's write over them; 0 otherwise (exp_in_grad_weight, the steps, or
+  // PlanInputs::dw_written off).
   int64_t dw_written_rows = 0;
 
   int64_t stats_row = 0;       // kHopperFused forward: bytes of tile statistics per token (16 per 256 columns; the
