@@ -19,8 +19,8 @@ enum class Hook : int {
   // Linear cross-entropy: every valid row through the exponential form's rewrite, a path real inputs seldom reach.
   kLceExpFixupAll,
   // Linear heads: the Hopper accumulating grad_weight product (linear_head/cuda/accumulate_gemm.h) where it applies
-  // (1, the default), at every group length it takes (2: benchmarks), or cuBLAS for every product (0: tests,
-  // benchmarks).
+  // (1, the default), at every group length it takes (2: benchmarks), with the accumulator's tail on the head's
+  // tiling (3: benchmarks), or cuBLAS for every product (0: tests, benchmarks).
   kHeadAccumulateGemm,
   // Linear cross-entropy: the fused exponentials (with or without row statistics) and the bare mainloop on the
   // ping-pong schedule (1: linear_cross_entropy/cuda/hopper/kernel_pingpong.cuh) or the cooperative one (0, the

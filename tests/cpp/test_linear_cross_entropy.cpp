@@ -607,9 +607,10 @@ bool fused_kernels_run() {
 }
 
 // The Hopper accumulating grad_weight product (linear_head/cuda/accumulate_gemm.h): d += aᵀ b against float64 sums
-// of the same bf16 values, on row-padded operands whose m is no multiple of the tile; it runs on an sm_90 device
-// of a build with CUTLASS, and declines (leaving d alone) a row stride that is no multiple of 8 elements and a k of
-// kCublasAccumulatesFrom or more.
+// of the same bf16 values, on row-padded operands whose m is no multiple of the tile, on the head's tiling and the
+// tail's, in place and into a bfloat16 out (d then only read); it runs on an sm_90 device of a build with CUTLASS,
+// and declines (leaving d alone) a row stride that is no multiple of 8 elements, a k of kCublasAccumulatesFrom or
+// more (with out: more than kWritesOutUpTo).
 TEST(LinearHeadAccumulateGemm, AddsTheProductOnHopper) {
   LOGITLESS_SKIP_WITHOUT_GPU();
   const bool runs = fused_kernels_run();
@@ -620,39 +621,61 @@ TEST(LinearHeadAccumulateGemm, AddsTheProductOnHopper) {
   // hangs over the edge), k no multiple of 64; the last shape is smaller than one tile in every dimension (a token
   // group of 8 rows).
   for (const Shape& s : {Shape{1000, 264, 200}, Shape{1064, 520, 200}, Shape{56, 40, 8}}) {
-    const int64_t M = s.m, N = s.n, K = s.k, lda = M + 8, ldb = N + 8, ldd = N + 4;
-    SCOPED_TRACE(::testing::Message() << "m=" << M << " n=" << N << " k=" << K);
-    TestTensor a(DType::kBFloat16, {K, M}, {lda, 1}), b(DType::kBFloat16, {K, N}, {ldb, 1}),
-        d(DType::kFloat32, {M, N}, {ldd, 1});
+    const int64_t M = s.m, N = s.n, K = s.k, lda = M + 8, ldb = N + 8, ldd = N + 4, ldo = N + 8;
+    TestTensor a(DType::kBFloat16, {K, M}, {lda, 1}), b(DType::kBFloat16, {K, N}, {ldb, 1});
     a.fill_normal(1, 1.f);
     b.fill_normal(2, 1.f);
-    d.fill_normal(3, 4.f);
-    const std::vector<float> before = d.gather_float(), av = a.gather_float(), bv = b.gather_float();
-    std::vector<double> want(before.begin(), before.end());
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t i = 0; i < M; ++i)
-        for (int64_t j = 0; j < N; ++j)
-          want[static_cast<size_t>(i * N + j)] +=
-              static_cast<double>(av[static_cast<size_t>(k * M + i)]) * bv[static_cast<size_t>(k * N + j)];
+    const std::vector<float> av = a.gather_float(), bv = b.gather_float();
     a.to_device();
     b.to_device();
-    d.to_device();
-    const TensorView avw = a.view(true), bvw = b.view(true), dvw = d.view(true);
-    head::AccumulateGemm g{DType::kBFloat16, M, N, K, avw.data, lda, bvw.data, ldb, static_cast<float*>(dvw.data), ldd};
-    head::AccumulateGemm misaligned = g, long_k = g;
-    misaligned.lda = lda - 1;
-    EXPECT_FALSE(head::launch_accumulate_gemm(misaligned, 0, 1, nullptr));
-    long_k.k = head::kCublasAccumulatesFrom;  // cuBLAS's from there on (reads no operand: declined before)
-    EXPECT_FALSE(head::launch_accumulate_gemm(long_k, 0, 132, nullptr));
-    ASSERT_EQ(head::launch_accumulate_gemm(g, 0, 132, nullptr), runs);
-    device_synchronize();
-    d.to_host();
-    const std::vector<float> got = d.gather_float();
-    if (!runs) {
-      EXPECT_EQ(got, before);
-      continue;
-    }
-    EXPECT_TRUE(all_close(std::vector<double>(got.begin(), got.end()), want, Tol{1e-5, 1e-5}, 16.0, "d"));
+    for (const bool tail : {false, true})
+      for (const bool to_out : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "m=" << M << " n=" << N << " k=" << K << (tail ? ", tail" : "")
+                                          << (to_out ? ", bf16 out" : ""));
+        TestTensor d(DType::kFloat32, {M, N}, {ldd, 1}), out(DType::kBFloat16, {M, N}, {ldo, 1});
+        d.fill_normal(3, 4.f);
+        out.fill_storage_nan();
+        const std::vector<float> before = d.gather_float();
+        std::vector<double> want(before.begin(), before.end());
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t i = 0; i < M; ++i)
+            for (int64_t j = 0; j < N; ++j)
+              want[static_cast<size_t>(i * N + j)] +=
+                  static_cast<double>(av[static_cast<size_t>(k * M + i)]) * bv[static_cast<size_t>(k * N + j)];
+        d.to_device();
+        out.to_device();
+        const TensorView avw = a.view(true), bvw = b.view(true), dvw = d.view(true), ovw = out.view(true);
+        head::AccumulateGemm g{
+            DType::kBFloat16, M, N, K, avw.data, lda, bvw.data, ldb, static_cast<float*>(dvw.data), ldd};
+        g.tail = g.any_k = tail;
+        if (to_out) {
+          g.out = ovw.data;
+          g.ldo = ldo;
+        }
+        head::AccumulateGemm misaligned = g, long_k = g;
+        misaligned.lda = lda - 1;
+        EXPECT_FALSE(head::launch_accumulate_gemm(misaligned, 0, 1, nullptr));
+        if (!tail) {  // cuBLAS's from there on (reads no operand: declined before)
+          long_k.k = to_out ? head::kWritesOutUpTo + 1 : head::kCublasAccumulatesFrom;
+          EXPECT_FALSE(head::launch_accumulate_gemm(long_k, 0, 132, nullptr));
+        }
+        ASSERT_EQ(head::launch_accumulate_gemm(g, 0, 132, nullptr), runs);
+        device_synchronize();
+        d.to_host();
+        out.to_host();
+        const std::vector<float> got = d.gather_float();
+        if (!runs || to_out) EXPECT_EQ(got, before);
+        if (!runs) continue;
+        if (!to_out) {
+          EXPECT_TRUE(all_close(std::vector<double>(got.begin(), got.end()), want, Tol{1e-5, 1e-5}, 16.0, "d"));
+          continue;
+        }
+        // The sum rounded once to bfloat16: within half a unit in its last place (2^-9 relative), and float32's
+        // error beside it.
+        const std::vector<float> o = out.gather_float();
+        EXPECT_TRUE(
+            all_close(std::vector<double>(o.begin(), o.end()), want, Tol{std::ldexp(1.0, -8), 1e-5}, 16.0, "out"));
+      }
   }
 }
 
@@ -1091,6 +1114,8 @@ TEST(LinearCrossEntropyCudaFused, LastGroupWritesGradWeight) {
   std::vector<LceCase> cases(std::begin(kScratchCases), std::end(kScratchCases));
   cases.push_back({200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true});
   cases.push_back({300, 64, 2048, DType::kFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false});
+  // Row counts in whole 8s (the tail's 1280, the head's 2816 or 4096): the Hopper kernel writes them.
+  cases.push_back({300, 64, 4096, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false});
   for (const LceCase& c : cases)
     for (const int pad : {0, 8}) {
       SCOPED_TRACE(case_name(c) + (pad ? ", padded grad_weight" : ""));

@@ -29,6 +29,7 @@ struct AccumulateGemm {
   float* d = nullptr;  // [m, n], row stride ldd: d += aᵀ b
   int64_t ldd = 0;
   bool any_k = false;  // run it from kCublasAccumulatesFrom tokens on too (an accumulator's tail: engine.cpp)
+  bool tail = false;   // the accumulator's tail rows (engine.cpp): their own tiling (accumulate_gemm.cu)
   // Where set: out (bfloat16 [m, n], row stride ldo) = d + aᵀ b, and d is only read. The last token group's
   // product, which writes a 16-bit grad_weight itself instead of leaving the float32 sums to a cast after it.
   void* out = nullptr;

@@ -28,12 +28,13 @@ void Engine::grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
 }
 
 void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
-                              const Matrix& dw, bool accumulate, bool any_k, const Matrix& out) const {
+                              const Matrix& dw, bool accumulate, bool tail, const Matrix& out) const {
   // A token group after the first: see accumulate_gemm.h.
   const int64_t kernel = debug::hook(debug::Hook::kHeadAccumulateGemm);
   if (accumulate && dw.dtype == DType::kFloat32 && kernel) {
     AccumulateGemm g{io_.dtype, cols, io_.h, rows, dz, ld_dz, x, ldx, static_cast<float*>(dw.data), dw.ld};
-    g.any_k = any_k || kernel == 2;
+    g.any_k = tail || kernel == 2;
+    g.tail = tail;
     if (out.data && out.dtype == DType::kBFloat16) {
       g.out = out.data;
       g.ldo = out.ld;
@@ -57,16 +58,16 @@ void Engine::grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const
   const int64_t split = acc.head_rows(io_.v), es = static_cast<int64_t>(dtype_size(io_.dtype));
   const int64_t written = last && accumulate ? std::min(acc.written, split) : 0;
   // Rows [v0, v0 + cols) of grad_weight, their sums at `sums`.
-  const auto part = [&](int64_t v0, int64_t cols, float* sums, bool any_k, bool write) {
+  const auto part = [&](int64_t v0, int64_t cols, float* sums, bool tail, bool write) {
     if (cols <= 0) return;
     const Matrix out = write ? io_.grad_weight.rows_from(v0) : Matrix{};
     grad_weight_gemm(static_cast<const char*>(dz) + v0 * es, ld_dz, rows, cols, x, ldx,
-                     Matrix{sums, DType::kFloat32, io_.h}, accumulate, any_k, out);
+                     Matrix{sums, DType::kFloat32, io_.h}, accumulate, tail, out);
   };
   // The tail's rows on the Hopper kernel at every group length: for a third of the vocabulary cuBLAS picks a
   // kernel 17% slower per row than its whole-vocabulary one (bench/RESULTS.md, "the accumulator's tail"). Its
   // product first: the head's written rows lie over its float32 sums.
-  if (acc.tail) part(split, io_.v - split, acc.tail, /*any_k=*/true, written > 0);
+  if (acc.tail) part(split, io_.v - split, acc.tail, /*tail=*/true, written > 0);
   part(0, written, acc.head, false, true);
   part(written, split - written, acc.head + written * io_.h, false, false);
 }

@@ -110,11 +110,11 @@ class Engine {
   // dx [rows, h] (+)= dZ [rows, cols] · W[v0 : v0 + cols].
   void grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t v0, int64_t cols, const Matrix& dx,
                         bool accumulate) const;
-  // dw [cols, h] (+)= dZ [rows, cols]ᵀ · x [rows, h] (ldx); any_k: a float32 sum on the Hopper kernel whatever
-  // the rows (accumulate_gemm.h). With `out` (a 16-bit [cols, h]), the sums are written there, dw only read where
-  // the Hopper kernel takes it, else cast after the product.
+  // dw [cols, h] (+)= dZ [rows, cols]ᵀ · x [rows, h] (ldx); tail: the accumulator's tail rows, a float32 sum on
+  // the Hopper kernel whatever the rows, on its tiling for them (accumulate_gemm.h). With `out` (a 16-bit
+  // [cols, h]), the sums are written there, dw only read where the Hopper kernel takes it, else cast after it.
   void grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
-                        const Matrix& dw, bool accumulate, bool any_k = false, const Matrix& out = {}) const;
+                        const Matrix& dw, bool accumulate, bool tail = false, const Matrix& out = {}) const;
   // The same into every row of grad_weight's sums: the accumulator's parts where there is one, else grad_weight.
   // `last`: the last group's products, which write the accumulator's written rows into grad_weight
   // (DwAccumulator::written; with accumulate only, after every other sum into them).
