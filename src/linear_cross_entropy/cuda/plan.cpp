@@ -193,8 +193,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       p.chunk_rows = p.group_rows;
       // Where the budget holds the exponentials alone, the regions go to grad_weight's storage only with the
       // exponentials there, or where the last group's products would not write grad_weight anyway (Plan::
-      // dw_written_rows); otherwise the workspace holds them beside the budget, for their bytes (18 MB at 16384 x
-      // 2048 x 128256) instead of grad_weight's cast after the products (bench/RESULTS.md, fourteenth session).
+      // dw_written_rows); otherwise the workspace holds them beside the budget: their bytes (a few percent of the
+      // budget) instead of grad_weight's cast after the products (bench/RESULTS.md, fourteenth session).
       p.exp_in_grad_weight =
           acc > 0 && p.group_rows < N &&
           (p.dlogits_in_grad_weight || (exp_bytes(in, p, p.group_rows) <= room && !writes_grad_weight(in)));

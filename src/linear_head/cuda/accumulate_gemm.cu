@@ -18,8 +18,8 @@ using Chosen =
     accumulate::Config<cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_2, cute::_1, cute::_1>,
                        /*cooperative=*/false, accumulate::Staging::kAuto>;
 // The accumulator tail's rows (a third of the vocabulary at most): the same tiles on a 1 x 2 cluster, which shares
-// A (dZ, read from DRAM) between the two CTAs instead of B. Measured 0.02-0.07x faster per fine-tuning-shape call
-// than the 2 x 1 cluster there (bench/RESULTS.md, fourteenth session).
+// A (dZ, read from DRAM) between the two CTAs instead of B: faster for these rows than the head's 2 x 1
+// (bench/RESULTS.md, fourteenth session).
 using ForTail =
     accumulate::Config<cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_1, cute::_2, cute::_1>,
                        /*cooperative=*/false, accumulate::Staging::kAuto>;

@@ -153,8 +153,8 @@ struct EpilogueOf<Cfg, ElementD,
 
 // An epilogue whose C loads for a tile are preceded by L2 prefetches of the whole tile, issued by the epilogue's load
 // warp when it reaches the tile: it loads C one subtile at a time as buffers free up, the later ones during the
-// tile's epilogue itself, where each load's DRAM latency would hold the stores behind it. Measured 7-10% slower
-// than kAuto at three of five pass shapes and 2-3% faster at two (bench/RESULTS.md, thirteenth session): the
+// tile's epilogue itself, where each load's DRAM latency would hold the stores behind it. Slower than kAuto at most
+// pass shapes, the early reads competing with the pass's own (bench/RESULTS.md, thirteenth session): the
 // micro-benchmark's configurations only.
 template <class Base>
 struct PrefetchingC : Base {

@@ -65,8 +65,8 @@ void Engine::grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const
                      Matrix{sums, DType::kFloat32, io_.h}, accumulate, tail, out);
   };
   // The tail's rows on the Hopper kernel at every group length: for a third of the vocabulary cuBLAS picks a
-  // kernel 17% slower per row than its whole-vocabulary one (bench/RESULTS.md, "the accumulator's tail"). Its
-  // product first: the head's written rows lie over its float32 sums.
+  // kernel slower per row than its whole-vocabulary one (bench/RESULTS.md, "the accumulator's tail"). Its product
+  // first: the head's written rows lie over its float32 sums.
   if (acc.tail) part(split, io_.v - split, acc.tail, /*tail=*/true, written > 0);
   part(0, written, acc.head, false, true);
   part(written, split - written, acc.head + written * io_.h, false, false);
