@@ -31,6 +31,7 @@
 
 #include "bench_util.cuh"
 #include "linear_head/cuda/accumulate_gemm.h"
+#include "linear_head/cuda/kernels.h"
 
 using logitless::head::AccumulateGemm;
 using RunFn = bool (*)(const AccumulateGemm&, float, int, int, cudaStream_t);
@@ -86,15 +87,6 @@ __global__ void max_diff(const T* d, const float* ref, int64_t n, float* out) {
   }
   atomicMax(reinterpret_cast<int*>(out), __float_as_int(e));  // non-negative floats order as their bits
   atomicMax(reinterpret_cast<int*>(out) + 1, __float_as_int(r));
-}
-
-__global__ void cast_bf16(const float* d, int64_t n, __nv_bfloat16* out) {
-  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * 4; i < n;
-       i += int64_t(gridDim.x) * blockDim.x * 4) {
-    const float4 v = *reinterpret_cast<const float4*>(d + i);
-    reinterpret_cast<__nv_bfloat162*>(out + i)[0] = __floats2bfloat162_rn(v.x, v.y);
-    reinterpret_cast<__nv_bfloat162*>(out + i)[1] = __floats2bfloat162_rn(v.z, v.w);
-  }
 }
 
 static double now_ms() {
@@ -188,7 +180,9 @@ int main(int argc, char** argv) {
                               {"cublas_b1", [&] { cublas(1.f, d); }},
                               {"cublas_b1_cast", [&] {
                                  cublas(1.f, d);
-                                 cast_bf16<<<4 * sms, 256>>>(d, M * N, out);
+                                 // The library's cast, which its call runs after cuBLAS's product.
+                                 logitless::head::launch_cast(d, N, M, N, out, logitless::DType::kBFloat16, N, 1, sms,
+                                                              nullptr);
                                }}};
   for (const Usable& u : usable) {
     const ConfigEntry c = u.c;

@@ -29,8 +29,10 @@ void Engine::grad_hidden_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
 
 void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
                               const Matrix& dw, bool accumulate, bool tail, const Matrix& out) const {
-  // A token group after the first: see accumulate_gemm.h.
+  // A token group after the first: see accumulate_gemm.h. The Hopper kernel writes a bfloat16 out itself; any other
+  // out, or a product it declines, is cast from the float32 sums after it.
   const int64_t kernel = debug::hook(debug::Hook::kHeadAccumulateGemm);
+  bool done = false, wrote_out = false;
   if (accumulate && dw.dtype == DType::kFloat32 && kernel) {
     AccumulateGemm g{io_.dtype, cols, io_.h, rows, dz, ld_dz, x, ldx, static_cast<float*>(dw.data), dw.ld};
     g.any_k = tail || kernel == 2;
@@ -39,16 +41,13 @@ void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
       g.out = out.data;
       g.ldo = out.ld;
     }
-    if (launch_accumulate_gemm(g, io_.device, sm_count_, stream_)) {
-      if (out.data && !g.out)
-        launch_cast(static_cast<float*>(dw.data), dw.ld, cols, io_.h, out.data, out.dtype, out.ld, 1, sm_count_,
-                    stream_);
-      return;
-    }
+    done = launch_accumulate_gemm(g, io_.device, sm_count_, stream_);
+    wrote_out = done && g.out;
   }
-  gemm_row_major(blas_, true, false, cols, io_.h, rows, dz, ld_dz, x, ldx, io_.dtype, dw.data, dw.ld, dw.dtype,
-                 accumulate);
-  if (out.data)
+  if (!done)
+    gemm_row_major(blas_, true, false, cols, io_.h, rows, dz, ld_dz, x, ldx, io_.dtype, dw.data, dw.ld, dw.dtype,
+                   accumulate);
+  if (out.data && !wrote_out)
     launch_cast(static_cast<float*>(dw.data), dw.ld, cols, io_.h, out.data, out.dtype, out.ld, 1, sm_count_, stream_);
 }
 
