@@ -6,15 +6,18 @@
 // - interior tiles on shift or after the tile's maximum (epilogue_exp.cuh; kLceExpOnShift): the same E and
 //   statistics, except E in rows whose tile is far above shift (which exp_fixup rewrites).
 // Outputs are poisoned with a different byte pattern before each run, so that an element one variant leaves
-// unwritten differs too. The end-to-end check against the CPU backend is in test_linear_cross_entropy.cpp.
+// unwritten differs too; E's rows are padded, and every run must leave the padding past the row's last 16-byte
+// granule poisoned. The end-to-end check against the CPU backend is in test_linear_cross_entropy.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "common/debug_hooks.h"
+#include "common/host_float.h"
 #include "test_util.h"
 #if defined(LOGITLESS_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -108,8 +111,10 @@ struct ExpVariant {
 ExpOutputs run_fused_exp(const ExpInputs& in, ExpVariant variant, bool row_stats, uint8_t poison) {
   const ExpShape& s = in.s;
   const int64_t tiles = (s.n + lce::kFusedTileCols - 1) / lce::kFusedTileCols;
-  const int64_t ld_e = (s.n + 7) / 8 * 8 + 8;  // padded rows: what lies past n is never compared
-  TestTensor e(DType::kBFloat16, {s.m, s.n}, {ld_e, 1}), partials(DType::kFloat32, {s.m, tiles * lce::kExpStatsFloats}),
+  // Padded rows, read back whole. The TMA store writes whole 16-byte granules of a row (columns n .. round_up(n, 8)
+  // of a row may change); the library's buffers have rows of a multiple of 8 elements, so nothing past that may.
+  const int64_t granules_end = (s.n + 7) / 8 * 8, ld_e = granules_end + 8;
+  TestTensor e(DType::kBFloat16, {s.m, ld_e}), partials(DType::kFloat32, {s.m, tiles * lce::kExpStatsFloats}),
       row_partials(DType::kFloat32, {s.m, tiles * 4});
   for (TestTensor* t : {&e, &partials, &row_partials}) {
     t->fill_storage_bytes(poison);
@@ -141,7 +146,16 @@ ExpOutputs run_fused_exp(const ExpInputs& in, ExpVariant variant, bool row_stats
   ExpOutputs out;
   e.to_host();
   partials.to_host();
-  out.e = e.gather_float();
+  const std::vector<float> rows = e.gather_float();
+  int64_t written_past = 0;
+  for (int64_t r = 0; r < s.m; ++r) {
+    const auto row = rows.begin() + r * ld_e;
+    out.e.insert(out.e.end(), row, row + s.n);
+    written_past += std::count_if(row + granules_end, row + ld_e, [&](float v) {
+      return float_to_bf16_bits(v) != static_cast<uint16_t>(poison | poison << 8);
+    });
+  }
+  EXPECT_EQ(written_past, 0) << "E written past its rows' last 16-byte granule";
   out.partials = partials.gather_float();
   if (row_stats) {
     row_partials.to_host();
