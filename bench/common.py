@@ -159,6 +159,26 @@ def peak_extra_mib(ctx: Context, fn: Callable[..., Any], setup: Callable[[int], 
     return peak / MiB
 
 
+def interleaved_rounds(steps: Dict[str, Any], measure: Callable[[Any], float], rounds: int,
+                       between: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """`measure` of every step in `rounds` interleaved rounds (each round measures every step once, in turn, and
+    calls `between` after each): a GPU under sustained load lowers its clocks and a shared host drifts, so the
+    things compared are measured close together, each keeping one value per round. A step that fails keeps its
+    exception instead of its list."""
+    got: Dict[str, Any] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            if isinstance(got[name], Exception):
+                continue
+            try:
+                got[name].append(measure(step))
+            except Exception as e:  # one failing peer must not end the run
+                got[name] = e
+            if between is not None:
+                between()
+    return got
+
+
 def release(ctx: Context) -> None:
     gc.collect()
     if ctx.is_cuda:

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from common import Context, Row, Source, release, time_call
+from common import Context, Row, Source, interleaved_rounds, release, time_call
 
 QUICK_SHAPES = ["rms_norm:64x256", "cross_entropy:32x1024", "glu:64x256", "rope:1x32x4x2x64", "grpo_loss:2x16x1024",
                 "selective_log_softmax:2x16x1024", "linear_cross_entropy:64x64x1024",
@@ -337,19 +337,9 @@ def host_us(ctx: Context, step: Step, setup: Callable[[int], tuple], calls: int 
 
 
 def _rounds(steps: Dict[str, Step], measure: Callable[[Step], float]) -> Dict[str, List[float]]:
-    """`measure` of every step, in ROUNDS interleaved rounds (each round measures every step once, in turn): the host
-    time of these calls drifts by tens of percent within a minute on a shared host, so the steps compared are
-    measured close together, and each keeps one value per round. A step that fails keeps its exception."""
-    got: Dict[str, List[float]] = {name: [] for name in steps}
-    for _ in range(ROUNDS):
-        for name, step in steps.items():
-            if isinstance(got[name], Exception):
-                continue
-            try:
-                got[name].append(measure(step))
-            except Exception as e:  # one failing peer must not end the run
-                got[name] = e
-    return got
+    """`measure` of every step in ROUNDS interleaved rounds (common.interleaved_rounds): the host time of these
+    calls drifts by tens of percent within a minute on a shared host."""
+    return interleaved_rounds(steps, measure, ROUNDS)
 
 
 def _failed(e: Exception) -> str:

@@ -3,7 +3,9 @@
 Shapes are "NxHxV" strings (tokens x hidden size x vocabulary). Every row is one forward + backward of the
 mean loss with gradients for hidden and weight (the three GEMM rows: the products alone). The yardstick is
 the three cuBLAS GEMMs a fused linear cross-entropy replaces, timed in the same run through torch.matmul:
-X·Wᵀ [N, V], dZ·W [N, H] and dZᵀ·X [V, H]; each row's note gives its time over theirs and its TFLOP/s
+X·Wᵀ [N, V], dZ·W [N, H] and dZᵀ·X [V, H]. The implementations are timed in interleaved rounds with the yardstick
+around each round (`_timed_in_rounds`), so that a drift of the clocks over the run weighs on every row alike;
+each row's note gives its time over the yardstick's (the median of its rounds' ratios, and their range) and its TFLOP/s
 counted as 6·N·H·V (the three products: what a step needs) and, for the recompute schedule, 8·N·H·V (what it
 executes). "peak extra MiB" is the memory a call allocates beyond its inputs, gradients included (dX + dW
 alone are 2·(N + V)·H bytes). "logitless wdtype-acc" is the gradient in forward with
@@ -15,17 +17,23 @@ into .grad is timed, and every implementation gets fresh non-leaf tensors as a m
 """
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from typing import List
 
 import torch
 import torch.nn.functional as F
 
-from common import Context, Row, peak_extra_mib, release, time_call
+from common import Context, Row, interleaved_rounds, peak_extra_mib, release, time_call
 
 QUICK_SHAPES = ["64x128x2048"]
 DEFAULT_SHAPES = ["8192x4096x128256", "4096x4096x128256", "8192x2304x256000"]
 
 DTYPE = torch.bfloat16
+# Interleaved rounds of the timed calls (_timed_in_rounds), and the untimed calls each round starts with (the
+# allocator's cache is emptied between implementations).
+ROUNDS = 5
+ROUND_WARMUP = 2
 
 
 def parse_shape(text: str):
@@ -43,6 +51,53 @@ class _Source(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return None
+
+
+def _failed(e: Exception) -> str:
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+def _timed_in_rounds(ctx: Context, shape: str, gemms, ready, impl_rows: List[Row], nhv: float) -> List[Row]:
+    """The yardstick row and the implementations' times. A GPU under sustained load lowers its clocks, and they
+    drift over a run: the implementations run in ROUNDS interleaved rounds, with the yardstick (the three products
+    back to back, one call) timed before each round and after the last. An implementation's ratio is the median over the
+    rounds of its time over the mean of the yardstick timings around its round (with their range); its ms the
+    median of its rounds."""
+    per_round = dataclasses.replace(ctx, warmup=ROUND_WARMUP, iters=max(1, ctx.iters // ROUNDS))
+
+    # The three products back to back as one call, in blocks of as many calls as an implementation's: a short
+    # block after the idle moment between blocks would run at clocks the longer ones do not keep.
+    def products():
+        return [fn() for _, fn, _ in gemms]
+
+    def yardstick():
+        return time_call(per_round, products, lambda i: ())
+
+    def measure(step):
+        return yardstick() if step is None else time_call(per_round, step[0], step[1])
+
+    steps = {"yardstick": None, **ready}
+    got = interleaved_rounds(steps, measure, ROUNDS, between=lambda: release(ctx))
+    around = got.pop("yardstick") + [yardstick()]
+    gemm_ms = statistics.median(around)
+    rows = [Row(op="linear_cross_entropy", shape=shape, impl="3 cuBLAS GEMMs (yardstick)", ms=gemm_ms,
+                note=f"{6.0 * nhv / (gemm_ms * 1e-3) / 1e12:.3g} TFLOP/s at 6NHV; median of {len(around)} timings "
+                     f"around {ROUNDS} interleaved rounds ({min(around):.2f}-{max(around):.2f} ms)")]
+    for row in impl_rows:
+        times = got.get(row.impl)
+        if isinstance(times, Exception):
+            row.note = _failed(times)
+        elif times is not None:
+            _, _, flops_per, note = ready[row.impl]
+            row.ms = statistics.median(times)
+            ratios = sorted(t / (0.5 * (around[r] + around[r + 1])) for r, t in enumerate(times))
+            tf = f"{6.0 * nhv / (row.ms * 1e-3) / 1e12:.3g} TFLOP/s at 6NHV"
+            if flops_per == 8:
+                tf += f", {8.0 * nhv / (row.ms * 1e-3) / 1e12:.3g} at 8NHV"
+            row.note = (f"{statistics.median(ratios):.2f}x GEMMs (rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x); {tf}; "
+                        f"{note}")
+        rows.append(row)
+    return rows
 
 
 def _reference_loss(hidden, weight, target, chunk=1024):
@@ -105,7 +160,6 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
         weight = (torch.randn(V, H, device=ctx.device, generator=gen) * (2.0 / H ** 0.5)).to(DTYPE)
         target = torch.randint(0, V, (N,), device=ctx.device, generator=gen)
         want = _reference_loss(hidden, weight, target)
-        flop = 6.0 * N * H * V
 
         def check(loss, tol):
             err = abs(float(loss) - want) / max(abs(want), 1e-6)
@@ -138,15 +192,11 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
             ("cuBLAS dZ·W [N,H]", lambda: torch.matmul(dz, w_), 2.0 * N * H * V),
             ("cuBLAS dZᵀ·X [V,H]", lambda: torch.matmul(dz.t(), x), 2.0 * N * H * V),
         ]
-        # A GPU under sustained load runs slower than an idle one: the yardstick is timed before the
-        # implementations and again after them, and the ratios are to the mean of the two.
-        gemm_rows = []
+        # Each product alone first (its own row); the yardstick proper is timed in the rounds below.
         for name, fn, f in gemms:
             ms = time_call(ctx, fn, lambda i: ())
-            gemm_rows.append(Row(op="linear_cross_entropy", shape=shape, impl=name, ms=ms,
-                                 note=f"{f / (ms * 1e-3) / 1e12:.3g} TFLOP/s (timed before the implementations)"))
-        rows += gemm_rows
-        gemm_first = sum(r.ms for r in gemm_rows)
+            rows.append(Row(op="linear_cross_entropy", shape=shape, impl=name, ms=ms,
+                            note=f"{f / (ms * 1e-3) / 1e12:.3g} TFLOP/s (timed alone, before the rounds)"))
 
         lce = logitless.linear_cross_entropy
         # What "auto" takes for the timed calls, whose operands both require grad.
@@ -184,31 +234,18 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
                 if fn is not None:
                     impls.append((f"{name}, float32 inputs under autocast(bf16)", fwd_bwd(_under_autocast(fn)), 1e-2,
                                   6, fresh32))
-        timed = []  # (row, its note without the ratio)
-        for name, fn, tol, flops_per, inputs in impls:
-            row = Row(op="linear_cross_entropy", shape=shape, impl=name)
+        impl_rows = [Row(op="linear_cross_entropy", shape=shape, impl=name) for name, *_ in impls]
+        ready = {}  # name -> (fn, inputs, FLOPs per N H V, check's note): the implementations that ran
+        for row, (name, fn, tol, flops_per, inputs) in zip(impl_rows, impls):
             try:
-                note = check(fn(*inputs(0)), tol)
-                row.ms = time_call(ctx, fn, inputs)
+                note = check(fn(*inputs(0)), tol)  # the first call also compiles and autotunes
                 row.peak_extra_mib = peak_extra_mib(ctx, fn, inputs)
-                tf = f"{flop / (row.ms * 1e-3) / 1e12:.3g} TFLOP/s at 6NHV"
-                if flops_per == 8:
-                    tf += f", {8.0 * N * H * V / (row.ms * 1e-3) / 1e12:.3g} at 8NHV"
-                timed.append((row, f"{tf}; {note}"))
+                ready[name] = (fn, inputs, flops_per, note)
             except Exception as e:  # one failing peer (OOM, missing kernel) must not end the run
-                row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                row.note = _failed(e)
             release(ctx)
-            rows.append(row)
-        gemm_last = sum(time_call(ctx, fn, lambda i: ()) for _, fn, _ in gemms)
-        del hidden32, weight32
-        gemm_ms = 0.5 * (gemm_first + gemm_last)
-        rows.insert(len(rows) - len(impls), Row(
-            op="linear_cross_entropy", shape=shape, impl="3 cuBLAS GEMMs (yardstick)", ms=gemm_ms,
-            note=f"{flop / (gemm_ms * 1e-3) / 1e12:.3g} TFLOP/s at 6NHV; mean of {gemm_first:.2f} ms before the "
-                 f"implementations and {gemm_last:.2f} ms after"))
-        for row, note in timed:
-            row.note = f"{row.ms / gemm_ms:.2f}x GEMMs; {note}"
-        del dz
+        rows += _timed_in_rounds(ctx, shape, gemms, ready, impl_rows, N * H * V)
+        del hidden32, weight32, dz
         release(ctx)
         rows += notes
         hidden.requires_grad_(False)
