@@ -60,7 +60,7 @@ step_cpp() {
   note "c++ tests: rc=$rc, passed $passed, failed $failed, skipped $skipped ($(( $(date +%s) - t0 )) s)"
   grep -hE '^\[  FAILED  \] .*\(' "$OUT"/gtest.[0-9]*.log | head -20
   for ((i = 0; i < shards; i++)); do
-    grep -qE '^\[==========\] [0-9]+ tests .* ran' "$OUT/gtest.$i.log" || { echo "shard $i did not finish; last:"; grep -E '^\[ RUN' "$OUT/gtest.$i.log" | tail -1; }
+    grep -qE '^\[==========\] [0-9]+ tests? .* ran' "$OUT/gtest.$i.log" || { echo "shard $i did not finish; last:"; grep -E '^\[ RUN' "$OUT/gtest.$i.log" | tail -1; }
   done
   # The slowest cases (gtest prints each case's time).
   grep -hE '^\[       OK \]' "$OUT"/gtest.[0-9]*.log | sed -E 's/.*\(([0-9]+) ms\)/\1 &/' | sort -rn | head -5
