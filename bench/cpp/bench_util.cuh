@@ -39,19 +39,35 @@ inline cudaDeviceProp bench_device() {
 }
 
 // The GEMM micro-benchmarks' command line: `[D0 D1 D2 [rounds [variant...]]]`, three problem sizes, the timed
-// rounds (at least 1) and the variants to run (none named: every one).
+// rounds and the variants to run (none named: every one). Sizes and rounds must be whole numbers >= 1: anything else
+// (a variant's name where a size belongs, say) ends the program with a usage line rather than timing a product of
+// size 0.
 struct GemmBenchArgs {
   int64_t dims[3];
   int rounds;
   std::vector<std::string> only;
   GemmBenchArgs(int argc, char** argv, int64_t d0, int64_t d1, int64_t d2, int default_rounds)
       : dims{d0, d1, d2}, rounds(default_rounds), only(argv + std::min(argc, 5), argv + argc) {
+    if (argc >= 2 && argc < 4) usage(argv[0], "expected three sizes");
     if (argc >= 4)
-      for (int i = 0; i < 3; ++i) dims[i] = std::atoll(argv[1 + i]);
-    if (argc >= 5) rounds = std::max(1, std::atoi(argv[4]));
+      for (int i = 0; i < 3; ++i) dims[i] = positive(argv[0], argv[1 + i]);
+    if (argc >= 5) rounds = static_cast<int>(std::min<int64_t>(positive(argv[0], argv[4]), 1000000));
   }
   bool wants(const std::string& name) const {
     return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  }
+
+ private:
+  [[noreturn]] static void usage(const char* prog, const std::string& why) {
+    std::fprintf(stderr, "%s: %s\nusage: %s [D0 D1 D2 [rounds [variant...]]]\n", prog, why.c_str(), prog);
+    std::exit(2);
+  }
+  static int64_t positive(const char* prog, const char* text) {
+    char* end = nullptr;
+    const long long v = std::strtoll(text, &end, 10);
+    if (end == text || *end != '\0' || v < 1)
+      usage(prog, std::string("expected a whole number >= 1, got '") + text + "'");
+    return v;
   }
 };
 
