@@ -159,6 +159,11 @@ def peak_extra_mib(ctx: Context, fn: Callable[..., Any], setup: Callable[[int], 
     return peak / MiB
 
 
+def failure_note(e: Exception) -> str:
+    """A row's note for an implementation that raised: its exception's type and first line."""
+    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def interleaved_rounds(steps: Dict[str, Any], measure: Callable[[Any], float], rounds: int,
                        between: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
     """`measure` of every step in `rounds` interleaved rounds (each round measures every step once, in turn, and
@@ -201,7 +206,7 @@ def run_impls(ctx: Context, op: str, shape: str, impls: Sequence[Impl], copy_byt
             row.peak_extra_mib = peak_extra_mib(ctx, impl.fn, impl.setup)
             row.note = "; ".join(n for n in notes if n)
         except Exception as e:  # one failing peer (OOM, missing kernel) must not end the run
-            row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row.note = failure_note(e)
         release(ctx)
         rows.append(row)
     rows.append(Row(op=op, shape=shape, impl="copy (yardstick)", ms=copy_ms, gbps=copy, pct_copy=100.0,

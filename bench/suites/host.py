@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from common import Context, Row, Source, interleaved_rounds, release, time_call
+from common import Context, Row, Source, failure_note, interleaved_rounds, release, time_call
 
 QUICK_SHAPES = ["rms_norm:64x256", "cross_entropy:32x1024", "glu:64x256", "rope:1x32x4x2x64", "grpo_loss:2x16x1024",
                 "selective_log_softmax:2x16x1024", "linear_cross_entropy:64x64x1024",
@@ -342,10 +342,6 @@ def _rounds(steps: Dict[str, Step], measure: Callable[[Step], float]) -> Dict[st
     return interleaved_rounds(steps, measure, ROUNDS)
 
 
-def _failed(e: Exception) -> str:
-    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-
-
 def _ratio_note(got: Dict[str, List[float]], ours: str) -> str:
     """Ours over the faster torch row, round by round (the median of the rounds' ratios, and their range)."""
     torch_rows = [v for k, v in got.items() if k.startswith("torch") and not isinstance(v, Exception)]
@@ -361,7 +357,7 @@ def _timed_rows(ctx: Context, family: str, shape: str, steps: Dict[str, Step], s
     for name, v in got.items():
         row = Row(op=f"host: {family}", shape=shape, impl=f"{name} fwd+bwd")
         if isinstance(v, Exception):
-            row.note = _failed(v)
+            row.note = failure_note(v)
         else:
             row.ms = statistics.median(v)
         rows.append(row)
@@ -381,7 +377,7 @@ def _host_rows(ctx: Context, family: str) -> List[Row]:
     for name, v in got.items():
         row = Row(op=f"host: {family}", shape=text, impl=f"{name} host")
         if isinstance(v, Exception):
-            row.note = _failed(v)
+            row.note = failure_note(v)
         else:
             # The least of the rounds: other work on the host only ever adds time.
             row.ms, row.note = min(v) * 1e-3, f"{min(v):.1f} µs of host time per fwd+bwd call"

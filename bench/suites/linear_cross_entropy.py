@@ -24,7 +24,7 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from common import Context, Row, interleaved_rounds, peak_extra_mib, release, time_call
+from common import Context, Row, failure_note, interleaved_rounds, peak_extra_mib, release, time_call
 
 QUICK_SHAPES = ["64x128x2048"]
 DEFAULT_SHAPES = ["8192x4096x128256", "4096x4096x128256", "8192x2304x256000"]
@@ -51,10 +51,6 @@ class _Source(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return None
-
-
-def _failed(e: Exception) -> str:
-    return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
 
 def _timed_in_rounds(ctx: Context, shape: str, gemms, ready, impl_rows: List[Row], nhv: float) -> List[Row]:
@@ -86,7 +82,7 @@ def _timed_in_rounds(ctx: Context, shape: str, gemms, ready, impl_rows: List[Row
     for row in impl_rows:
         times = got.get(row.impl)
         if isinstance(times, Exception):
-            row.note = _failed(times)
+            row.note = failure_note(times)
         elif times is not None:
             _, _, flops_per, note = ready[row.impl]
             row.ms = statistics.median(times)
@@ -242,7 +238,7 @@ def run(ctx: Context, shapes: List[str]) -> List[Row]:
                 row.peak_extra_mib = peak_extra_mib(ctx, fn, inputs)
                 ready[name] = (fn, inputs, flops_per, note)
             except Exception as e:  # one failing peer (OOM, missing kernel) must not end the run
-                row.note = _failed(e)
+                row.note = failure_note(e)
             release(ctx)
         rows += _timed_in_rounds(ctx, shape, gemms, ready, impl_rows, N * H * V)
         del hidden32, weight32, dz

@@ -35,7 +35,7 @@ from typing import List, Optional
 
 import torch
 
-from common import Context, Impl, Row, peak_extra_mib, release, run_impls, time_call
+from common import Context, Impl, Row, failure_note, peak_extra_mib, release, run_impls, time_call
 
 QUICK_SHAPES = ["2x64x32000", "2x16x64x4096"]
 DEFAULT_SHAPES = ["8x1024x150000", "8x1024x4096x150000"]
@@ -200,7 +200,7 @@ def _linear_rows(ctx: Context, text: str) -> List[Row]:
             row.peak_extra_mib = peak_extra_mib(ctx, fn, fresh)
             row.note = "; ".join(n for n in (f"{row.ms / gemm_ms:.2f}x GEMMs", note) if n)
         except Exception as e:  # one failing peer (OOM) must not end the run
-            row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row.note = failure_note(e)
         release(ctx)
         rows.append(row)
     hidden.requires_grad_(False)
