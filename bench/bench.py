@@ -34,10 +34,11 @@ def header(args, device) -> dict:
     import logitless
 
     # Set by the caller (LOGITLESS_COMMIT=<sha> tools/device-check.sh ...) where git has no history of the tree.
+    # Otherwise HEAD, marked "-dirty" where tracked files differ from it (a copy of a newer tree over an old checkout).
     commit = os.environ.get("LOGITLESS_COMMIT", "")
     try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                                          text=True, check=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=HERE,
+                                          capture_output=True, text=True, check=True).stdout.strip()
     except Exception:
         commit = "unknown"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"

@@ -600,9 +600,10 @@ def versions():
     except Exception:
         pass
     try:
-        # As bench/bench.py: LOGITLESS_COMMIT names the tree where git has no history of it.
+        # As bench/bench.py: LOGITLESS_COMMIT names the tree where git has no history of it; otherwise HEAD,
+        # "-dirty" where tracked files differ from it.
         v["commit"] = os.environ.get("LOGITLESS_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True,
             cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
     except Exception:
         pass
