@@ -76,7 +76,12 @@
 // last group's products then write grad_weight, with no cast after them); where that storage is larger than the
 // budget and holding the group's gradient there too (in place of most of the tail) makes fewer groups, it holds the
 // gradient and the scratch, and the workspace holds the accumulator without the gradient (at most one budget more
-// than beside the longest tail); the token groups are cut evenly (no short last group). The recompute
+// than beside the longest tail); the token groups are cut evenly (no short last group). Where grad_weight is float32
+// (float32 gradients of 16-bit inputs, as under autocast over float32 weights) it takes the groups' sums itself, and
+// each group's product reads and writes all of it: groups shorter than 2048 tokens then grow toward 2048 as far as
+// twice the budget holds their gradient (at V = 256000 with the default budget: 2048 tokens, 1000 MiB, where the
+// budget alone holds 1024; at V <= 131072 the budget holds 2048 tokens already). chunk_tokens fixes the groups
+// instead. The recompute
 // backward's float32 grad_hidden accumulator (4·N·H bytes, when grad_hidden is 16-bit and the vocabulary takes more
 // than one chunk) comes on top of the budget likewise. The workspace also holds cuBLAS's own (32 MiB on sm_90+, 4 MiB
 // before), so the GEMMs allocate nothing and the calls can be captured in a CUDA graph. cuBLAS runs through one handle

@@ -40,8 +40,9 @@
 //    held between the two calls (a loss scaler's factor reaches the float16 gradient before it is rounded).
 // Chunks follow the linear cross-entropy's planner (the float32 logits of a chunk of tokens and the gradient of
 // a group of chunks in the inputs' dtype within options.memory_budget, plus a float32 grad_weight accumulator
-// where one is needed, and cuBLAS's workspace); the GEMMs accumulate in float32, and so do grad_weight across
-// groups and grad_bias.
+// where one is needed, and cuBLAS's workspace; with a float32 grad_weight, groups shorter than 2048 positions grow
+// toward that within twice the budget); the GEMMs accumulate in float32, and so do grad_weight across groups and
+// grad_bias.
 //
 // Masked tokens and the unused last position: their logits come out of the GEMMs (the rows go to cuBLAS as one
 // matrix) but are never read by the statistics or gradient kernels, and their rows of the logits' gradient are

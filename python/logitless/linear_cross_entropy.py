@@ -625,8 +625,10 @@ def linear_cross_entropy(
     with float32 master weights the float32 grad_weight is itself the accumulator over token groups, and the extra
     memory beside the workspace is the 16-bit copy of the weight (kept for the backward by the recompute schedule,
     freed after the forward by gradient_in_forward). With a float32 hidden, each token group's scratch rows lie in
-    its own rows of the float32 grad_hidden where they fit, so `memory_budget` holds longer groups. A float32 bias
-    stays float32.
+    its own rows of the float32 grad_hidden where they fit. Because each token group's product reads and writes the
+    whole float32 grad_weight, groups shorter than 2048 tokens grow toward that as far as twice `memory_budget`
+    holds (1000 MiB of scratch at 256000 classes; the budget alone holds 2048 tokens up to 131072 classes). A
+    float32 bias stays float32.
 
     Autograd: gradients flow to hidden, weight and bias. With gradient_in_forward the gradients are computed
     once and consumed by the backward: a second backward through the same call (retain_graph=True) raises

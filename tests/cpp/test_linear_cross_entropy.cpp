@@ -820,19 +820,25 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearCrossEntropyCpu, ::testing::ValuesIn(make
 INSTANTIATE_TEST_SUITE_P(Shapes, LinearCrossEntropyCuda, ::testing::ValuesIn(make_cuda_cases()), param_name);
 
 // float32 gradient outputs for 16-bit inputs (e.g. float32 main gradients): summed into directly, no accumulator.
+// Under the small budget the token groups grow within twice it (head::group_min_rows): the generic path's groups of
+// 128 and 72 rows instead of 78-row ones, the exponential form's one group instead of two.
 TEST(LinearCrossEntropy, Float32GradientsOf16BitInputs) {
   for (bool dev : {false, true}) {
     if (dev && !has_gpu()) continue;
-    LceCase c{200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true};
-    LceInputs in(c, 17);
-    const auto up = upstream_for(in, 18);
-    const Outputs want = reference(in, up);
-    for (Chunking ch : {Chunking::kDefault, Chunking::kSmall}) {
-      for (Entry e : {Entry::kForwardBackward, Entry::kBackward}) {
-        SCOPED_TRACE(std::string(dev ? "cuda " : "cpu ") + chunking_name(ch) + " " + entry_name(e));
-        const Outputs got = run_backend(in, e, dev, up, &want.lse, ch, GradDtypes{true});
-        // The CUDA path still rounds the logits' gradient to bf16 before the GEMMs.
-        expect_outputs(in, e, got, want, dev ? "cuda" : "cpu", dev ? DType::kBFloat16 : DType::kFloat32);
+    for (const LceCase& c :
+         {LceCase{200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kAll, Reduction::kMean, true},
+          LceCase{200, 64, 3001, DType::kBFloat16, Layout::kContiguous, Preset::kPlain, Reduction::kMean, false}}) {
+      LceInputs in(c, 17);
+      const auto up = upstream_for(in, 18);
+      const Outputs want = reference(in, up);
+      for (Chunking ch : {Chunking::kDefault, Chunking::kSmall, Chunking::kBudget}) {
+        for (Entry e : {Entry::kForwardBackward, Entry::kBackward}) {
+          SCOPED_TRACE(std::string(dev ? "cuda " : "cpu ") + case_name(c) + " " + chunking_name(ch) + " " +
+                       entry_name(e));
+          const Outputs got = run_backend(in, e, dev, up, &want.lse, ch, GradDtypes{true});
+          // The CUDA path still rounds the logits' gradient to bf16 before the GEMMs.
+          expect_outputs(in, e, got, want, dev ? "cuda" : "cpu", dev ? DType::kBFloat16 : DType::kFloat32);
+        }
       }
     }
   }
@@ -1537,18 +1543,71 @@ TEST(LinearCrossEntropyPlan, GradientInForwardAtLlamaShapes) {
   EXPECT_TRUE(p.dw_accumulator);
   EXPECT_LE(p.chunk_rows * p.ld_logits * 4 + p.group_rows * p.ld_dlogits * 2, int64_t{512} << 20);
   expect_layout_sound(p);
-  // A float32 grad_weight takes the sums itself: groups from the budget, no accumulator.
+  // A float32 grad_weight takes the sums itself, no accumulator. The budget's group (1280 tokens) grows to 2048 within
+  // twice the budget (head::group_min_rows).
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
   in.grad_weight_f32 = true;
   p = lay(in);
   EXPECT_EQ(p.chunk_rows, 384);
-  EXPECT_EQ(p.group_rows, 1280);
+  EXPECT_EQ(p.group_rows, head::kFloat32SumsGroupRows);
   EXPECT_FALSE(p.dw_accumulator);
   EXPECT_EQ(off(p.b.head.dw_acc), kNone);
-  // A frozen weight (no grad_weight): no accumulator to trade against, groups from the budget.
+  EXPECT_LE(p.chunk_rows * p.ld_logits * 4 + p.group_rows * p.ld_dlogits * 2, int64_t{1024} << 20);
+  expect_layout_sound(p);
+  // A frozen weight (no grad_weight): nothing sums over the groups, groups from the budget.
   in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
   in.need_dw = false;
   EXPECT_EQ(lay(in).group_rows, 1280);
+}
+
+// Where a float32 grad_weight sums over token groups itself, groups grow toward 2048 tokens as far as twice the
+// budget holds; nowhere else, and never past what the caller fixed.
+TEST(LinearCrossEntropyPlan, Float32GradWeightGroupsGrowWithinTwiceTheBudget) {
+  const auto f32 = [](int64_t n, int64_t h, int64_t v, bool fused) {
+    lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, n, h, v);
+    in.fused = in.fused_exp = fused;
+    in.grad_hidden_f32 = in.grad_weight_f32 = in.grad_hidden_rows_scratch = true;
+    in.target_sort_bytes = size_t{1} << 20;
+    return in;
+  };
+  const int64_t floor = head::kFloat32SumsGroupRows;
+  for (const bool fused : {true, false}) {
+    // 256000 classes (512000 bytes of exponentials a token; the budget holds 1048): four groups of 2048.
+    lce::PlanInputs in = f32(8192, 2304, 256000, fused);
+    Laid p = lay(in);
+    EXPECT_EQ(p.group_rows, fused ? floor : 1664) << fused;  // generic: the float32 chunk takes part of the two
+    EXPECT_FALSE(p.dw_accumulator);
+    EXPECT_LE(p.group_rows * p.ld_dlogits * 2 + (fused ? 0 : p.chunk_rows * p.ld_logits * 4), int64_t{1024} << 20);
+    expect_layout_sound(p);
+    // Gemma 3's 262144 classes: 2048 tokens' exponentials are exactly twice the budget.
+    if (fused) EXPECT_EQ(lay(f32(8192, 2304, 262144, true)).group_rows, floor);
+    // A small budget: the groups grow only as far as twice it holds.
+    in.memory_budget = size_t{64} << 20;
+    p = lay(in);
+    lce::PlanInputs no_dw = in;
+    no_dw.need_dw = false;
+    EXPECT_LT(p.group_rows, floor);
+    EXPECT_GT(p.group_rows, lay(no_dw).group_rows) << fused;
+    EXPECT_LE(p.group_rows * p.ld_dlogits * 2 + (fused ? 0 : p.chunk_rows * p.ld_logits * 4), int64_t{128} << 20);
+    // Groups the caller fixed stay as they are.
+    in.memory_budget = size_t{512} << 20;
+    in.chunk_tokens = 1024;
+    EXPECT_EQ(lay(in).group_rows, 1024);
+    // A budget that holds longer groups keeps them.
+    in.chunk_tokens = 0;
+    in.memory_budget = size_t{3} << 30;
+    EXPECT_GT(lay(in).group_rows, floor);
+  }
+  // A 16-bit grad_weight summing in itself (weight_dtype accumulation): groups from the budget alone (1024 at 256000
+  // classes). No gradient of the weight: likewise.
+  lce::PlanInputs wd = llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000);
+  wd.fused = wd.fused_exp = true;
+  wd.target_sort_bytes = size_t{1} << 20;
+  wd.dw_weight_dtype = true;
+  EXPECT_EQ(lay(wd).group_rows, 1024);
+  lce::PlanInputs frozen = f32(8192, 2304, 256000, true);
+  frozen.need_dw = false;
+  EXPECT_EQ(lay(frozen).group_rows, 1024);
 }
 
 // The schedule "auto" takes for bf16 (recompute_is_faster): the three shapes measured on H100 (bench/RESULTS.md), and
@@ -1734,17 +1793,18 @@ TEST(LinearCrossEntropyPlan, FusedHopperKernels) {
 // are cut evenly, so that no short last group costs a whole accumulator pass.
 // Float32 gradients of bfloat16 inputs (autocast over float32 hidden and weight): a token group's shared region
 // (statistics, then scaled hidden rows) lies in its own rows of grad_hidden where they are contiguous and 4 H bytes
-// hold it, so the budget holds longer groups.
+// hold it: less workspace, and longer groups where the budget holds more than 2048 tokens (below that they grow to
+// 2048 within twice the budget, the regions beside it, wherever the regions lie).
 TEST(LinearCrossEntropyPlan, SharedRegionInFloat32GradHidden) {
   lce::PlanInputs in = llama_inputs(lce::Pass::kForwardBackward, 8192, 4096, 128256);
   in.fused = in.fused_exp = true;
   in.grad_hidden_f32 = in.grad_weight_f32 = true;
   // In the workspace: 2 x 128256 + 32 + 8192 (the scaled hidden row, over 8 x 501 statistics) bytes a token;
-  // 512 MiB hold 2027 rows, so 5 groups of 1664.
+  // 512 MiB hold 2027 rows, grown to 2048.
   Laid ws = lay(in);
   EXPECT_EQ(ws.kernel, lce::Kernel::kHopperFused);
   EXPECT_FALSE(ws.shared_in_grad_hidden);
-  EXPECT_EQ(ws.group_rows, 1664);
+  EXPECT_EQ(ws.group_rows, 2048);
   EXPECT_NE(off(ws.b.fused.partials), kNone);
   EXPECT_EQ(off(ws.b.fused.scaled_hidden), off(ws.b.fused.partials));
   expect_layout_sound(ws);
@@ -1758,20 +1818,27 @@ TEST(LinearCrossEntropyPlan, SharedRegionInFloat32GradHidden) {
   EXPECT_EQ(off(gh.b.fused.dx_rows), kNone);
   EXPECT_NE(off(gh.b.head.dlogits), kNone);
   EXPECT_LE(gh.bytes, in.memory_budget + (size_t{64} << 20));
+  EXPECT_LE(gh.bytes + size_t{2048} * 8192, ws.bytes);
   expect_layout_sound(gh);
+  // 1020 MiB hold 4040 tokens with the region (3 groups of 2816) and 4169 without it (2 of 4096).
+  in.memory_budget = size_t{1020} << 20;
+  EXPECT_EQ(lay(in).group_rows, 4096);
+  in.grad_hidden_rows_scratch = false;
+  EXPECT_EQ(lay(in).group_rows, 2816);
+  in.memory_budget = size_t{512} << 20;
   // 256000 classes at H = 2304: 8 x 1000 bytes of statistics a token fit a row's 4 x 2304 (16 bytes a tile would
-  // not have), and the budget holds 1048 tokens' exponentials (2 x 256000 + 32 bytes each). In the workspace too
-  // (520032 bytes a token) 1032 fit: 8 groups of 1024 either way, where 16-byte records left 9 of 911. At H = 1024
-  // the statistics exceed the row: the workspace.
+  // not have). The budget holds 1048 tokens' exponentials (2 x 256000 + 32 bytes each), in the workspace too (520032
+  // bytes a token) 1032; twice it 2097: 4 groups of 2048 either way. At H = 1024 the statistics exceed the row: the
+  // workspace.
   lce::PlanInputs wide = llama_inputs(lce::Pass::kForwardBackward, 8192, 2304, 256000);
   wide.fused = wide.fused_exp = true;
   wide.grad_hidden_f32 = wide.grad_weight_f32 = wide.grad_hidden_rows_scratch = true;
   Laid wide_gh = lay(wide);
   EXPECT_TRUE(wide_gh.shared_in_grad_hidden);
-  EXPECT_EQ(wide_gh.group_rows, 1024);
+  EXPECT_EQ(wide_gh.group_rows, 2048);
   expect_layout_sound(wide_gh);
   wide.grad_hidden_rows_scratch = false;
-  EXPECT_EQ(lay(wide).group_rows, 1024);
+  EXPECT_EQ(lay(wide).group_rows, 2048);
   wide.grad_hidden_rows_scratch = true;
   wide.h = 1024;
   EXPECT_FALSE(lay(wide).shared_in_grad_hidden);

@@ -667,6 +667,20 @@ TEST(LinearPolicyLossPlan, ChunksAreWholeSequencesAndRegionsDisjoint) {
   EXPECT_EQ(off(p.b.head.dlogits), kNone);
   EXPECT_EQ(off(p.b.policy.coeff), kNone);
   EXPECT_EQ(off(p.b.head.dw_acc), kNone);
+
+  // A float32 grad_weight sums over the groups itself: they grow toward 2048 positions within twice the budget (the
+  // linear head's rule). Without a weight gradient they stay the budget's.
+  in = plan_in(8, 1024, 1025, 4096, 150000, 2, true);
+  in.grad_weight_f32 = true;
+  p = lay(in);
+  lpl::PlanInputs frozen = in;
+  frozen.need_dw = false;
+  const Laid budget_only = lay(frozen);
+  EXPECT_FALSE(p.dw_accumulator);
+  EXPECT_GT(p.group_rows, budget_only.group_rows);
+  EXPECT_LE(p.group_rows, head::kFloat32SumsGroupRows);
+  EXPECT_LE(static_cast<size_t>(p.group_rows * p.ld_dlogits * 2 + p.chunk_rows * p.ld_logits * 4),
+            2 * in.memory_budget);
 }
 
 // ---- selective log-softmax ----------------------------------------------------------------------------------------

@@ -113,8 +113,8 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
   const int64_t exp_stats_row = 4 * kExpStatsFloats * tiles;
   const int64_t exp_shared_row = exp_form ? std::max({exp_stats_row, xs_row, dx_row}) : 0;
   // A float32 grad_hidden's rows of the group take that region where it fits in them: the grad_hidden GEMM, the
-  // last of the group's kernels, writes them only after the region's last reader. The workspace then holds longer
-  // groups (at 8192 × 4096 × 128256 under autocast, 4 of 2048 tokens instead of 5 of 1664).
+  // last of the group's kernels, writes them only after the region's last reader. The workspace then holds less, and
+  // the budget longer groups where it holds more than 2048 tokens (below that they grow within twice the budget).
   p.shared_in_grad_hidden =
       exp_form && in.need_dx && in.grad_hidden_f32 && in.grad_hidden_rows_scratch && exp_shared_row <= 4 * H;
   const int64_t exp_row = exp_form ? 16 + (in.need_dw ? 16 : 0) + (p.shared_in_grad_hidden ? 0 : exp_shared_row) +
@@ -171,6 +171,10 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
         // The regions within the budget: it holds whole rows. Where grad_weight's storage could hold them: the budget
         // holds the exponentials of as many rows as the storage holds the regions of.
         int64_t fit = rows_in(budget, row);
+        const size_t twice = budget > SIZE_MAX / 2 ? SIZE_MAX : 2 * budget;
+        // A float32 grad_weight summing over the groups: their exponentials may take up to twice the budget (the
+        // other regions beside it) to make passes over it that are not bound by memory (head::group_min_rows).
+        if (in.need_dw && in.grad_weight_f32) fit = head::group_min_rows(fit, rows_in(twice, e_row));
         const auto regions = [&](int64_t r) { return exp_bytes(in, p, r); };
         if (acc > 0 && room > 0)
           fit = std::max(fit, std::min(rows_in(budget, e_row), rows_within(room, max_rows, regions)));
@@ -180,7 +184,6 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
         // longest tail leaves and twice the budget. Taken where that makes fewer groups, so fewer and longer
         // accumulator passes (bench/RESULTS.md: at 256000 classes, 4 groups of 2048 against 8 of 1024). Never one
         // group, whose grad_weight product would write that storage while it reads them.
-        const size_t twice = budget > SIZE_MAX / 2 ? SIZE_MAX : 2 * budget;
         const size_t gw_room = std::min(in.grad_weight_scratch, twice > SIZE_MAX - room ? SIZE_MAX : twice + room);
         const int64_t gw_fit =
             taken > 0 && in.dlogits_in_grad_weight
@@ -206,6 +209,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
       // 16-bit inputs: the float32 logits are narrowed into a group buffer of the GEMMs' dtype.
       c.group_row_bytes = grads && !p.dlogits_in_place ? es * p.ld_logits : 0;
       c.dw_accumulator_bytes = dw_accumulator_bytes(in);
+      c.float32_grad_weight = grads && in.need_dw && in.grad_weight_f32;
       const head::ChunkPlan cp = head::plan_token_chunks(c, logits_row);
       p.chunk_rows = cp.chunk_rows;
       p.group_rows = cp.group_rows;

@@ -1,6 +1,7 @@
 #include "linear_head/cuda/plan.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace logitless::head {
 namespace {
@@ -44,6 +45,11 @@ ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes) {
   p.chunk_rows = std::min(chunk_fit, max_rows);
   const size_t used = static_cast<size_t>(p.chunk_rows * chunk_row_bytes);
   p.group_rows = std::min(std::max(fit_rows(budget > used ? budget - used : 0, grad_row), p.chunk_rows), max_rows);
+  if (in.float32_grad_weight) {
+    const size_t twice = budget > SIZE_MAX / 2 ? SIZE_MAX : 2 * budget;
+    p.group_rows =
+        std::min(group_min_rows(p.group_rows, fit_rows(twice > used ? twice - used : 0, grad_row)), max_rows);
+  }
   // Several groups with a 16-bit grad_weight need a float32 accumulator of 4 V H bytes. When holding every token's
   // gradient takes no more than the budget plus that accumulator, do that instead: one grad_weight GEMM over all
   // tokens, no accumulation traffic, and no more memory.

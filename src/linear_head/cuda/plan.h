@@ -15,6 +15,7 @@
 // a loss adds its own stage without touching the others. HeadBuffers below is the engine's stage.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -40,14 +41,25 @@ struct ChunkInputs {
   int64_t n = 0;             // rows
   int64_t chunk_tokens = 0;  // the caller's chunk (0: from the budget); with groups, the group's rows
   size_t memory_budget = 0;
-  int64_t group_row_bytes = 0;      // a row of the group's gradient buffer; 0: none (forward, or in place)
-  size_t dw_accumulator_bytes = 0;  // the float32 grad_weight accumulator several groups would need (0: none)
+  int64_t group_row_bytes = 0;       // a row of the group's gradient buffer; 0: none (forward, or in place)
+  size_t dw_accumulator_bytes = 0;   // the float32 grad_weight accumulator several groups would need (0: none)
+  bool float32_grad_weight = false;  // grad_weight is float32 and takes the groups' sums itself (group_min_rows)
 };
 struct ChunkPlan {
   int64_t chunk_rows = 0, group_rows = 0;
 };
 // chunk_row_bytes: what a chunk holds per row (float32 logits, or a fused kernel's statistics).
 ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes);
+
+// Where a float32 grad_weight takes the sums of several token groups itself, each group's grad_weight product
+// reads and writes all of it (8 V H bytes) for 2 V H FLOPs a token, so short groups spend their passes on memory
+// (bench/RESULTS.md, twelfth session: at 256000 classes a pass of 1024 tokens took 2.59 ms, passes of 2048 took
+// 1.95 ms per 1024 tokens). A group shorter than this from the budget grows toward it, as far as `stretched` (the
+// rows that twice the budget holds) allows: group_min_rows(fit, stretched).
+inline constexpr int64_t kFloat32SumsGroupRows = 2048;
+inline int64_t group_min_rows(int64_t fit, int64_t stretched) {
+  return fit >= kFloat32SumsGroupRows ? fit : std::max(fit, std::min(kFloat32SumsGroupRows, stretched));
+}
 
 // grad_weight's float32 sums over token groups, in up to two parts: rows [0, split) in the workspace, rows
 // [split, v) at the start of a 16-bit grad_weight's own storage, which holds nothing else until the sums are cast

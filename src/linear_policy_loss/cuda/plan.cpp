@@ -16,6 +16,7 @@ Plan plan_linear_policy_loss(const PlanInputs& in) {
   c.memory_budget = in.memory_budget;
   c.group_row_bytes = in.grads && !p.dlogits_in_place ? in.elem_bytes * p.ld_logits : 0;
   c.dw_accumulator_bytes = in.need_dw && !in.grad_weight_f32 ? static_cast<size_t>(4 * in.v * in.h) : 0;
+  c.float32_grad_weight = in.grads && in.need_dw && in.grad_weight_f32;
   const head::ChunkPlan cp = head::plan_token_chunks(c, 4 * p.ld_logits);
   p.chunk_rows = std::max<int64_t>(cp.chunk_rows, 1);
   p.group_rows = std::max<int64_t>(cp.group_rows, p.chunk_rows);
