@@ -1575,7 +1575,8 @@ TEST(LinearCrossEntropyPlan, Float32GradWeightGroupsGrowWithinTwiceTheBudget) {
     // 256000 classes (512000 bytes of exponentials a token; the budget holds 1048): four groups of 2048.
     lce::PlanInputs in = f32(8192, 2304, 256000, fused);
     Laid p = lay(in);
-    EXPECT_EQ(p.group_rows, fused ? floor : 1664) << fused;  // generic: the float32 chunk takes part of the two
+    // The generic path's float32 logits chunk (192 tokens) shares twice the budget: 1664-token groups.
+    EXPECT_EQ(p.group_rows, fused ? floor : 1664) << fused;
     EXPECT_FALSE(p.dw_accumulator);
     EXPECT_LE(p.group_rows * p.ld_dlogits * 2 + (fused ? 0 : p.chunk_rows * p.ld_logits * 4), int64_t{1024} << 20);
     expect_layout_sound(p);
