@@ -125,6 +125,18 @@ def label(budget, schedule, hook_value, chunk_tokens):
     return f"budget {budget >> 20} MiB {schedule}{hook}{chunks}"
 
 
+def loss_gradient(xd, wd, t):
+    """The gradient of the mean cross-entropy of X·Wᵀ in bf16, as torch's backward multiplies it: (softmax − onehot)
+    / n, computed a slice of rows at a time to bound the float32 temporaries."""
+    n = xd.shape[0]
+    dz = torch.empty(n, wd.shape[0], device=xd.device, dtype=torch.bfloat16)
+    for r0 in range(0, n, 1024):
+        rows = torch.softmax((xd[r0:r0 + 1024] @ wd.t()).float(), dim=1)
+        rows[torch.arange(rows.shape[0], device=xd.device), t[r0:r0 + 1024]] -= 1.0
+        dz[r0:r0 + 1024] = (rows / n).bfloat16()
+    return dz
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="8192x4096x128256,4096x4096x128256", help="NxHxV, comma-separated")
@@ -139,6 +151,9 @@ def main():
     ap.add_argument("--hook", default="", help="NAME=V1,V2,...: each schedule once per value of that hook")
     ap.add_argument("--autocast", action="store_true",
                     help="float32 hidden and weight, the op under torch.autocast(bfloat16)")
+    ap.add_argument("--loss-dz", action="store_true",
+                    help="also time the three GEMMs with dZ the mean loss's gradient of these logits (bf16, as "
+                         "torch's backward has it) instead of random numbers, in the same rounds")
     args = ap.parse_args()
     set_hooks_from_environment()
     hook_name, _, hook_values = args.hook.partition("=")
@@ -171,11 +186,20 @@ def main():
             return run
 
         fns = [make_run(*r) for r in runs]
-        all_fns = [lambda: (torch.mm(xd, wd.t(), out=z), dz @ wd, dz.t() @ xd)] + fns
+        yardsticks = [lambda: (torch.mm(xd, wd.t(), out=z), dz @ wd, dz.t() @ xd)]
+        if args.loss_dz:
+            dz_loss = loss_gradient(xd, wd, t)
+            yardsticks.append(lambda: (torch.mm(xd, wd.t(), out=z), dz_loss @ wd, dz_loss.t() @ xd))
+        all_fns = yardsticks + fns
         gemms, *times = interleaved_medians(all_fns)
+        if args.loss_dz:
+            loss_gemms = times.pop(0)
+            print(f"{args.tag} N={n} H={h} V={v}: GEMMs with random dZ {gemms:.2f} ms, with the loss's dZ "
+                  f"{loss_gemms:.2f} ms = {loss_gemms / gemms:.3f}x", flush=True)
         if args.kernels:
-            profile_rounds(["GEMMs"] + [label(*r) for r in runs], all_fns)
-        del z, dz, xd, wd, all_fns
+            names = ["GEMMs"] + (["GEMMs, the loss's dZ"] if args.loss_dz else [])
+            profile_rounds(names + [label(*r) for r in runs], all_fns)
+        del z, dz, xd, wd, all_fns, yardsticks
         for (budget, schedule, hv, ct), run, ms in zip(runs, fns, times):
             torch.cuda.synchronize()
             x.grad = w.grad = None
@@ -185,9 +209,10 @@ def main():
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
             kind = " float32 under autocast" if args.autocast else ""
+            against_loss = f" ({ms / loss_gemms:.3f}x the loss's dZ GEMMs)" if args.loss_dz else ""
             print(f"{args.tag} N={n} H={h} V={v}{kind} {label(budget, schedule, hv, ct)}: GEMMs {gemms:.2f} ms, "
-                  f"linear_cross_entropy {ms:.2f} ms = {ms / gemms:.3f}x, peak extra {peak:.0f} MiB (dX, dW included)",
-                  flush=True)
+                  f"linear_cross_entropy {ms:.2f} ms = {ms / gemms:.3f}x{against_loss}, peak extra {peak:.0f} MiB "
+                  "(dX, dW included)", flush=True)
 
 
 if __name__ == "__main__":
