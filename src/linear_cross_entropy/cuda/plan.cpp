@@ -171,7 +171,7 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
         // The regions within the budget: it holds whole rows. Where grad_weight's storage could hold them: the budget
         // holds the exponentials of as many rows as the storage holds the regions of.
         int64_t fit = rows_in(budget, row);
-        const size_t twice = budget > SIZE_MAX / 2 ? SIZE_MAX : 2 * budget;
+        const size_t twice = head::twice_budget(budget);
         // A float32 grad_weight summing over the groups: their exponentials may take up to twice the budget (the
         // other regions beside it) to make passes over it that are not bound by memory (head::group_min_rows).
         if (in.need_dw && in.grad_weight_f32) fit = head::group_min_rows(fit, rows_in(twice, e_row));

@@ -1,7 +1,6 @@
 #include "linear_head/cuda/plan.h"
 
 #include <algorithm>
-#include <cstdint>
 
 namespace logitless::head {
 namespace {
@@ -46,7 +45,7 @@ ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes) {
   const size_t used = static_cast<size_t>(p.chunk_rows * chunk_row_bytes);
   p.group_rows = std::min(std::max(fit_rows(budget > used ? budget - used : 0, grad_row), p.chunk_rows), max_rows);
   if (in.float32_grad_weight) {
-    const size_t twice = budget > SIZE_MAX / 2 ? SIZE_MAX : 2 * budget;
+    const size_t twice = twice_budget(budget);
     p.group_rows =
         std::min(group_min_rows(p.group_rows, fit_rows(twice > used ? twice - used : 0, grad_row)), max_rows);
   }

@@ -53,13 +53,15 @@ ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes);
 
 // Where a float32 grad_weight takes the sums of several token groups itself, each group's grad_weight product
 // reads and writes all of it (8 V H bytes) for 2 V H FLOPs a token, so short groups spend their passes on memory
-// (bench/RESULTS.md, twelfth session: at 256000 classes a pass of 1024 tokens took 2.59 ms, passes of 2048 took
-// 1.95 ms per 1024 tokens). A group shorter than this from the budget grows toward it, as far as `stretched` (the
-// rows that twice the budget holds) allows: group_min_rows(fit, stretched).
+// (bench/RESULTS.md, twelfth and sixteenth sessions). A group shorter than this from the budget grows toward it, as
+// far as `stretched` (the rows that twice_budget holds) allows: group_min_rows(fit, stretched).
 inline constexpr int64_t kFloat32SumsGroupRows = 2048;
 inline int64_t group_min_rows(int64_t fit, int64_t stretched) {
   return fit >= kFloat32SumsGroupRows ? fit : std::max(fit, std::min(kFloat32SumsGroupRows, stretched));
 }
+// Twice a budget, saturating: how far a plan may stretch it (the groups above, and the linear cross-entropy's
+// exponentials in grad_weight's storage).
+inline size_t twice_budget(size_t budget) { return budget > SIZE_MAX / 2 ? SIZE_MAX : 2 * budget; }
 
 // grad_weight's float32 sums over token groups, in up to two parts: rows [0, split) in the workspace, rows
 // [split, v) at the start of a 16-bit grad_weight's own storage, which holds nothing else until the sums are cast
