@@ -39,7 +39,7 @@ from ._tensor import descriptor, stream_of
 
 __all__ = ["REDUCTIONS", "REDUCTION_NONE", "SCHEDULES", "DEFAULT_MEMORY_BUDGET", "enum", "no_double_backward",
            "scale_saved", "custom_op", "DirectOp", "eager_ok", "direct_apply", "empty_rows",
-           "cached", "cached_settings", "checkpointed"]
+           "cached", "cached_settings", "checkpointed", "autocast_dtype", "cast_operands"]
 
 # Must match logitless::Reduction (include/logitless/cross_entropy.h); the linear cross-entropy and the
 # vocabulary-parallel path use the same enum.
@@ -292,3 +292,30 @@ def scale_saved(grad: Tensor, scale: Tensor, direct: bool = False) -> Tensor:
     else:
         _scale_rows(grad, scale)
     return grad
+
+
+# ----------------------------------------------------------------------------------------------------
+# The linear heads under torch.autocast (one device and vocabulary-parallel).
+
+
+def autocast_dtype(hidden: Tensor, weight: Tensor) -> Optional[torch.dtype]:
+    """The 16-bit dtype the products run in under torch.autocast, where hidden or weight is float32 (as F.linear
+    would cast them); None outside autocast or where both are in its dtype already."""
+    device = hidden.device.type
+    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if dtype not in (torch.bfloat16, torch.float16) or (hidden.dtype == dtype and weight.dtype == dtype):
+        return None
+    if hidden.dtype not in (dtype, torch.float32) or weight.dtype not in (dtype, torch.float32):
+        return None  # float64, or the other 16-bit type: as without autocast (the op's own dtype checks)
+    return dtype
+
+
+def cast_operands(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dtype: Optional[torch.dtype]):
+    """The operands in the products' dtype; a float32 bias stays float32 (the kernels add it in float32)."""
+    if dtype is None:
+        return hidden, weight, bias
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.to(dtype)
+    return hidden.to(dtype), weight.to(dtype), bias

@@ -35,7 +35,9 @@ from ._autograd import (
     REDUCTION_NONE,
     REDUCTIONS,
     SCHEDULES,
+    autocast_dtype,
     cached,
+    cast_operands,
     custom_op,
     enum,
     no_double_backward,
@@ -199,31 +201,8 @@ def auto_schedule(hidden: Tensor, weight: Tensor, target: Optional[Tensor] = Non
     args = inspect.signature(linear_cross_entropy).bind(hidden, weight, target, bias, **options)
     args.apply_defaults()
     scalars = _scalars(*(args.arguments[name] for name in inspect.signature(_scalars).parameters))
-    recompute = _takes_recompute(hidden, weight, bias, "auto", scalars, False, _autocast_dtype(hidden, weight))
+    recompute = _takes_recompute(hidden, weight, bias, "auto", scalars, False, autocast_dtype(hidden, weight))
     return "recompute" if recompute else "gradient_in_forward"
-
-
-def _autocast_dtype(hidden: Tensor, weight: Tensor) -> Optional[torch.dtype]:
-    """The 16-bit dtype the products run in under torch.autocast, where hidden or weight is float32 (as F.linear
-    would cast them); None outside autocast or where both are in its dtype already."""
-    device = hidden.device.type
-    if device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
-        return None
-    dtype = torch.get_autocast_dtype(device)
-    if dtype not in (torch.bfloat16, torch.float16) or (hidden.dtype == dtype and weight.dtype == dtype):
-        return None
-    if hidden.dtype not in (dtype, torch.float32) or weight.dtype not in (dtype, torch.float32):
-        return None  # float64, or the other 16-bit type: as without autocast (the op's own dtype checks)
-    return dtype
-
-
-def _cast(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], dtype: Optional[torch.dtype]):
-    """The operands in the products' dtype; a float32 bias stays float32 (the kernels add it in float32)."""
-    if dtype is None:
-        return hidden, weight, bias
-    if bias is not None and bias.dtype != torch.float32:
-        bias = bias.to(dtype)
-    return hidden.to(dtype), weight.to(dtype), bias
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -388,7 +367,7 @@ class _AutocastRecompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, scalars, compute_dtype, row_stats=False):
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        hidden, weight, bias = _cast(hidden, weight, bias, compute_dtype)
+        hidden, weight, bias = cast_operands(hidden, weight, bias, compute_dtype)
         outs = (_forward_row_stats if row_stats else _forward)(hidden, weight, bias, target, class_weight, *scalars)
         ctx.mark_non_differentiable(*outs[1:])
         ctx.set_materialize_grads(False)
@@ -420,7 +399,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # In the arguments' own dtypes: under autocast a float32 weight's gradient is written in float32 directly
         # (it is then its own accumulator over token groups), and the 16-bit copies below live only in this call.
         gh, gw, gb = _grad_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias)
-        hidden, weight, bias = _cast(hidden, weight, bias, compute_dtype)
+        hidden, weight, bias = cast_operands(hidden, weight, bias, compute_dtype)
         op = _forward_backward_row_stats_out if row_stats else _forward_backward_out
         outs = op(hidden, weight, bias, target, class_weight, *scalars, gh if need_hidden else None,
                   gw if need_weight else None, gb if need_bias else None)
@@ -628,7 +607,9 @@ def linear_cross_entropy(
     its own rows of the float32 grad_hidden where they fit. Because each token group's product reads and writes the
     whole float32 grad_weight, groups shorter than 2048 tokens grow toward that as far as twice `memory_budget`
     holds (1000 MiB of scratch at 256000 classes; the budget alone holds 2048 tokens up to 131072 classes). A
-    float32 bias stays float32.
+    float32 bias stays float32. With vocabulary parallelism the products run in the autocast dtype too and the
+    gradients of float32 arguments are float32; there the recompute schedule casts the weight again in the backward
+    instead of keeping a copy, and the token chunks are the steps' own (logitless.vocab_parallel).
 
     Autograd: gradients flow to hidden, weight and bias. With gradient_in_forward the gradients are computed
     once and consumed by the backward: a second backward through the same call (retain_graph=True) raises
@@ -665,11 +646,11 @@ def linear_cross_entropy(
     elif vocab_parallel and process_group is None and not vp.is_dtensor(weight):
         raise ValueError("vocab_parallel: expected a DTensor weight sharded along the vocabulary (or pass "
                          "process_group= with this rank's rows of the weight), got a plain tensor")
-    compute_dtype = None if sharded else _autocast_dtype(hidden, weight)
+    compute_dtype = autocast_dtype(hidden, weight)
     recompute = _takes_recompute(hidden, weight, bias, schedule, scalars, sharded, compute_dtype)
     if sharded:
         loss, lse = vp.linear_cross_entropy(hidden, weight, target, bias, class_weight, _options(*scalars), recompute,
-                                            process_group, bool(sequence_parallel))
+                                            process_group, bool(sequence_parallel), compute_dtype)
         return (loss, lse) if return_lse else loss
     if sequence_parallel:
         raise ValueError("sequence_parallel: expected a process_group or vocab_parallel=True (vocabulary parallelism)")
@@ -683,7 +664,7 @@ def linear_cross_entropy(
     if needs_grad and recompute and compute_dtype is not None:
         outs = _AutocastRecompute.apply(hidden, weight, bias, target, class_weight, scalars, compute_dtype, row_stats)
     elif not needs_grad or recompute:
-        hidden, weight, bias = _cast(hidden, weight, bias, compute_dtype)
+        hidden, weight, bias = cast_operands(hidden, weight, bias, compute_dtype)
         outs = (_forward_row_stats if row_stats else _forward)(hidden, weight, bias, target, class_weight, *scalars)
     else:
         outs = _FusedLinearCrossEntropy.apply(hidden, weight, bias, target, class_weight, scalars, compute_dtype,

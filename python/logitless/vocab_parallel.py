@@ -26,6 +26,13 @@ back, so a regathered weight is read where it is then. The gradient-in-forward s
 the forward (the gradients are computed there, held until the backward and scaled by the upstream gradient), so it
 never touches a resharded weight; FSDP2's regather before the backward is then simply unused by this loss.
 
+Under ``torch.autocast`` (bfloat16 or float16) float32 operands are cast to its dtype for the products, as on one
+device, and the gradients of float32 arguments come back in float32, written so by the kernels. The hidden states
+are cast before they are gathered under sequence parallelism (half the bytes). The gradient-in-forward schedule's
+16-bit copies live only in its forward; the recompute schedule keeps the arguments themselves and casts the weight
+again in the backward, from the tensor autograd hands back (a regathered weight included), so that no 16-bit copy of
+the weight is held between the passes.
+
 The vocabulary-parallel path runs eagerly (an autograd.Function calling the extension and torch.distributed);
 torch.compile treats it as an opaque region (a graph break).
 """
@@ -39,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
-from ._autograd import REDUCTION_NONE, no_double_backward, scale_saved
+from ._autograd import REDUCTION_NONE, cast_operands, no_double_backward, scale_saved
 from ._tensor import descriptor, stream, workspace
 
 __all__ = ["VocabShard", "shard_of_group", "shard_of_dtensor", "is_dtensor"]
@@ -339,11 +346,15 @@ class _VocabParallelLinearRecompute(torch.autograd.Function):
     weight autograd hands back (read then, never earlier) and sums grad_hidden over the ranks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, shard, options, sequence_parallel):
-        tok = _tokens(hidden, target, shard, sequence_parallel)
-        loss, lse = _lce_forward_recompute(tok, weight, bias, class_weight, shard, options)
-        ctx.shard, ctx.options, ctx.sp = shard, options, sequence_parallel
+    def forward(ctx, hidden, weight, bias, target, class_weight, shard, options, sequence_parallel, compute_dtype):
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
+        ctx.compute_dtype = compute_dtype
+        h, w, b = cast_operands(hidden, weight, bias, compute_dtype)
+        tok = _tokens(h, target, shard, sequence_parallel)
+        loss, lse = _lce_forward_recompute(tok, w, b, class_weight, shard, options)
+        ctx.shard, ctx.options, ctx.sp = shard, options, sequence_parallel
+        # The arguments themselves are kept, not their 16-bit copies: no copy of the weight lives between the passes,
+        # and the backward reads the weight autograd hands back (cast again there).
         if sequence_parallel:  # the gathered tokens: an intermediate, kept for the backward
             ctx.full = (tok.hidden, tok.target)
             ctx.save_for_backward(weight, bias, class_weight, lse)
@@ -373,8 +384,10 @@ class _VocabParallelLinearRecompute(torch.autograd.Function):
         dev = target.device
         # float32 partial sums of grad_hidden: summed over the ranks before the one rounding to hidden's dtype.
         gh = torch.empty(hidden.shape, dtype=torch.float32, device=dev) if need_h else None
+        # In the arguments' dtypes: under autocast the kernels write a float32 weight's gradient directly.
         gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
         gb = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
+        hidden, weight, bias = cast_operands(hidden, weight, bias, ctx.compute_dtype)  # (gathered tokens: cast already)
         d = descriptor
         h, w, t = d(hidden, "hidden"), d(weight, "weight"), d(target, "target")
         ghd, gwd, gbd = d(gh, "grad_hidden"), d(gw, "grad_weight"), d(gb, "grad_bias")
@@ -387,18 +400,19 @@ class _VocabParallelLinearRecompute(torch.autograd.Function):
         dx = None
         if need_h:
             dx = _finish_grad_hidden(gh, *ctx.hidden_meta, shard, ctx.sp)
-        return dx, gw, gb, None, None, None, None, None
+        return dx, gw, gb, None, None, None, None, None, None
 
 
-def _lce_forward_backward_steps(tok: _Tokens, weight, bias, class_weight, shard, options, need):
-    """The gradient-in-forward schedule in steps: (loss, lse, grad_hidden partial float32, grad_weight, grad_bias).
-    Chunk k's partials are gathered asynchronously while chunk k + 1's logits are computed."""
+def _lce_forward_backward_steps(tok: _Tokens, weight, bias, class_weight, shard, options, need, grad_dtypes):
+    """The gradient-in-forward schedule in steps: (loss, lse, grad_hidden partial float32, grad_weight, grad_bias),
+    the last two in `grad_dtypes` (the arguments' own: float32 for float32 parameters under autocast, written so by
+    the kernels). Chunk k's partials are gathered asynchronously while chunk k + 1's logits are computed."""
     dev = tok.target.device
     N = tok.target.numel()
     need_h, need_w, need_b = need
     gh = torch.empty(tok.hidden.shape, dtype=torch.float32, device=dev) if need_h else None
-    gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if need_w else None
-    gb = torch.empty(bias.shape, dtype=bias.dtype, device=dev) if need_b else None
+    gw = torch.empty(weight.shape, dtype=grad_dtypes[0], device=dev) if need_w else None
+    gb = torch.empty(bias.shape, dtype=grad_dtypes[1], device=dev) if need_b else None
     chunk = _C.linear_cross_entropy_shard_chunk_tokens(N, max(shard.widths), options)
     options = copy.copy(options)  # the caller's, unchanged
     options.chunk_tokens = chunk
@@ -447,10 +461,13 @@ class _VocabParallelLinearFused(torch.autograd.Function):
     scales them by the upstream gradient and sums grad_hidden over the ranks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, shard, options, sequence_parallel):
+    def forward(ctx, hidden, weight, bias, target, class_weight, shard, options, sequence_parallel, compute_dtype):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        tok = _tokens(hidden, target, shard, sequence_parallel)
-        loss, lse, gh, gw, gb = _lce_forward_backward_steps(tok, weight, bias, class_weight, shard, options, need)
+        grad_dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        h, w, b = cast_operands(hidden, weight, bias, compute_dtype)  # 16-bit copies that live only in this call
+        tok = _tokens(h, target, shard, sequence_parallel)
+        loss, lse, gh, gw, gb = _lce_forward_backward_steps(tok, w, b, class_weight, shard, options, need,
+                                                            grad_dtypes)
         ctx.shard, ctx.sp, ctx.need = shard, sequence_parallel, need
         ctx.hidden_meta = (hidden.shape, hidden.dtype)
         ctx.save_for_backward(gh, gw, gb)
@@ -470,13 +487,15 @@ class _VocabParallelLinearFused(torch.autograd.Function):
             dw = scale_saved(gw, scale)
         if ctx.need[2]:
             db = scale_saved(gb, scale)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
                          class_weight: Optional[Tensor], options: _C.LinearCrossEntropyOptions, recompute: bool,
-                         process_group, sequence_parallel: bool) -> Tuple[Tensor, Tensor]:
-    """The vocabulary-parallel path of logitless.linear_cross_entropy: (loss, lse)."""
+                         process_group, sequence_parallel: bool,
+                         compute_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """The vocabulary-parallel path of logitless.linear_cross_entropy: (loss, lse). compute_dtype: the products'
+    dtype under autocast (float32 operands cast to it, their gradients float32), or None."""
     if is_dtensor(hidden):
         hidden = hidden.to_local()
     if is_dtensor(target):
@@ -505,10 +524,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                               (bias is not None and bias.requires_grad))
     if not needs_grad:
+        hidden, weight, bias = cast_operands(hidden, weight, bias, compute_dtype)
         tok = _tokens(hidden, target, shard, sequence_parallel)
         loss, lse = _lce_forward_recompute(tok, weight, bias, class_weight, shard, options)
         return _local_outputs(tok, shard, loss, lse, options.reduction)
     # No tokens at all: no steps to walk; the recompute schedule's calls handle the empty case.
     n_tokens = target.numel() * (shard.world if sequence_parallel else 1)
     fn = _VocabParallelLinearRecompute if recompute or n_tokens == 0 else _VocabParallelLinearFused
-    return fn.apply(hidden, weight, bias, target, class_weight, shard, options, sequence_parallel)
+    return fn.apply(hidden, weight, bias, target, class_weight, shard, options, sequence_parallel, compute_dtype)

@@ -158,7 +158,9 @@ def _ce_case(rank, world, dev, widths, dtype_name, preset, reduction, inplace, r
 
 
 def _lce_case(rank, world, dev, widths, dtype_name, preset, reduction, schedule, sequence_parallel, bias,
-              use_dtensor, lse_out):
+              use_dtensor, lse_out, autocast=False):
+    """autocast: float32 operands, both calls under torch.autocast(bfloat16), the reference being the one-device call
+    there (bfloat16 products, float32 gradients)."""
     device = _device(dev, rank)
     dtype = getattr(torch, dtype_name)
     v = sum(widths)
@@ -176,11 +178,18 @@ def _lce_case(rank, world, dev, widths, dtype_name, preset, reduction, schedule,
     for k in ("all_ignored", "last_shard"):
         opts.pop(k, None)
     kw = dict(opts, reduction=reduction, schedule=schedule, class_weight=class_weight, return_lse=lse_out)
+    ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
 
     hx, wx = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     bx = b.clone().requires_grad_(True) if bias else None
-    ref = logitless.linear_cross_entropy(hx, wx, target, bx, **kw)
+    with ac:
+        ref = logitless.linear_cross_entropy(hx, wx, target, bx, **kw)
     ref_loss, ref_lse = ref if lse_out else (ref, None)
+    if autocast:  # the reference's bfloat16 products are told apart from float32 ones at the loss's tolerance
+        f32_loss = logitless.linear_cross_entropy(hx.detach(), wx.detach(), target, b, **kw)
+        f32_loss = f32_loss[0] if lse_out else f32_loss
+        with pytest.raises(AssertionError):
+            _close(f32_loss, ref_loss, torch.float32, device, "loss")
     up = _upstream(ref_loss, gen, device)
     (ref_loss * up).sum().backward()
 
@@ -195,14 +204,22 @@ def _lce_case(rank, world, dev, widths, dtype_name, preset, reduction, schedule,
         mesh = _mesh(device, world)
         wl = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_(True)
         bl = distribute_tensor(b.clone(), mesh, [Shard(0)]).requires_grad_(True) if bias else None
-        got = logitless.linear_cross_entropy(hl, wl, target[rows], bl, vocab_parallel=True,
-                                             sequence_parallel=sequence_parallel, **kw)
+        with ac:
+            got = logitless.linear_cross_entropy(hl, wl, target[rows], bl, vocab_parallel=True,
+                                                 sequence_parallel=sequence_parallel, **kw)
     else:
         wl = weight[off:off + width].clone().requires_grad_(True)
         bl = b[off:off + width].clone().requires_grad_(True) if bias else None
-        got = logitless.linear_cross_entropy(hl, wl, target[rows], bl, process_group=dist.group.WORLD,
-                                             sequence_parallel=sequence_parallel, **kw)
+        with ac:
+            got = logitless.linear_cross_entropy(hl, wl, target[rows], bl, process_group=dist.group.WORLD,
+                                                 sequence_parallel=sequence_parallel, **kw)
     loss, lse = got if lse_out else (got, None)
+    if autocast:  # a call that needs no gradient takes the forward alone, under autocast as well
+        with ac, torch.no_grad():
+            again = logitless.linear_cross_entropy(hl, wl, target[rows], bl, vocab_parallel=use_dtensor,
+                                                   process_group=None if use_dtensor else dist.group.WORLD,
+                                                   sequence_parallel=sequence_parallel, **kw)
+        _close(again[0] if lse_out else again, loss, torch.float32, device, "loss without gradients")
     up_local = up[rows] if (reduction == "none" and sequence_parallel) else up
     (loss * up_local).sum().backward()
 
@@ -210,15 +227,19 @@ def _lce_case(rank, world, dev, widths, dtype_name, preset, reduction, schedule,
     if lse_out:
         _close(lse, ref_lse[rows], torch.float32, device, "lse")
     local = (lambda g: g.to_local()) if use_dtensor else (lambda g: g)
+    if autocast:  # the gradients of float32 arguments, in float32; on CUDA from bfloat16 products on both sides
+        assert hl.grad.dtype == local(wl.grad).dtype == torch.float32
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     _close(hl.grad, hx.grad[rows], dtype, device, "grad_hidden")
     _close(local(wl.grad), wx.grad[off:off + width], dtype, device, "grad_weight")
     if bias:
         _close(local(bl.grad), bx.grad[off:off + width], dtype, device, "grad_bias")
 
 
-def _regathered_weight_case(rank, world, dev, schedule, how):
+def _regathered_weight_case(rank, world, dev, schedule, how, autocast=False):
     """The weight's storage is replaced between forward and backward (FSDP2 frees the unsharded weight after the
-    forward and regathers it, into new memory, for the backward): the backward must read the new storage."""
+    forward and regathers it, into new memory, for the backward): the backward must read the new storage (under
+    autocast too, where the forward's products read a bfloat16 copy)."""
     device = _device(dev, rank)
     widths = [9, 14, 0][:world] if world == 3 else [9, 14]
     v = sum(widths)
@@ -228,12 +249,16 @@ def _regathered_weight_case(rank, world, dev, schedule, how):
     hidden = torch.randn(n, h, generator=gen).to(device)
     weight = (torch.randn(v, h, generator=gen) * 0.5).to(device)
     target = torch.randint(0, v, (n,), generator=gen).to(device)
+    ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
     hx, wx = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    logitless.linear_cross_entropy(hx, wx, target, schedule=schedule).backward()
+    with ac:
+        ref = logitless.linear_cross_entropy(hx, wx, target, schedule=schedule)
+    ref.backward()
 
     hl = hidden.clone().requires_grad_(True)
     wl = weight[off:off + width].clone().requires_grad_(True)
-    loss = logitless.linear_cross_entropy(hl, wl, target, schedule=schedule, process_group=dist.group.WORLD)
+    with ac:
+        loss = logitless.linear_cross_entropy(hl, wl, target, schedule=schedule, process_group=dist.group.WORLD)
     values = wl.detach().clone()
     if how == "resize":  # FSDP2's way: the same tensor, its storage freed and allocated anew
         storage = wl.untyped_storage()
@@ -246,8 +271,9 @@ def _regathered_weight_case(rank, world, dev, schedule, how):
         wl.data = values.clone()
         old.fill_(float("nan"))
     loss.backward()
-    _close(hl.grad, hx.grad, torch.float32, device, "grad_hidden")
-    _close(wl.grad, wx.grad[off:off + width], torch.float32, device, "grad_weight")
+    gdt = torch.bfloat16 if autocast and device.type == "cuda" else torch.float32
+    _close(hl.grad, hx.grad, gdt, device, "grad_hidden")
+    _close(wl.grad, wx.grad[off:off + width], gdt, device, "grad_weight")
 
 
 def _bad_target_case(rank, world, dev, linear):
@@ -365,6 +391,16 @@ def test_linear_cross_entropy_dtensor_weight(gloo3, schedule):
     gloo3.run("_lce_case", "cpu", [29], "float32", "all", "mean", schedule, False, True, True, True)
 
 
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+def test_linear_cross_entropy_under_autocast(gloo2, gloo3, schedule):
+    # Float32 hidden, weight and bias under autocast(bfloat16): bfloat16 products, float32 gradients, as on one
+    # device; with sequence parallelism (3 ranks) and a DTensor weight too.
+    gloo2.run("_lce_case", "cpu", [13, 16], "float32", "all", "mean", schedule, False, True, False, True, True)
+    gloo3.run("_lce_case", "cpu", [11, 9, 5], "float32", "all", "sum", schedule, True, True, False, True, True)
+    gloo3.run("_lce_case", "cpu", [29], "float32", "plain", "mean", schedule, False, False, True, True, True)
+    gloo3.run("_regathered_weight_case", "cpu", schedule, "replace", True)
+
+
 def test_linear_cross_entropy_bfloat16(gloo2):
     gloo2.run("_lce_case", "cpu", [21, 20], "bfloat16", "all", "mean", "gradient_in_forward", False, True, False,
               False)
@@ -423,6 +459,14 @@ def test_cuda_linear_cross_entropy(nccl2, preset, reduction, schedule):
 def test_cuda_linear_cross_entropy_sequence_parallel_and_dtensor(nccl2, reduction, schedule):
     nccl2.run("_lce_case", "cuda", [700, 1301], "bfloat16", "all", reduction, schedule, True, True, False, True)
     nccl2.run("_lce_case", "cuda", [2001], "float32", "all", reduction, schedule, False, True, True, True)
+
+
+@pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
+def test_cuda_linear_cross_entropy_under_autocast(nccl2, schedule):
+    nccl2.run("_lce_case", "cuda", [700, 1301], "float32", "all", "mean", schedule, False, True, False, True, True)
+    nccl2.run("_lce_case", "cuda", [700, 1301], "float32", "plain", "sum", schedule, True, False, False, True, True)
+    nccl2.run("_lce_case", "cuda", [2001], "float32", "plain", "mean", schedule, False, True, True, True, True)
+    nccl2.run("_regathered_weight_case", "cuda", schedule, "resize", True)
 
 
 @pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
