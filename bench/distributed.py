@@ -14,6 +14,9 @@ median over iterations. Both schedules are timed; the speedup that counts is the
 on one GPU against the default on R. Before timing, R GPUs' loss and gradients are checked against one GPU's.
 
 Target (issue "vocabulary parallelism"): N=16384, H=4096, V=128256 bf16, two H200s >= 1.8x one H200.
+
+`--autocast`: float32 hidden and weight (master weights), every call under torch.autocast(bfloat16), float32
+gradients; one more row times R GPUs on the same float32 inputs without autocast (float32 products).
 """
 from __future__ import annotations
 
@@ -39,12 +42,13 @@ class _Source(torch.autograd.Function):
         return None
 
 
-def _step(lce, hidden, weight, target, **kw):
+def _step(lce, hidden, weight, target, autocast=False, **kw):
     h = _Source.apply(hidden)
     w = _Source.apply(weight)
     h.retain_grad()
     w.retain_grad()
-    loss = lce(h, w, target, **kw)
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = lce(h, w, target, **kw)
     loss.backward()
     return loss.detach(), h.grad, w.grad
 
@@ -91,8 +95,9 @@ def main(rank: int, world: int, args) -> None:
         dev = torch.device("cuda", rank)
     N, H, V = args.n, args.h, args.v
     gen = torch.Generator(device=dev).manual_seed(0)  # rank 0's inputs are broadcast below
-    hidden = torch.randn(N, H, device=dev, dtype=torch.bfloat16, generator=gen)
-    weight = (torch.randn(V, H, device=dev, generator=gen) * (2.0 / H ** 0.5)).to(torch.bfloat16)
+    dtype = torch.float32 if args.autocast else torch.bfloat16
+    hidden = torch.randn(N, H, device=dev, generator=gen).to(dtype)
+    weight = (torch.randn(V, H, device=dev, generator=gen) * (2.0 / H ** 0.5)).to(dtype)
     target = torch.randint(0, V, (N,), device=dev, generator=gen)
     for t in (hidden, weight, target):
         dist.broadcast(t, 0)
@@ -101,14 +106,17 @@ def main(rank: int, world: int, args) -> None:
     per = -(-V // world)
     off, width = min(V, rank * per), max(0, min(V, (rank + 1) * per) - min(V, rank * per))
     shard = weight.detach()[off:off + width].clone().requires_grad_(True)
-    lce = logitless.linear_cross_entropy
     group = dist.group.WORLD
+    ac = args.autocast
+
+    def lce(*a, **kw):
+        return logitless.linear_cross_entropy(*a, **kw)
 
     # Correctness: R GPUs against one.
-    loss1, dx1, dw1 = _step(lce, hidden, weight, target)
+    loss1, dx1, dw1 = _step(lce, hidden, weight, target, ac)
     rows = []
     for schedule in ("gradient_in_forward", "recompute"):
-        loss_r, dx_r, dw_r = _step(lce, hidden, shard, target, schedule=schedule, process_group=group)
+        loss_r, dx_r, dw_r = _step(lce, hidden, shard, target, ac, schedule=schedule, process_group=group)
         check = (f"loss rel {abs(float(loss_r) - float(loss1)) / abs(float(loss1)):.1e}, "
                  f"grad_hidden rel L2 {_rel(dx_r, dx1):.1e}, grad_weight rel L2 {_rel(dw_r, dw1[off:off + width]):.1e}")
         rows.append((schedule, check))
@@ -117,20 +125,23 @@ def main(rank: int, world: int, args) -> None:
     flop = 6.0 * N * H * V
     results = []
     for schedule in ("gradient_in_forward", "recompute"):
-        one = _time(lambda: _step(lce, hidden, weight, target, schedule=schedule), args.iters, args.warmup, dev)
-        many = _time(lambda: _step(lce, hidden, shard, target, schedule=schedule, process_group=group), args.iters,
-                     args.warmup, dev)
+        one = _time(lambda: _step(lce, hidden, weight, target, ac, schedule=schedule), args.iters, args.warmup, dev)
+        many = _time(lambda: _step(lce, hidden, shard, target, ac, schedule=schedule, process_group=group),
+                     args.iters, args.warmup, dev)
         results.append((schedule, one, many))
+    if ac:  # the same float32 inputs without autocast: float32 products
+        f32 = _time(lambda: _step(lce, hidden, shard, target, process_group=group), args.iters, args.warmup, dev)
     peak = torch.zeros(1, device=dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        _step(lce, hidden, shard, target, process_group=group)
+        _step(lce, hidden, shard, target, ac, process_group=group)
         peak += torch.cuda.max_memory_allocated() / 2 ** 20
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
 
     if rank == 0:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (smoke test)"
-        print(f"linear cross-entropy, N={N} H={H} V={V} bf16, fwd+bwd of the mean loss (grad_hidden and "
+        inputs = "float32 under autocast(bf16)" if ac else "bf16"
+        print(f"linear cross-entropy, N={N} H={H} V={V} {inputs}, fwd+bwd of the mean loss (grad_hidden and "
               f"grad_weight); {world} x {name}; logitless {logitless.__version__}; median of {args.iters}")
         print()
         print(f"{'schedule':<22}{'1 GPU ms':>10}{f'{world} GPUs ms':>12}{'speedup':>9}{'1 GPU TFLOP/s':>15}"
@@ -138,6 +149,9 @@ def main(rank: int, world: int, args) -> None:
         for schedule, one, many in results:
             print(f"{schedule:<22}{one:>10.2f}{many:>12.2f}{one / many:>8.2f}x{flop / one / 1e9:>15.0f}"
                   f"{flop / many / world / 1e9:>17.0f}")
+        if ac:
+            print(f"{'float32 products':<22}{'':>10}{f32:>12.2f}   ({world} GPUs, the same inputs without autocast: "
+                  f"{f32 / results[0][2]:.2f}x the default's time)")
         print()
         default_one = results[0][1]
         best_many = results[0][2]
@@ -166,6 +180,7 @@ if __name__ == "__main__":
     ap.add_argument("--gpus", type=int, default=2, help="GPUs when not launched by torchrun (spawned here)")
     ap.add_argument("--port", type=int, default=29512)
     ap.add_argument("--cpu", action="store_true", help="smoke-test the script on the CPU (gloo; use small shapes)")
+    ap.add_argument("--autocast", action="store_true", help="float32 inputs under torch.autocast(bfloat16)")
     args = ap.parse_args()
     if "RANK" in os.environ:
         main(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), args)
