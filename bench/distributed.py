@@ -108,15 +108,14 @@ def main(rank: int, world: int, args) -> None:
     shard = weight.detach()[off:off + width].clone().requires_grad_(True)
     group = dist.group.WORLD
     ac = args.autocast
-
-    def lce(*a, **kw):
-        return logitless.linear_cross_entropy(*a, **kw)
+    sharded = dict(process_group=group, chunk_tokens=args.chunk_tokens)  # the R-GPU calls' options
+    lce = logitless.linear_cross_entropy
 
     # Correctness: R GPUs against one.
     loss1, dx1, dw1 = _step(lce, hidden, weight, target, ac)
     rows = []
     for schedule in ("gradient_in_forward", "recompute"):
-        loss_r, dx_r, dw_r = _step(lce, hidden, shard, target, ac, schedule=schedule, process_group=group)
+        loss_r, dx_r, dw_r = _step(lce, hidden, shard, target, ac, schedule=schedule, **sharded)
         check = (f"loss rel {abs(float(loss_r) - float(loss1)) / abs(float(loss1)):.1e}, "
                  f"grad_hidden rel L2 {_rel(dx_r, dx1):.1e}, grad_weight rel L2 {_rel(dw_r, dw1[off:off + width]):.1e}")
         rows.append((schedule, check))
@@ -126,15 +125,15 @@ def main(rank: int, world: int, args) -> None:
     results = []
     for schedule in ("gradient_in_forward", "recompute"):
         one = _time(lambda: _step(lce, hidden, weight, target, ac, schedule=schedule), args.iters, args.warmup, dev)
-        many = _time(lambda: _step(lce, hidden, shard, target, ac, schedule=schedule, process_group=group),
+        many = _time(lambda: _step(lce, hidden, shard, target, ac, schedule=schedule, **sharded),
                      args.iters, args.warmup, dev)
         results.append((schedule, one, many))
     if ac:  # the same float32 inputs without autocast: float32 products
-        f32 = _time(lambda: _step(lce, hidden, shard, target, process_group=group), args.iters, args.warmup, dev)
+        f32 = _time(lambda: _step(lce, hidden, shard, target, **sharded), args.iters, args.warmup, dev)
     peak = torch.zeros(1, device=dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        _step(lce, hidden, shard, target, ac, process_group=group)
+        _step(lce, hidden, shard, target, ac, **sharded)
         peak += torch.cuda.max_memory_allocated() / 2 ** 20
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
 
@@ -181,6 +180,7 @@ if __name__ == "__main__":
     ap.add_argument("--port", type=int, default=29512)
     ap.add_argument("--cpu", action="store_true", help="smoke-test the script on the CPU (gloo; use small shapes)")
     ap.add_argument("--autocast", action="store_true", help="float32 inputs under torch.autocast(bfloat16)")
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="chunk_tokens of the R-GPU calls (0: the default)")
     args = ap.parse_args()
     if "RANK" in os.environ:
         main(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), args)
