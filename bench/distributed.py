@@ -108,7 +108,7 @@ def main(rank: int, world: int, args) -> None:
     shard = weight.detach()[off:off + width].clone().requires_grad_(True)
     group = dist.group.WORLD
     ac = args.autocast
-    sharded = dict(process_group=group, chunk_tokens=args.chunk_tokens)  # the R-GPU calls' options
+    sharded = dict(process_group=group, chunk_tokens=args.chunk_tokens or None)  # the R-GPU calls' options
     lce = logitless.linear_cross_entropy
 
     # Correctness: R GPUs against one.
