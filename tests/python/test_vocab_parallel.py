@@ -185,11 +185,11 @@ def _lce_case(rank, world, dev, widths, dtype_name, preset, reduction, schedule,
     with ac:
         ref = logitless.linear_cross_entropy(hx, wx, target, bx, **kw)
     ref_loss, ref_lse = ref if lse_out else (ref, None)
-    if autocast:  # the reference's bfloat16 products are told apart from float32 ones at the loss's tolerance
-        f32_loss = logitless.linear_cross_entropy(hx.detach(), wx.detach(), target, b, **kw)
-        f32_loss = f32_loss[0] if lse_out else f32_loss
+    if autocast:  # the reference's bfloat16 products are told apart from float32 ones at lse's tolerance
+        assert lse_out, "lse tells the products' dtype apart"
+        _, f32_lse = logitless.linear_cross_entropy(hx.detach(), wx.detach(), target, b, **kw)
         with pytest.raises(AssertionError):
-            _close(f32_loss, ref_loss, torch.float32, device, "loss")
+            _close(f32_lse, ref_lse, torch.float32, device, "lse")
     up = _upstream(ref_loss, gen, device)
     (ref_loss * up).sum().backward()
 
