@@ -109,6 +109,8 @@ def main(rank: int, world: int, args) -> None:
     group = dist.group.WORLD
     ac = args.autocast
     sharded = dict(process_group=group, chunk_tokens=args.chunk_tokens or None)  # the R-GPU calls' options
+    if args.memory_budget_mib:
+        sharded["memory_budget"] = args.memory_budget_mib << 20
     lce = logitless.linear_cross_entropy
 
     # Correctness: R GPUs against one.
@@ -181,6 +183,7 @@ if __name__ == "__main__":
     ap.add_argument("--cpu", action="store_true", help="smoke-test the script on the CPU (gloo; use small shapes)")
     ap.add_argument("--autocast", action="store_true", help="float32 inputs under torch.autocast(bfloat16)")
     ap.add_argument("--chunk-tokens", type=int, default=0, help="chunk_tokens of the R-GPU calls (0: the default)")
+    ap.add_argument("--memory-budget-mib", type=int, default=0, help="memory_budget of the R-GPU calls (0: default)")
     args = ap.parse_args()
     if "RANK" in os.environ:
         main(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), args)
