@@ -157,7 +157,11 @@ void linear_cross_entropy_shard_backward(const TensorView& hidden, const TensorV
 // upstream gradient 1). The token chunk every rank must use: options.chunk_tokens when > 0, else a quarter of
 // options.memory_budget over a float32 logits row of the widest shard (rounded to multiples of 128 tokens:
 // 512 tokens at V_r = 64128 with the default 512 MiB, as many GEMM tiles per logits GEMM as one device's
-// 256-token chunks at V = 128256). A pure function: equal arguments give equal chunks on every rank.
+// 256-token chunks at V = 128256). A pure function: equal arguments give equal chunks on every rank. With 16-bit
+// inputs the grad_hidden / grad_weight GEMMs run over groups of whole chunks that the rest of the budget holds; where
+// grad_weight is float32 (its sums over the groups land in it directly, as under autocast over float32 weights), the
+// groups grow toward 2048 tokens as far as twice the budget holds them beside the two chunk slots, as on one device
+// (at V_r = 128000 with the default budget: 2048 tokens instead of 1024).
 int64_t linear_cross_entropy_shard_chunk_tokens(int64_t n_tokens, int64_t widest_shard,
                                                 const LinearCrossEntropyOptions& options);
 

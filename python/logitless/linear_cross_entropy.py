@@ -609,7 +609,8 @@ def linear_cross_entropy(
     holds (1000 MiB of scratch at 256000 classes; the budget alone holds 2048 tokens up to 131072 classes). A
     float32 bias stays float32. With vocabulary parallelism the products run in the autocast dtype too and the
     gradients of float32 arguments are float32; there the recompute schedule casts the weight again in the backward
-    instead of keeping a copy, and the token chunks are the steps' own (logitless.vocab_parallel).
+    instead of keeping a copy, and the token chunks are the steps' own (their groups over a float32 grad_weight grow
+    likewise; include/logitless/vocab_parallel.h).
 
     Autograd: gradients flow to hidden, weight and bias. With gradient_in_forward the gradients are computed
     once and consumed by the backward: a second backward through the same call (retain_graph=True) raises

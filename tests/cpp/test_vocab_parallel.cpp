@@ -953,6 +953,12 @@ TEST(VocabParallelLinearCrossEntropyCuda, ChunkedShapes) {
       expect_lce(in, o, lce_recompute(in, o, {1.0}, split, DType::kFloat32, true), want, DType::kBFloat16, tag);
       expect_lce(in, o, lce_steps(in, o, 0, split, DType::kFloat32, true, true), want, DType::kBFloat16, tag);
       expect_lce(in, o, lce_steps(in, o, 0, split, DType::kBFloat16, true, false), want, DType::kBFloat16, tag);
+      // A quarter of the budget: 8-token chunks, and float32 grad_weight groups that grew (32 -> 96 tokens at
+      // V_r = 2502) and still split the tokens.
+      LinearCrossEntropyOptions quarter = o;
+      quarter.memory_budget = o.memory_budget / 4;
+      expect_lce(in, quarter, lce_steps(in, quarter, 0, split, DType::kFloat32, true, true), want, DType::kBFloat16,
+                 tag + " quarter budget");
     }
   }
 }
@@ -1059,6 +1065,47 @@ TEST(VocabParallelPlan, ChunksAtTheBenchmarkShape) {
   EXPECT_TRUE(f.dlogits_in_place);
   EXPECT_EQ(f.group_rows, 96);
   EXPECT_EQ(off(f.b.head.dlogits), kNone);
+}
+
+// A float32 grad_weight (autocast over float32 master weights) takes every group's sums itself: the groups grow
+// toward head::kFloat32SumsGroupRows as far as twice the budget holds them beside the slots, as on one device.
+TEST(VocabParallelPlan, Float32GradWeightGroupsGrowWithinTwiceTheBudget) {
+  const auto f32_grads = [](lce::PlanInputs in) {
+    in.grad_hidden_f32 = in.grad_weight_f32 = true;
+    return in;
+  };
+  const auto used = [](const Laid& p) {
+    return 2 * p.slot_bytes + static_cast<size_t>(p.group_rows * p.ld_dlogits * 2);
+  };
+  // N=8192, H=2304, V=256000 on two ranks (V_r = 128000): 256-token chunks; a 16-bit grad_weight's groups are the
+  // 1024 tokens the budget holds, a float32 one's 2048.
+  const size_t budget = size_t{512} << 20;
+  const int64_t chunk = lce::shard_chunk_tokens(8192, 128000, 0, budget);
+  ASSERT_EQ(chunk, 256);
+  const lce::PlanInputs in = step_inputs(8192, 2304, 128000, chunk);
+  const Laid bf16 = lay(in), f32 = lay(f32_grads(in));
+  EXPECT_EQ(bf16.group_rows, 1024);
+  EXPECT_TRUE(bf16.dw_accumulator);
+  EXPECT_EQ(f32.group_rows, head::kFloat32SumsGroupRows);
+  EXPECT_FALSE(f32.dw_accumulator);
+  EXPECT_EQ(f32.chunk_rows, chunk);
+  EXPECT_LE(used(f32), 2 * budget);
+  // A small budget: as far as twice it holds, in whole chunks.
+  lce::PlanInputs small = in;
+  small.memory_budget = size_t{64} << 20;
+  small.chunk_tokens = lce::shard_chunk_tokens(8192, 128000, 0, small.memory_budget);
+  const Laid sb = lay(small), sf = lay(f32_grads(small));
+  EXPECT_GT(sf.group_rows, sb.group_rows);
+  EXPECT_LT(sf.group_rows, head::kFloat32SumsGroupRows);
+  EXPECT_EQ(sf.group_rows % sf.chunk_rows, 0);
+  EXPECT_LE(used(sf), 2 * small.memory_budget);
+  // No gradient of the weight: the budget's groups.
+  lce::PlanInputs frozen = f32_grads(in);
+  frozen.need_dw = false;
+  EXPECT_EQ(lay(frozen).group_rows, 1024);
+  // Groups the budget already makes 2048 long (V_r = 64128) stay so.
+  const int64_t c2 = lce::shard_chunk_tokens(16384, 64128, 0, budget);
+  EXPECT_EQ(lay(f32_grads(step_inputs(16384, 4096, 64128, c2))).group_rows, 2048);
 }
 
 }  // namespace
