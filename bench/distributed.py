@@ -17,6 +17,9 @@ Target (issue "vocabulary parallelism"): N=16384, H=4096, V=128256 bf16, two H20
 
 `--autocast`: float32 hidden and weight (master weights), every call under torch.autocast(bfloat16), float32
 gradients; one more row times R GPUs on the same float32 inputs without autocast (float32 products).
+`--peers`: one more row, what a user of plain torch tensor parallelism runs on R GPUs: the head as DTensors (hidden
+replicated, the weight's rows sharded), F.linear (logits sharded along the vocabulary, [N, V/R] on each rank) and
+F.cross_entropy on the float32 logits under torch's loss_parallel(), eager.
 """
 from __future__ import annotations
 
@@ -51,6 +54,44 @@ def _step(lce, hidden, weight, target, autocast=False, **kw):
         loss = lce(h, w, target, **kw)
     loss.backward()
     return loss.detach(), h.grad, w.grad
+
+
+def _torch_tp_step(hidden, shard, target, mesh, vocab, autocast):
+    """Plain torch tensor parallelism of the head: DTensor F.linear, then cross-entropy under loss_parallel()."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    h = _Source.apply(hidden)
+    w = _Source.apply(shard)
+    h.retain_grad()
+    w.retain_grad()
+    hd = DTensor.from_local(h, mesh, [Replicate()], run_check=False)
+    wd = DTensor.from_local(w, mesh, [Shard(0)], run_check=False, shape=(vocab, shard.shape[1]),
+                            stride=(shard.shape[1], 1))
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = torch.nn.functional.linear(hd, wd)
+    with loss_parallel():
+        loss = torch.nn.functional.cross_entropy(logits.float(), target)
+        loss.backward()
+    return loss.to_local().detach(), h.grad, w.grad
+
+
+def _check(got, want, off, width):
+    (loss, dx, dw), (loss1, dx1, dw1) = got, want
+    return (f"loss rel {abs(float(loss) - float(loss1)) / abs(float(loss1)):.1e}, "
+            f"grad_hidden rel L2 {_rel(dx, dx1):.1e}, grad_weight rel L2 {_rel(dw, dw1[off:off + width]):.1e}")
+
+
+def _peak_mib(fn, dev) -> float:
+    """The largest rank's peak memory over one call of fn (0 on the CPU)."""
+    peak = torch.zeros(1, device=dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        peak += torch.cuda.max_memory_allocated() / 2 ** 20
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
 
 
 def _time(fn, iters, warmup, dev):
@@ -113,31 +154,32 @@ def main(rank: int, world: int, args) -> None:
         sharded["memory_budget"] = args.memory_budget_mib << 20
     lce = logitless.linear_cross_entropy
 
-    # Correctness: R GPUs against one.
-    loss1, dx1, dw1 = _step(lce, hidden, weight, target, ac)
-    rows = []
-    for schedule in ("gradient_in_forward", "recompute"):
-        loss_r, dx_r, dw_r = _step(lce, hidden, shard, target, ac, schedule=schedule, **sharded)
-        check = (f"loss rel {abs(float(loss_r) - float(loss1)) / abs(float(loss1)):.1e}, "
-                 f"grad_hidden rel L2 {_rel(dx_r, dx1):.1e}, grad_weight rel L2 {_rel(dw_r, dw1[off:off + width]):.1e}")
-        rows.append((schedule, check))
-    del dx1, dw1
+    # Correctness: R GPUs (and the peer) against one.
+    calls = {s: (lambda s=s: _step(lce, hidden, shard, target, ac, schedule=s, **sharded))
+             for s in ("gradient_in_forward", "recompute")}
+    if args.peers:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (world,))
+        calls["torch loss_parallel"] = lambda: _torch_tp_step(hidden, shard, target, mesh, V, ac)
+    want = _step(lce, hidden, weight, target, ac)
+    rows = [(name, _check(fn(), want, off, width)) for name, fn in calls.items()]
+    del want
 
     flop = 6.0 * N * H * V
     results = []
     for schedule in ("gradient_in_forward", "recompute"):
         one = _time(lambda: _step(lce, hidden, weight, target, ac, schedule=schedule), args.iters, args.warmup, dev)
-        many = _time(lambda: _step(lce, hidden, shard, target, ac, schedule=schedule, **sharded),
-                     args.iters, args.warmup, dev)
-        results.append((schedule, one, many))
+        results.append((schedule, one, _time(calls[schedule], args.iters, args.warmup, dev)))
+    extra = []  # (row name, R-GPU ms, note)
     if ac:  # the same float32 inputs without autocast: float32 products
         f32 = _time(lambda: _step(lce, hidden, shard, target, **sharded), args.iters, args.warmup, dev)
-    peak = torch.zeros(1, device=dev)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        _step(lce, hidden, shard, target, ac, **sharded)
-        peak += torch.cuda.max_memory_allocated() / 2 ** 20
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        extra.append(("float32 products", f32, "the same inputs without autocast"))
+    if args.peers:
+        peer = calls["torch loss_parallel"]
+        ms = _time(peer, args.iters, args.warmup, dev)
+        extra.append(("torch loss_parallel", ms, f"eager, peak {_peak_mib(peer, dev):.0f} MiB a rank"))
+    peak = _peak_mib(calls["gradient_in_forward"], dev)
 
     if rank == 0:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (smoke test)"
@@ -150,15 +192,15 @@ def main(rank: int, world: int, args) -> None:
         for schedule, one, many in results:
             print(f"{schedule:<22}{one:>10.2f}{many:>12.2f}{one / many:>8.2f}x{flop / one / 1e9:>15.0f}"
                   f"{flop / many / world / 1e9:>17.0f}")
-        if ac:
-            print(f"{'float32 products':<22}{'':>10}{f32:>12.2f}   ({world} GPUs, the same inputs without autocast: "
-                  f"{f32 / results[0][2]:.2f}x the default's time)")
+        for label, ms, note in extra:
+            print(f"{label:<22}{'':>10}{ms:>12.2f}   ({world} GPUs, {note}: "
+                  f"{ms / results[0][2]:.2f}x the default's time)")
         print()
         default_one = results[0][1]
         best_many = results[0][2]
         print(f"speedup (default schedule, {world} GPUs vs 1): {default_one / best_many:.2f}x "
               f"(target >= 1.8x on two H200s)")
-        print(f"peak memory per rank with {world} GPUs: {float(peak):.0f} MiB")
+        print(f"peak memory per rank with {world} GPUs: {peak:.0f} MiB")
         for schedule, check in rows:
             print(f"check {schedule}: {check}")
     dist.barrier()
@@ -183,6 +225,7 @@ if __name__ == "__main__":
     ap.add_argument("--cpu", action="store_true", help="smoke-test the script on the CPU (gloo; use small shapes)")
     ap.add_argument("--autocast", action="store_true", help="float32 inputs under torch.autocast(bfloat16)")
     ap.add_argument("--chunk-tokens", type=int, default=0, help="chunk_tokens of the R-GPU calls (0: the default)")
+    ap.add_argument("--peers", action="store_true", help="also time plain torch tensor parallelism (loss_parallel)")
     ap.add_argument("--memory-budget-mib", type=int, default=0, help="memory_budget of the R-GPU calls (0: default)")
     args = ap.parse_args()
     if "RANK" in os.environ:
