@@ -68,6 +68,7 @@ import torch
 from torch import Tensor
 
 from . import _hf_layers, _hf_residual
+from ._checks import is_dtensor
 from .linear_cross_entropy import linear_cross_entropy
 from .nn import RMSNorm
 from .rms_norm import rms_norm
@@ -660,7 +661,8 @@ def patch(model: torch.nn.Module, rms_norm: bool = True, cross_entropy: bool = T
         **loss_options: passed on to ``linear_cross_entropy``: z_loss, schedule, chunk_tokens, chunk_vocab,
             memory_budget, grad_weight_accumulation, check_targets, vocab_parallel (z_loss adds a term the original loss does not have;
             vocab_parallel=True for an lm_head whose weight is a tensor-parallel DTensor sharded along the
-            vocabulary).
+            vocabulary, as torch's ColwiseParallel lays it out, whatever its output layout: the loss then stands in
+            for the head's sharded logits, one column a rank).
 
     A patched model is first unpatched, so patching again with other options replaces the earlier patch (and a
     refused one leaves the earlier patch in place).
@@ -893,7 +895,19 @@ def _head_forward(head, hidden, *args, **kwargs):
     call.loss = _causal_lm_loss(head, state, hidden, call)
     # As many dimensions as the logits, each of size one: a forward that reads the logits' shape (Inkling passes
     # vocab_size=logits.shape[-1] to the loss) still can; what it applies to them costs nothing.
-    return call.loss.reshape((1,) * hidden.dim())
+    out = call.loss.reshape((1,) * hidden.dim())
+    return _as_sharded_logits(out, hidden) if is_dtensor(hidden) else out
+
+
+def _as_sharded_logits(out: Tensor, hidden) -> Tensor:
+    """A tensor-parallel head's input hook made `hidden` a DTensor, and its output hook takes the head's output for
+    logits sharded along the vocabulary (a DTensor it redistributes or unwraps): `out` as such, one column a rank,
+    sharded over the mesh dimensions where hidden is replicated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = hidden.device_mesh
+    placements = [Shard(out.dim() - 1) if isinstance(p, Replicate) else p for p in hidden.placements]
+    return DTensor.from_local(out, mesh, placements, run_check=False)
 
 
 def _loss_function(self, logits=None, labels=None, vocab_size=None, *args, **kwargs):
@@ -913,7 +927,9 @@ def _loss_function(self, logits=None, labels=None, vocab_size=None, *args, **kwa
     # `logits` is what the forward made of the head's output (the loss itself, perhaps scaled and softcapped as
     # the probe found). The sum keeps it in the graph at weight zero: a sharding wrapper's hook on the head's output
     # (FSDP2's, ZeRO-3's) runs in the backward before the loss's own backward needs the gathered weight.
-    return call.loss + 0.0 * logits.reshape(())
+    # (A tensor-parallel head's output may come as a DTensor, or gathered to one column a rank.)
+    zero = (logits.to_local() if is_dtensor(logits) else logits).sum()
+    return call.loss + 0.0 * zero
 
 
 def _causal_lm_loss(head, state: _PatchState, hidden: Tensor, call: _Call) -> Tensor:

@@ -9,6 +9,7 @@ global inputs on every rank from a seed, computes the unsharded reference locall
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -276,6 +277,52 @@ def _regathered_weight_case(rank, world, dev, schedule, how, autocast=False):
     _close(wl.grad, wx.grad[off:off + width], gdt, device, "grad_weight")
 
 
+def _patched_tp_head_case(rank, world, dev, style, autocast):
+    """A Hugging Face model patched with vocab_parallel=True whose lm_head torch's tensor parallelism shards along the
+    vocabulary (ColwiseParallel: its input hook makes the hidden states a DTensor, its output hook takes the head's
+    output for sharded logits, to unwrap, gather or keep), against the same model patched on one process."""
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    device = _device(dev, rank)
+    config = transformers.LlamaConfig(vocab_size=389, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).to(device)
+    tp = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 389, (2, 24), generator=gen).to(device)
+    labels = ids.clone()
+    labels[:, :4] = -100
+    ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
+    logitless.patch(ref)
+    with ac:
+        want = ref(input_ids=ids, labels=labels).loss
+    want.backward()
+    styles = {"default": ColwiseParallel(), "replicated": ColwiseParallel(output_layouts=Replicate()),
+              "dtensor": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    parallelize_module(tp, _mesh(device, world), {"lm_head": styles[style]})
+    logitless.patch(tp, vocab_parallel=True)
+    with ac:
+        out = tp(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert getattr(out, "logits", None) is None
+    _close(out.loss, want, torch.float32, device, "loss")
+    _close(tp.lm_head.weight.grad.full_tensor(), ref.lm_head.weight.grad, torch.float32, device, "lm_head grad")
+    _close(tp.model.embed_tokens.weight.grad, ref.model.embed_tokens.weight.grad, torch.float32, device, "embed grad")
+    with torch.no_grad():  # without labels the head is the head: its logits as the style lays them out
+        logits = tp(input_ids=ids).logits
+        full = ref(input_ids=ids).logits
+    if style == "dtensor":
+        logits = logits.full_tensor()
+    elif style == "default":  # each rank's own columns (torch.chunk's split)
+        widths = _widths_of(rank, world, 389)
+        full = full[..., sum(widths[:rank]):sum(widths[:rank + 1])]
+    _close(logits, full, torch.float32, device, "logits")
+
+
 def _bad_target_case(rank, world, dev, linear):
     device = _device(dev, rank)
     widths = [5, 7, 0][:world] if world == 3 else [5, 7]  # V = 12
@@ -406,6 +453,12 @@ def test_linear_cross_entropy_bfloat16(gloo2):
               False)
 
 
+@pytest.mark.parametrize("style", ["default", "replicated", "dtensor"])
+def test_patched_model_with_a_tensor_parallel_head(gloo2, style):
+    gloo2.run("_patched_tp_head_case", "cpu", style, False)
+    gloo2.run("_patched_tp_head_case", "cpu", style, True)
+
+
 @pytest.mark.parametrize("how", ["resize", "replace"])
 @pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
 def test_weight_regathered_between_forward_and_backward(gloo3, schedule, how):
@@ -467,6 +520,11 @@ def test_cuda_linear_cross_entropy_under_autocast(nccl2, schedule):
     nccl2.run("_lce_case", "cuda", [700, 1301], "float32", "plain", "sum", schedule, True, False, False, True, True)
     nccl2.run("_lce_case", "cuda", [2001], "float32", "plain", "mean", schedule, False, True, True, True, True)
     nccl2.run("_regathered_weight_case", "cuda", schedule, "resize", True)
+
+
+def test_cuda_patched_model_with_a_tensor_parallel_head(nccl2):
+    nccl2.run("_patched_tp_head_case", "cuda", "default", False)
+    nccl2.run("_patched_tp_head_case", "cuda", "replicated", True)
 
 
 @pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
