@@ -138,13 +138,9 @@ Plan plan_linear_cross_entropy(const PlanInputs& in) {
     const size_t slots = static_cast<size_t>(2 * p.chunk_rows * logits_row);
     if (!p.dlogits_in_place) {
       const int64_t all = ceil_div(max_rows, p.chunk_rows) * p.chunk_rows;
-      int64_t fit = fit_rows(budget > slots ? budget - slots : 0, grad_row);
       // A float32 grad_weight (autocast over float32 master weights) takes every group's sums itself: the groups
-      // grow as on one device (head::group_min_rows), the slots sharing twice the budget.
-      if (in.need_dw && in.grad_weight_f32) {
-        const size_t twice = head::twice_budget(budget);
-        fit = head::group_min_rows(fit, fit_rows(twice > slots ? twice - slots : 0, grad_row));
-      }
+      // grow as on one device, the slots sharing twice the budget.
+      const int64_t fit = head::group_fit(budget, slots, grad_row, in.need_dw && in.grad_weight_f32);
       const int64_t fitted = fit / p.chunk_rows * p.chunk_rows;
       p.group_rows = std::min(std::max(fitted, p.chunk_rows), all);
       const size_t acc = dw_accumulator_bytes(in);

@@ -18,6 +18,13 @@ int64_t fit_in_steps(size_t bytes, int64_t per_item, int64_t step) {
 
 int64_t fit_rows(size_t bytes, int64_t per_item) { return fit_in_steps(bytes, per_item, 128); }
 
+int64_t group_fit(size_t budget, size_t used, int64_t row, bool float32_sums) {
+  const int64_t fit = fit_rows(budget > used ? budget - used : 0, row);
+  if (!float32_sums) return fit;
+  const size_t twice = twice_budget(budget);
+  return group_min_rows(fit, fit_rows(twice > used ? twice - used : 0, row));
+}
+
 ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes) {
   const int64_t N = in.n, max_rows = std::max<int64_t>(N, 1);
   const size_t budget = std::max<size_t>(in.memory_budget, 1);
@@ -43,12 +50,7 @@ ChunkPlan plan_token_chunks(const ChunkInputs& in, int64_t chunk_row_bytes) {
   }
   p.chunk_rows = std::min(chunk_fit, max_rows);
   const size_t used = static_cast<size_t>(p.chunk_rows * chunk_row_bytes);
-  p.group_rows = std::min(std::max(fit_rows(budget > used ? budget - used : 0, grad_row), p.chunk_rows), max_rows);
-  if (in.float32_grad_weight) {
-    const size_t twice = twice_budget(budget);
-    p.group_rows =
-        std::min(group_min_rows(p.group_rows, fit_rows(twice > used ? twice - used : 0, grad_row)), max_rows);
-  }
+  p.group_rows = std::min(std::max(group_fit(budget, used, grad_row, in.float32_grad_weight), p.chunk_rows), max_rows);
   // Several groups with a 16-bit grad_weight need a float32 accumulator of 4 V H bytes. When holding every token's
   // gradient takes no more than the budget plus that accumulator, do that instead: one grad_weight GEMM over all
   // tokens, no accumulation traffic, and no more memory.

@@ -62,6 +62,10 @@ inline int64_t group_min_rows(int64_t fit, int64_t stretched) {
 // Twice a budget, saturating: how far a plan may stretch it (the groups above, and the linear cross-entropy's
 // exponentials in grad_weight's storage).
 inline size_t twice_budget(size_t budget) { return budget > SIZE_MAX / 2 ? SIZE_MAX : 2 * budget; }
+// Token groups of `row` bytes a row beside `used` bytes of the budget (a float32 logits chunk, or the steps' two
+// slots): as many as the rest holds, and where a float32 grad_weight takes the groups' sums (float32_sums), grown
+// toward kFloat32SumsGroupRows as far as the rest of twice the budget holds (group_min_rows).
+int64_t group_fit(size_t budget, size_t used, int64_t row, bool float32_sums);
 
 // grad_weight's float32 sums over token groups, in up to two parts: rows [0, split) in the workspace, rows
 // [split, v) at the start of a 16-bit grad_weight's own storage, which holds nothing else until the sums are cast
