@@ -2073,6 +2073,23 @@ TEST(LinearHeadPlan, AccumulatorTailRows) {
   EXPECT_EQ(head::accumulator_tail_rows(128256, 2048, size_t{128256} * 2048 * 2 - 256), 128256 - 85632);
 }
 
+// head::DwAccumulator::rows_written_by: only the last of several token groups writes grad_weight's rows, as many
+// of the head's as the plan allows.
+TEST(LinearHeadPlan, OnlyTheLastOfSeveralGroupsWritesGradWeight) {
+  float sums[1] = {};
+  head::DwAccumulator acc{sums, nullptr, 0, 700};
+  const int64_t n = 5000, v = 1000;
+  EXPECT_EQ(acc.rows_written_by(0, 2048, n, v), 0);     // the first group sets the sums
+  EXPECT_EQ(acc.rows_written_by(2048, 2048, n, v), 0);  // a middle one adds to them
+  EXPECT_EQ(acc.rows_written_by(4096, 904, n, v), 700);
+  EXPECT_EQ(acc.rows_written_by(0, n, n, v), 0);  // one group: nothing to add to, the sums are cast
+  acc.tail = sums;                                // a tail from row 600 on: the head's 600 rows at most
+  acc.split = 600;
+  EXPECT_EQ(acc.rows_written_by(4096, 904, n, v), 600);
+  acc.written = 0;  // a plan that writes nothing
+  EXPECT_EQ(acc.rows_written_by(4096, 904, n, v), 0);
+}
+
 // The gradient in forward's float32 accumulator keeps its last rows in a contiguous 16-bit grad_weight's storage
 // (Plan::dw_tail_rows), before the fused path's regions there; the workspace holds the rest. Not for the steps,
 // weight-dtype accumulation, a float32 grad_weight or one group.

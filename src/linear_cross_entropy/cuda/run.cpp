@@ -312,11 +312,11 @@ struct Run {
             acc ? TargetRowsOut{acc.head, acc.tail, acc.split, DType::kFloat32, H}
                 : TargetRowsOut{p.grad_weight.data, nullptr, V, p.grad_weight.dtype, p.grad_weight.ld};
         // The first group's product sets the sums, so its target terms follow it; the last group's, where it
-        // writes grad_weight (DwAccumulator::written), must find them in the sums already.
-        const bool last = acc.written > 0 && g0 > 0 && g0 + rows == N;
-        if (last) launch_grad_weight_targets(x, sort, dw, stream());
-        e.grad_weight_sums(x.e, x.ld_e, rows, x.xs, H, acc, /*accumulate=*/g0 > 0, last);
-        if (!last) launch_grad_weight_targets(x, sort, dw, stream());
+        // writes grad_weight, must find them in the sums already.
+        const int64_t written = acc.rows_written_by(g0, rows, N, V);
+        if (written > 0) launch_grad_weight_targets(x, sort, dw, stream());
+        e.grad_weight_sums(x.e, x.ld_e, rows, x.xs, H, acc, /*accumulate=*/g0 > 0, written);
+        if (written == 0) launch_grad_weight_targets(x, sort, dw, stream());
       }
       if (p.grad_hidden.data) {  // dX_g = s ⊙ (E_g W) + target terms: float32 rows (in place if float32)
         const head::Matrix dx = p.grad_hidden.rows_from(g0);

@@ -52,10 +52,9 @@ void Engine::grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64
 }
 
 void Engine::grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const void* x, int64_t ldx,
-                              const DwAccumulator& acc, bool accumulate, bool last) const {
+                              const DwAccumulator& acc, bool accumulate, int64_t written) const {
   if (!acc) return grad_weight_gemm(dz, ld_dz, rows, io_.v, x, ldx, io_.grad_weight, accumulate);
   const int64_t split = acc.head_rows(io_.v), es = static_cast<int64_t>(dtype_size(io_.dtype));
-  const int64_t written = last && accumulate ? std::min(acc.written, split) : 0;
   // Rows [v0, v0 + cols) of grad_weight, their sums at `sums`.
   const auto part = [&](int64_t v0, int64_t cols, float* sums, bool tail, bool write) {
     if (cols <= 0) return;
@@ -71,8 +70,7 @@ void Engine::grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const
   part(written, split - written, acc.head + written * io_.h, false, false);
 }
 
-void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc,
-                         bool last) const {
+void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc) const {
   if (io_.grad_hidden.data) {
     const Matrix dx = io_.grad_hidden.rows_from(g0);
     if (io_.v == 0) {  // an empty vocabulary shard contributes nothing (a GEMM over k = 0 would leave dx unwritten)
@@ -82,7 +80,8 @@ void Engine::group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows
     }
   }
   if (io_.grad_weight.data)
-    grad_weight_sums(dz, ld_dz, rows, x_rows(g0), io_.ldx, acc, /*accumulate=*/g0 > 0, last && g0 > 0);
+    grad_weight_sums(dz, ld_dz, rows, x_rows(g0), io_.ldx, acc, /*accumulate=*/g0 > 0,
+                     acc.rows_written_by(g0, rows, io_.n, io_.v));
 }
 
 void Engine::bias_sums(const float* db_partial, int64_t rows, int64_t ld, float* db) const {

@@ -116,13 +116,13 @@ class Engine {
   void grad_weight_gemm(const void* dz, int64_t ld_dz, int64_t rows, int64_t cols, const void* x, int64_t ldx,
                         const Matrix& dw, bool accumulate, bool tail = false, const Matrix& out = {}) const;
   // The same into every row of grad_weight's sums: the accumulator's parts where there is one, else grad_weight.
-  // `last`: the last group's products, which write the accumulator's written rows into grad_weight
-  // (DwAccumulator::written; with accumulate only, after every other sum into them).
+  // `written`: the head rows these products also write into grad_weight (DwAccumulator::rows_written_by; the last
+  // group's, with accumulate, after every other sum into them), and the tail's rows with them.
   void grad_weight_sums(const void* dz, int64_t ld_dz, int64_t rows, const void* x, int64_t ldx,
-                        const DwAccumulator& acc, bool accumulate, bool last = false) const;
-  // A token group's GEMMs: its rows of grad_hidden are final; grad_weight sums over groups (in acc if given).
-  void group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc,
-                   bool last = false) const;
+                        const DwAccumulator& acc, bool accumulate, int64_t written = 0) const;
+  // A token group's GEMMs: its rows of grad_hidden are final; grad_weight sums over groups (in acc if given), the
+  // last group's products writing the rows the accumulator says.
+  void group_gemms(const void* dz, int64_t ld_dz, int64_t g0, int64_t rows, const DwAccumulator& acc) const;
   // db (+)= the column sums of a gradient kernel's partials of `rows` rows.
   void bias_sums(const float* db_partial, int64_t rows, int64_t ld, float* db) const;
   // The float32 sums cast into grad_weight and grad_bias (either may be absent): the accumulator's tail first
@@ -164,7 +164,7 @@ void sweep(const Engine& e, const SweepBuffers& b, Loss& loss, bool grads) {
       }
       r0 += c.rows;
     }
-    if (grads) e.group_gemms(b.dlogits ? b.dlogits : b.logits, b.ld_dlogits, g0, g1 - g0, b.dw_acc, g1 == N);
+    if (grads) e.group_gemms(b.dlogits ? b.dlogits : b.logits, b.ld_dlogits, g0, g1 - g0, b.dw_acc);
   }
   if (grads) e.finish(b.dw_acc, b.db);
 }

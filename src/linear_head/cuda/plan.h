@@ -80,6 +80,12 @@ struct DwAccumulator {
   int64_t written = 0;  // 0: every row cast at the end
   explicit operator bool() const { return head != nullptr; }
   int64_t head_rows(int64_t v) const { return tail ? split : v; }  // rows [0, head_rows) at head
+  // The head's rows [0, k) that the products of token group [g0, g0 + rows) of n write into grad_weight: `written`
+  // for the last group where there are several (the first group's products set the sums; they write nothing), else
+  // 0. The one place that recognises that group.
+  int64_t rows_written_by(int64_t g0, int64_t rows, int64_t n, int64_t v) const {
+    return g0 > 0 && g0 + rows == n ? std::min(written, head_rows(v)) : 0;
+  }
 };
 
 // The most rows of float32 sums (a tail, as above) that a 16-bit grad_weight [v, h] with contiguous rows holds in
