@@ -23,7 +23,7 @@ from torch.nn.modules import module as module_mod
 
 from ._checks import is_dtensor  # imports nothing of torch.distributed
 
-__all__ = ["through_module", "linear_head_loss", "refuse_sharded_weight"]
+__all__ = ["through_module", "linear_head_loss", "as_vocab_sharded", "beside", "refuse_sharded_weight"]
 
 
 def _has_call_hooks(module: torch.nn.Module) -> bool:
@@ -76,18 +76,68 @@ def linear_head_loss(head: torch.nn.Module, loss: Callable[..., Any], hidden: Te
         loss = logitless.linear_head_loss(model.lm_head, logitless.linear_cross_entropy, hidden, labels)
         loss = logitless.linear_head_loss(model.lm_head, logitless.linear_grpo_loss, hidden, ids, advantages,
                                           completion_mask=mask, beta=0.0)
+
+    A head that torch's tensor parallelism shards along the vocabulary (``ColwiseParallel``) takes
+    ``vocab_parallel=True``: its input hook makes `hidden` a DTensor, and its output hook, which expects the
+    head's logits, gets a vocabulary-sharded stand-in (`as_vocab_sharded`) while the loss's own result is returned.
     """
     if not isinstance(head, torch.nn.Module) or not isinstance(getattr(head, "weight", None), Tensor):
         raise TypeError(f"head: expected a linear module with a weight tensor (e.g. model.lm_head), got "
                         f"{type(head).__name__}")
+    held = []
 
     def forward(h, *a, **k):
         # Read here, not before the call: a sharding wrapper has gathered them by now.
         if getattr(head, "bias", None) is not None:
             k = dict(k, bias=head.bias)
-        return loss(h, head.weight, *a, **k)
+        if len(a) != len(args):  # a hook kept only the first input (torch's tensor-parallel styles do)
+            a = args
+        out = loss(h, head.weight, *a, **k)
+        if not is_dtensor(h):
+            return out
+        held.append(out)
+        first = out[0] if isinstance(out, tuple) else out
+        return as_vocab_sharded(first.sum().reshape((1,) * h.dim()), h)
 
-    return through_module(head, forward, hidden, *args, **kwargs)
+    arrived = through_module(head, forward, hidden, *args, **kwargs)
+    if not held:
+        return arrived
+    out = held[0]
+    if isinstance(out, tuple):
+        return (beside(out[0], arrived), *out[1:])
+    return beside(out, arrived)
+
+
+def as_vocab_sharded(out: Tensor, hidden) -> Tensor:
+    """A tensor-parallel head's input hook made `hidden` a DTensor, and its output hook takes the head's output for
+    logits sharded along the vocabulary (a DTensor it redistributes or unwraps): `out` as such, one column a rank,
+    sharded over the mesh dimensions where hidden is replicated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    placements = [Shard(out.dim() - 1) if isinstance(p, Replicate) else p for p in hidden.placements]
+    return DTensor.from_local(out, hidden.device_mesh, placements, run_check=False)
+
+
+class _Beside(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, other):
+        ctx.other = (other.shape, other.dtype, other.device)
+        return value.clone()  # not a view: callers add to a loss in place (a model's router losses)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.other
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def beside(value: Tensor, other) -> Tensor:
+    """`value`, with `other` (what hooks on a module's output made of a stand-in) in its graph at a zero gradient:
+    a sharding wrapper's hook on the head's output (FSDP2's) then runs in the backward before the loss's own
+    backward needs the gathered weight. No arithmetic joins them, so a NaN in either stays where it was."""
+    other = other.to_local() if is_dtensor(other) else other
+    if not isinstance(other, Tensor) or not other.requires_grad or not torch.is_grad_enabled():
+        return value
+    return _Beside.apply(value, other)
 
 
 def refuse_sharded_weight(weight: Tensor, bias: Optional[Tensor], vocab_parallel_remedy: bool) -> None:

@@ -69,6 +69,7 @@ from torch import Tensor
 
 from . import _hf_layers, _hf_residual
 from ._checks import is_dtensor
+from .heads import as_vocab_sharded, beside
 from .linear_cross_entropy import linear_cross_entropy
 from .nn import RMSNorm
 from .rms_norm import rms_norm
@@ -896,18 +897,7 @@ def _head_forward(head, hidden, *args, **kwargs):
     # As many dimensions as the logits, each of size one: a forward that reads the logits' shape (Inkling passes
     # vocab_size=logits.shape[-1] to the loss) still can; what it applies to them costs nothing.
     out = call.loss.reshape((1,) * hidden.dim())
-    return _as_sharded_logits(out, hidden) if is_dtensor(hidden) else out
-
-
-def _as_sharded_logits(out: Tensor, hidden) -> Tensor:
-    """A tensor-parallel head's input hook made `hidden` a DTensor, and its output hook takes the head's output for
-    logits sharded along the vocabulary (a DTensor it redistributes or unwraps): `out` as such, one column a rank,
-    sharded over the mesh dimensions where hidden is replicated."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    mesh = hidden.device_mesh
-    placements = [Shard(out.dim() - 1) if isinstance(p, Replicate) else p for p in hidden.placements]
-    return DTensor.from_local(out, mesh, placements, run_check=False)
+    return as_vocab_sharded(out, hidden) if is_dtensor(hidden) else out
 
 
 def _loss_function(self, logits=None, labels=None, vocab_size=None, *args, **kwargs):
@@ -925,11 +915,8 @@ def _loss_function(self, logits=None, labels=None, vocab_size=None, *args, **kwa
                            f"was given; unpatch the model")
     call.logits = logits
     # `logits` is what the forward made of the head's output (the loss itself, perhaps scaled and softcapped as
-    # the probe found). The sum keeps it in the graph at weight zero: a sharding wrapper's hook on the head's output
-    # (FSDP2's, ZeRO-3's) runs in the backward before the loss's own backward needs the gathered weight.
-    # (A tensor-parallel head's output may come as a DTensor, or gathered to one column a rank.)
-    zero = (logits.to_local() if is_dtensor(logits) else logits).sum()
-    return call.loss + 0.0 * zero
+    # the probe found; from a tensor-parallel head, a DTensor or one column a rank), kept in the graph (`beside`).
+    return beside(call.loss, logits)
 
 
 def _causal_lm_loss(head, state: _PatchState, hidden: Tensor, call: _Call) -> Tensor:

@@ -326,6 +326,50 @@ def _patched_tp_head_case(rank, world, dev, style, autocast):
     _close(logits, full, full.dtype, device, "logits")
 
 
+def _tp_head_loss_case(rank, world, dev, style, reduction, schedule):
+    """logitless.linear_head_loss(head, linear_cross_entropy, ..., vocab_parallel=True) on an nn.Linear that torch's
+    ColwiseParallel shards along the vocabulary (its output hook gets a stand-in in the layout it asks for), against
+    linear_cross_entropy of the whole head on one process: the loss (and lse, a tuple's second element), grad_hidden
+    and the weight's and bias's gradients. A NaN row's loss stays in its row."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    device = _device(dev, rank)
+    n, h, v = 40, 24, 389
+    gen = torch.Generator().manual_seed(3)
+    ref = torch.nn.Linear(h, v).to(device)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(v, h, generator=gen))
+        ref.bias.copy_(torch.randn(v, generator=gen))
+    head = copy.deepcopy(ref)
+    styles = {"default": ColwiseParallel(), "replicated": ColwiseParallel(output_layouts=Replicate()),
+              "dtensor": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    parallelize_module(head, _mesh(device, world), styles[style])
+    hidden = torch.randn(n, h, generator=gen).to(device)
+    target = torch.randint(0, v, (n,), generator=gen)
+    target[:3] = -100
+    target = target.to(device)
+    opts = dict(reduction=reduction, schedule=schedule, return_lse=True)
+    h_ref, h_tp = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    want, want_lse = logitless.linear_cross_entropy(h_ref, ref.weight, target, ref.bias, **opts)
+    got, got_lse = logitless.linear_head_loss(head, logitless.linear_cross_entropy, h_tp, target, vocab_parallel=True,
+                                              **opts)
+    assert type(got) is torch.Tensor and type(got_lse) is torch.Tensor
+    up = _upstream(want, gen, device)
+    (want * up).sum().backward()
+    (got * up).sum().backward()
+    _close(got, want, torch.float32, device, "loss")
+    _close(got_lse, want_lse, torch.float32, device, "lse")
+    _close(h_tp.grad, h_ref.grad, torch.float32, device, "grad_hidden")
+    _close(head.weight.grad.full_tensor(), ref.weight.grad, torch.float32, device, "grad_weight")
+    _close(head.bias.grad.full_tensor(), ref.bias.grad, torch.float32, device, "grad_bias")
+    if reduction == "none":  # the stand-in holds the losses' sum, NaN here: nothing of it reaches the rows
+        hidden[5] = float("nan")
+        got, _ = logitless.linear_head_loss(head, logitless.linear_cross_entropy, hidden.requires_grad_(True), target,
+                                            vocab_parallel=True, **opts)
+        assert bool(got[5].isnan()) and bool(got[torch.arange(n, device=device) != 5].isfinite().all())
+
+
 def _bad_target_case(rank, world, dev, linear):
     device = _device(dev, rank)
     widths = [5, 7, 0][:world] if world == 3 else [5, 7]  # V = 12
@@ -462,6 +506,12 @@ def test_patched_model_with_a_tensor_parallel_head(gloo2, style):
     gloo2.run("_patched_tp_head_case", "cpu", style, True)
 
 
+@pytest.mark.parametrize("style", ["default", "replicated", "dtensor"])
+def test_linear_head_loss_with_a_tensor_parallel_head(gloo2, style):
+    gloo2.run("_tp_head_loss_case", "cpu", style, "mean", "gradient_in_forward")
+    gloo2.run("_tp_head_loss_case", "cpu", style, "none", "recompute")
+
+
 @pytest.mark.parametrize("how", ["resize", "replace"])
 @pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
 def test_weight_regathered_between_forward_and_backward(gloo3, schedule, how):
@@ -528,6 +578,11 @@ def test_cuda_linear_cross_entropy_under_autocast(nccl2, schedule):
 def test_cuda_patched_model_with_a_tensor_parallel_head(nccl2):
     nccl2.run("_patched_tp_head_case", "cuda", "default", False)
     nccl2.run("_patched_tp_head_case", "cuda", "replicated", True)
+
+
+def test_cuda_linear_head_loss_with_a_tensor_parallel_head(nccl2):
+    nccl2.run("_tp_head_loss_case", "cuda", "default", "mean", "gradient_in_forward")
+    nccl2.run("_tp_head_loss_case", "cuda", "replicated", "none", "recompute")
 
 
 @pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
