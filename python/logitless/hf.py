@@ -762,6 +762,11 @@ def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, An
         norms = {(id(s.parent), s.attr): (s.original, s.replacement) for s in state.swaps}
         taken = {id(s.module) for s in state.mlps} | {id(m) for site in state.ropes for m, _ in site.modules}
         state.residuals = _hf_residual.plan_residuals(model, norms, taken, reasons, state.notes)
+    sharded = _sharded_at(model) if state.swaps else None
+    if sharded is not None:
+        reasons.append(f"rms_norm: the model is already sharded ({sharded}): its replacement norms would hold the "
+                       f"shards, which the wrapper gathers only into the modules it wrapped; patch before sharding, "
+                       f"or pass rms_norm=False")
     if cross_entropy:
         had_forward = "forward" in model.__dict__
         state.forward_before = (had_forward, model.__dict__.get("forward"))
@@ -786,6 +791,22 @@ def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, An
     if reasons:
         raise PatchRefused(type(model).__name__, reasons)
     return state
+
+
+def _sharded_at(model: torch.nn.Module) -> Optional[str]:
+    """Where FSDP2's fully_shard or DeepSpeed ZeRO-3 has already sharded `model`, or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        FSDPModule = None
+    if FSDPModule is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                return f"fully_shard at {name or 'the model itself'}"
+    for name, param in model.named_parameters():
+        if hasattr(param, "ds_id"):  # a parameter that DeepSpeed ZeRO-3 partitioned
+            return f"DeepSpeed ZeRO-3 partitions {name}"
+    return None
 
 
 def _apply(model, state: _PatchState) -> None:

@@ -243,6 +243,10 @@ def test_linear_head_loss_through_a_sharded_head(gloo2, loss_name):
     gloo2.run("_head_loss_case", "cpu", loss_name)
 
 
+def test_patch_after_sharding_is_refused(gloo2):
+    gloo2.run("_patch_after_sharding_case", "cpu")
+
+
 def test_through_module_calls_directly_without_hooks():
     head = torch.nn.Linear(4, 3)
     assert logitless.through_module(head, lambda x: x + 1, torch.zeros(2)).tolist() == [1.0, 1.0]
@@ -253,6 +257,32 @@ def test_through_module_calls_directly_without_hooks():
     assert seen == [torch.Size([5])] and out.tolist() == [2.0] * 5
     assert "forward" not in head.__dict__  # put back after the call
     assert head(torch.ones(2, 4)).shape == (2, 3)
+
+
+def _patch_after_sharding_case(rank, world, dev):
+    """Patched after fully_shard, the replacement norms would hold the shards (the wrapper gathers into the modules
+    it wrapped): refused, naming the remedy, the model unchanged; the loss alone (rms_norm=False) still patches,
+    and matches the unpatched model over the whole batch."""
+    device = torch.device("cpu")
+    model = _model(False, torch.float32, device)
+    reference = copy.deepcopy(model)
+    ids, labels = _batch(world, model.config.vocab_size, device)
+    want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    _shard(model, "layers", True, False, dev, world)
+    with pytest.raises(logitless.hf.PatchRefused, match=r"already sharded \(fully_shard at the model itself\).*patch "
+                       r"before sharding, or pass rms_norm=False"):
+        logitless.patch(model)
+    assert not logitless.hf.is_patched(model)
+    logitless.patch(model, rms_norm=False)
+    rows = slice(rank * _SEQS_PER_RANK, (rank + 1) * _SEQS_PER_RANK)
+    loss = model(input_ids=ids[rows], labels=labels[rows]).loss
+    loss.backward()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    assert _rel(mean / world, want.detach()) < 1e-5
+    for name, p in model.named_parameters():
+        assert _rel(p.grad.full_tensor(), dict(reference.named_parameters())[name].grad) < 2e-4, name
 
 
 # ----------------------------------------------------------------------------------------------------

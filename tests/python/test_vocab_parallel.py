@@ -1,6 +1,7 @@
 """Vocabulary parallelism (logitless.cross_entropy / linear_cross_entropy with a process group or a DTensor):
 every rank's loss and gradients against the unsharded call, with ranks spawned on the CPU (gloo; 2 and 3 ranks,
-uneven and empty shards) and on two GPUs (NCCL; skipped with fewer). Every option, every reduction, both
+uneven and empty shards; 4 for FSDP2 over a tensor-parallel head) and on two GPUs (NCCL; skipped with fewer; four
+for the 2-D case). Every option, every reduction, both
 schedules, sequence parallelism, every token ignored, every target in the last shard, a weight whose storage is
 replaced between forward and backward (as FSDP2 frees and regathers it), bad targets raised on every rank.
 
@@ -31,8 +32,18 @@ def gloo3():
 
 
 @pytest.fixture(scope="module")
+def gloo4():
+    yield from spawn(4, "gloo", __name__)
+
+
+@pytest.fixture(scope="module")
 def nccl2():
     yield from spawn(2, "nccl", __name__)
+
+
+@pytest.fixture(scope="module")
+def nccl4():
+    yield from spawn(4, "nccl", __name__)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -370,6 +381,46 @@ def _tp_head_loss_case(rank, world, dev, style, reduction, schedule):
         assert bool(got[5].isnan()) and bool(got[torch.arange(n, device=device) != 5].isfinite().all())
 
 
+def _fsdp_tp_head_case(rank, world, dev):
+    """2-D parallelism on four ranks: the lm_head sharded along the vocabulary over a "tp" mesh dimension
+    (ColwiseParallel), the model patched with vocab_parallel=True, then FSDP2 over "dp" (each decoder layer and the
+    root); each dp rank trains on its half of the batch. Against one process's patched model over the whole batch:
+    each half's loss, and every gradient (FSDP2 averages them over dp)."""
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    device = _device(dev, rank)
+    config = transformers.LlamaConfig(vocab_size=389, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).to(device)
+    model = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 389, (4, 24), generator=gen).to(device)
+    labels = ids.clone()
+    labels[:, :4] = -100  # as many tokens in each half: the mean of the halves' means is the batch's
+    logitless.patch(ref)
+    ref(input_ids=ids, labels=labels).loss.backward()
+    mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel()})
+    logitless.patch(model, vocab_parallel=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    half = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
+    loss = model(input_ids=ids[half], labels=labels[half]).loss
+    loss.backward()
+    with torch.no_grad():
+        want = ref(input_ids=ids[half], labels=labels[half]).loss
+    _close(loss, want, torch.float32, device, "loss")
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        _close(p.grad.full_tensor(), grads[name].grad, torch.float32, device, name)
+
+
 def _bad_target_case(rank, world, dev, linear):
     device = _device(dev, rank)
     widths = [5, 7, 0][:world] if world == 3 else [5, 7]  # V = 12
@@ -512,6 +563,10 @@ def test_linear_head_loss_with_a_tensor_parallel_head(gloo2, style):
     gloo2.run("_tp_head_loss_case", "cpu", style, "none", "recompute")
 
 
+def test_fsdp_over_a_tensor_parallel_head(gloo4):
+    gloo4.run("_fsdp_tp_head_case", "cpu")
+
+
 @pytest.mark.parametrize("how", ["resize", "replace"])
 @pytest.mark.parametrize("schedule", ["gradient_in_forward", "recompute"])
 def test_weight_regathered_between_forward_and_backward(gloo3, schedule, how):
@@ -578,6 +633,10 @@ def test_cuda_linear_cross_entropy_under_autocast(nccl2, schedule):
 def test_cuda_patched_model_with_a_tensor_parallel_head(nccl2):
     nccl2.run("_patched_tp_head_case", "cuda", "default", False)
     nccl2.run("_patched_tp_head_case", "cuda", "replicated", True)
+
+
+def test_cuda_fsdp_over_a_tensor_parallel_head(nccl4):
+    nccl4.run("_fsdp_tp_head_case", "cuda")
 
 
 def test_cuda_linear_head_loss_with_a_tensor_parallel_head(nccl2):
