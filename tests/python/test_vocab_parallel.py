@@ -288,25 +288,31 @@ def _regathered_weight_case(rank, world, dev, schedule, how, autocast=False):
     _close(wl.grad, wx.grad[off:off + width], gdt, device, "grad_weight")
 
 
-def _patched_tp_head_case(rank, world, dev, style, autocast):
-    """A Hugging Face model patched with vocab_parallel=True whose lm_head torch's tensor parallelism shards along the
-    vocabulary (ColwiseParallel: its input hook makes the hidden states a DTensor, its output hook takes the head's
-    output for sharded logits, to unwrap, gather or keep), against the same model patched on one process."""
+def _tiny_llama_twins(device, sequences):
+    """A tiny untied Llama, a copy of it, and a batch of `sequences` x 24 tokens with their labels (the first 4 of
+    each sequence ignored), the same on every rank."""
     transformers = pytest.importorskip("transformers")
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    device = _device(dev, rank)
     config = transformers.LlamaConfig(vocab_size=389, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       tie_word_embeddings=False)
     torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(config).to(device)
-    tp = copy.deepcopy(ref)
+    model = transformers.LlamaForCausalLM(config).to(device)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 389, (2, 24), generator=gen).to(device)
+    ids = torch.randint(0, 389, (sequences, 24), generator=gen).to(device)
     labels = ids.clone()
     labels[:, :4] = -100
+    return model, copy.deepcopy(model), ids, labels
+
+
+def _patched_tp_head_case(rank, world, dev, style, autocast):
+    """A Hugging Face model patched with vocab_parallel=True whose lm_head torch's tensor parallelism shards along the
+    vocabulary (ColwiseParallel: its input hook makes the hidden states a DTensor, its output hook takes the head's
+    output for sharded logits, to unwrap, gather or keep), against the same model patched on one process."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    device = _device(dev, rank)
+    ref, tp, ids, labels = _tiny_llama_twins(device, 2)
     ac = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
     logitless.patch(ref)
     with ac:
@@ -386,22 +392,13 @@ def _fsdp_tp_head_case(rank, world, dev):
     (ColwiseParallel), the model patched with vocab_parallel=True, then FSDP2 over "dp" (each decoder layer and the
     root); each dp rank trains on its half of the batch. Against one process's patched model over the whole batch:
     each half's loss, and every gradient (FSDP2 averages them over dp)."""
-    transformers = pytest.importorskip("transformers")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     device = _device(dev, rank)
-    config = transformers.LlamaConfig(vocab_size=389, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(config).to(device)
-    model = copy.deepcopy(ref)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 389, (4, 24), generator=gen).to(device)
-    labels = ids.clone()
-    labels[:, :4] = -100  # as many tokens in each half: the mean of the halves' means is the batch's
+    # As many tokens in each sequence: the mean of the halves' means is the batch's.
+    ref, model, ids, labels = _tiny_llama_twins(device, 4)
     logitless.patch(ref)
     ref(input_ids=ids, labels=labels).loss.backward()
     mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp", "tp"))
