@@ -247,6 +247,10 @@ def test_patch_after_sharding_is_refused(gloo2):
     gloo2.run("_patch_after_sharding_case", "cpu")
 
 
+def test_trl_models_sharded_before_use_logitless(gloo2):
+    gloo2.run("_trl_sharded_case", "cpu")
+
+
 def test_through_module_calls_directly_without_hooks():
     head = torch.nn.Linear(4, 3)
     assert logitless.through_module(head, lambda x: x + 1, torch.zeros(2)).tolist() == [1.0, 1.0]
@@ -283,6 +287,27 @@ def _patch_after_sharding_case(rank, world, dev):
     assert _rel(mean / world, want.detach()) < 1e-5
     for name, p in model.named_parameters():
         assert _rel(p.grad.full_tensor(), dict(reference.named_parameters())[name].grad) < 2e-4, name
+
+
+def _trl_sharded_case(rank, world, dev):
+    """A TRL trainer whose reference model is already sharded (as a trainer that prepares it at construction
+    leaves it): use_logitless with its norms refuses before changing either model; without them it installs."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from types import SimpleNamespace
+
+    from logitless import integrations
+
+    device = torch.device("cpu")
+    policy, ref = _model(False, torch.float32, device), _model(False, torch.float32, device)
+    for m in (policy, ref):
+        trl_utils.add_fused_lm_head(m)
+    _shard(ref, "layers", True, False, dev, world)
+    trainer = SimpleNamespace(model=policy, ref_model=ref)
+    with pytest.raises(ValueError, match=r"already sharded \(fully_shard at the model itself\).*rms_norm=False"):
+        integrations._install(trainer, True, [])
+    assert not logitless.hf.is_patched(policy) and integrations._STATE not in policy.__dict__
+    integrations._install(trainer, False, [])
+    assert integrations._STATE in policy.__dict__ and integrations._STATE in ref.__dict__
 
 
 # ----------------------------------------------------------------------------------------------------
