@@ -762,11 +762,9 @@ def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, An
         norms = {(id(s.parent), s.attr): (s.original, s.replacement) for s in state.swaps}
         taken = {id(s.module) for s in state.mlps} | {id(m) for site in state.ropes for m, _ in site.modules}
         state.residuals = _hf_residual.plan_residuals(model, norms, taken, reasons, state.notes)
-    sharded = _sharded_at(model) if state.swaps else None
-    if sharded is not None:
-        reasons.append(f"rms_norm: the model is already sharded ({sharded}): its replacement norms would hold the "
-                       f"shards, which the wrapper gathers only into the modules it wrapped; patch before sharding, "
-                       f"or pass rms_norm=False")
+    refusal = sharded_refusal(model, "patch before sharding") if state.swaps else None
+    if refusal is not None:
+        reasons.append(refusal)
     if cross_entropy:
         had_forward = "forward" in model.__dict__
         state.forward_before = (had_forward, model.__dict__.get("forward"))
@@ -791,6 +789,16 @@ def _plan(model, rms_norm: bool, cross_entropy: bool, loss_options: Dict[str, An
     if reasons:
         raise PatchRefused(type(model).__name__, reasons)
     return state
+
+
+def sharded_refusal(model: torch.nn.Module, remedy: str) -> Optional[str]:
+    """Why the norms of `model` cannot be replaced, if FSDP2 or ZeRO-3 has already sharded it (`remedy`: what to do
+    instead, besides rms_norm=False), or None."""
+    where = _sharded_at(model)
+    if where is None:
+        return None
+    return (f"rms_norm: the model is already sharded ({where}): its replacement norms would hold the shards, which "
+            f"the wrapper gathers only into the modules it wrapped; {remedy}, or pass rms_norm=False")
 
 
 def _sharded_at(model: torch.nn.Module) -> Optional[str]:

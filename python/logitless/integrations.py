@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from .heads import linear_head_loss
-from .hf import _sharded_at, patch
+from .hf import patch, sharded_refusal
 from .linear_cross_entropy import token_losses_uniform_grad
 from .linear_policy_loss import linear_grpo_loss, linear_selective_log_softmax
 
@@ -285,10 +285,10 @@ def _install(trainer, rms_norm: bool, reasons, temperature: Optional[float] = No
                            f"trainer first; trl{','.join(TESTED_TRL)})")
             continue
         reasons += [f"{type(model).__name__}: {r}" for r in _head_refusals(model, head)]
-        sharded = _sharded_at(model) if rms_norm else None
-        if sharded is not None:  # patch would refuse it after the other model was patched: refused here, first
-            reasons.append(f"{type(model).__name__}: already sharded ({sharded}), where logitless's norms would hold "
-                           f"the shards; call use_logitless before the models are sharded, or pass rms_norm=False")
+        # patch would refuse it after the other model was patched: refused here, first.
+        refusal = sharded_refusal(model, "call use_logitless before the models are sharded") if rms_norm else None
+        if refusal is not None:
+            reasons.append(f"{type(model).__name__}: {refusal}")
         if temperature is not None and head.temperature != temperature:
             reasons.append(f"{type(model).__name__}: TRL's fused head divides by temperature {head.temperature}, "
                            f"the trainer samples at {temperature}")
